@@ -1,0 +1,62 @@
+"""Settings for both processes, read from ``WHETSTONE_*`` environment variables.
+
+Every setting has an embedded default so ``make run`` works on a fresh machine with no
+configuration. The same settings object is used by the web process and the worker.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """Process settings (environment prefix ``WHETSTONE_``).
+
+    Attributes:
+        host: interface the web process binds (``WHETSTONE_HOST``).
+        port: TCP port of the web process (``WHETSTONE_PORT``).
+        data_dir: root of uploads, runs, exports and the SQLite file (``WHETSTONE_DATA_DIR``).
+        database_url: SQLAlchemy URL; empty means ``sqlite:///<data_dir>/whetstone.db``
+            (``WHETSTONE_DATABASE_URL``; ``postgresql+psycopg://...`` for Postgres).
+        seed_dir: folder laid out like ``shared/data`` from which the demo model
+            ``stories260K`` is seeded; empty means download it from the Hugging Face Hub on first use.
+        lease_seconds: how long a claimed job stays leased without a heartbeat (seconds).
+        heartbeat_seconds: how often the worker renews its lease (seconds).
+        max_upload_mb: largest accepted dataset upload (MiB).
+        ollama_url: Ollama server used by "push to Ollama" exports.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="WHETSTONE_", extra="ignore")
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    data_dir: Path = Path("data")
+    database_url: str = ""
+    seed_dir: Path | None = None
+    lease_seconds: float = Field(default=60.0, gt=0)
+    heartbeat_seconds: float = Field(default=2.0, gt=0)
+    reap_interval_seconds: float = Field(default=15.0, gt=0)
+    worker_stale_seconds: float = Field(default=30.0, gt=0)
+    max_upload_mb: int = Field(default=512, gt=0)
+    ollama_url: str = "http://127.0.0.1:11434"
+
+    @property
+    def resolved_database_url(self) -> str:
+        """The database URL in force: the setting, or the embedded SQLite file under data_dir."""
+        if self.database_url:
+            return self.database_url
+        return f"sqlite:///{(self.data_dir / 'whetstone.db').resolve()}"
+
+    def ensure_dirs(self) -> None:
+        """Create the data dir and its ``uploads``, ``models``, ``runs``, ``exports`` children."""
+        for sub in ("", "uploads", "models", "runs", "exports"):
+            (self.data_dir / sub).mkdir(parents=True, exist_ok=True)
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process-wide settings, read once from the environment."""
+    return Settings()

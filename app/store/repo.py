@@ -1,0 +1,189 @@
+"""Create/read helpers for datasets, models, runs and artifacts, shared by web and worker.
+
+Everything that writes several rows together (a run and its job) does it in one transaction.
+Lookups raise :class:`NotFound` naming what was missing.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy.engine import Engine
+from sqlmodel import or_, select
+
+from app.store import events
+from app.store.db import session_scope
+from app.store.schema import Artifact, Dataset, Job, JobState, Model, Run
+from app.store.specs import TrainSpec
+
+
+class NotFound(LookupError):
+    """A dataset, model, run or artifact id that does not exist (message names it)."""
+
+
+# ---- datasets ---------------------------------------------------------------------------
+def add_dataset(engine: Engine, ds: Dataset) -> Dataset:
+    """Insert a dataset row."""
+    with session_scope(engine, immediate=True) as s:
+        s.add(ds)
+        return ds
+
+
+def get_dataset(engine: Engine, dataset_id: str) -> Dataset:
+    """Load a dataset by id. Raises NotFound."""
+    with session_scope(engine) as s:
+        ds = s.get(Dataset, dataset_id)
+        if ds is None:
+            raise NotFound(f"no dataset with id {dataset_id!r}")
+        return ds
+
+
+def list_datasets(engine: Engine, limit: int = 200) -> list[Dataset]:
+    """Datasets, newest first."""
+    with session_scope(engine) as s:
+        return list(s.exec(select(Dataset).order_by(Dataset.created_at.desc()).limit(limit)).all())
+
+
+def update_dataset(engine: Engine, dataset_id: str, **fields: Any) -> Dataset:
+    """Set columns of a dataset row. Raises NotFound."""
+    with session_scope(engine, immediate=True) as s:
+        ds = s.get(Dataset, dataset_id)
+        if ds is None:
+            raise NotFound(f"no dataset with id {dataset_id!r}")
+        for k, v in fields.items():
+            setattr(ds, k, v)
+        s.add(ds)
+        return ds
+
+
+# ---- models -----------------------------------------------------------------------------
+def add_model(engine: Engine, model: Model, import_job: bool = True) -> Model:
+    """Register a model and (by default) queue the ``import_model`` job that makes it ready."""
+    with session_scope(engine, immediate=True) as s:
+        s.add(model)
+        s.flush()
+        if import_job:
+            job = Job(kind="import_model", payload={"spec_version": 1, "model_id": model.id},
+                      priority=10)
+            s.add(job)
+            s.flush()
+            events.append(s, job.id, "state", {"state": JobState.QUEUED})
+        return model
+
+
+def get_model(engine: Engine, id_or_name: str) -> Model:
+    """Load a model by id or by name (e.g. ``stories260K``). Raises NotFound."""
+    with session_scope(engine) as s:
+        m = s.exec(select(Model).where(or_(Model.id == id_or_name, Model.name == id_or_name))).first()
+        if m is None:
+            raise NotFound(f"no model {id_or_name!r} is registered")
+        return m
+
+
+def list_models(engine: Engine) -> list[Model]:
+    """Registered models, oldest first."""
+    with session_scope(engine) as s:
+        return list(s.exec(select(Model).order_by(Model.created_at)).all())
+
+
+def update_model(engine: Engine, model_id: str, **fields: Any) -> Model:
+    """Set columns of a model row. Raises NotFound."""
+    with session_scope(engine, immediate=True) as s:
+        m = s.get(Model, model_id)
+        if m is None:
+            raise NotFound(f"no model with id {model_id!r}")
+        for k, v in fields.items():
+            setattr(m, k, v)
+        s.add(m)
+        return m
+
+
+# ---- runs -------------------------------------------------------------------------------
+def create_run(engine: Engine, spec: TrainSpec, *, kind: str = "sft", name: str | None = None,
+               owner: str | None = None, priority: int = 0) -> tuple[Run, Job]:
+    """Create a run and queue its training job in one transaction.
+
+    ``spec.model`` may be a model id or name; it is resolved to the id. Raises NotFound when the
+    model or dataset does not exist.
+    """
+    model = get_model(engine, spec.model)
+    get_dataset(engine, spec.dataset)
+    spec = spec.model_copy(update={"model": model.id})
+    payload = spec.model_dump(mode="json")
+    with session_scope(engine, immediate=True) as s:
+        run = Run(name=name, kind=kind, model_id=model.id, dataset_id=spec.dataset, spec=payload,
+                  owner=owner)
+        s.add(run)
+        s.flush()
+        job = Job(kind="train" if kind == "sft" else kind, payload={**payload, "run_id": run.id},
+                  priority=priority, run_id=run.id, owner=owner, max_attempts=3)
+        s.add(job)
+        s.flush()
+        run.job_id = job.id
+        s.add(run)
+        events.append(s, job.id, "state", {"state": JobState.QUEUED})
+        return run, job
+
+
+def get_run(engine: Engine, run_id: str) -> Run:
+    """Load a run by id. Raises NotFound."""
+    with session_scope(engine) as s:
+        run = s.get(Run, run_id)
+        if run is None:
+            raise NotFound(f"no fine-tuning job with id {run_id!r}")
+        return run
+
+
+def list_runs(engine: Engine, limit: int = 100, after: str | None = None) -> list[Run]:
+    """Runs, newest first; ``after`` is a run id for cursor pagination (OpenAI style)."""
+    with session_scope(engine) as s:
+        q = select(Run).order_by(Run.created_at.desc(), Run.id.desc())
+        if after:
+            pivot = s.get(Run, after)
+            if pivot is not None:
+                q = q.where(Run.created_at < pivot.created_at)
+        return list(s.exec(q.limit(limit)).all())
+
+
+def run_with_job(engine: Engine, run_id: str) -> tuple[Run, Job | None]:
+    """A run and its (training) job. Raises NotFound."""
+    with session_scope(engine) as s:
+        run = s.get(Run, run_id)
+        if run is None:
+            raise NotFound(f"no fine-tuning job with id {run_id!r}")
+        job = s.get(Job, run.job_id) if run.job_id is not None else None
+        return run, job
+
+
+def set_run_output(engine: Engine, run_id: str, output_dir: str) -> None:
+    """Record the run's output folder (under data_dir/runs)."""
+    with session_scope(engine, immediate=True) as s:
+        run = s.get(Run, run_id)
+        if run is not None:
+            run.output_dir = output_dir
+            s.add(run)
+
+
+# ---- artifacts --------------------------------------------------------------------------
+def add_artifact(engine: Engine, art: Artifact) -> Artifact:
+    """Insert an artifact row (the file must already be complete at ``art.path``)."""
+    with session_scope(engine, immediate=True) as s:
+        s.add(art)
+        return art
+
+
+def list_artifacts(engine: Engine, run_id: str, kind: str | None = None) -> list[Artifact]:
+    """Artifacts of a run, oldest first, optionally of one kind."""
+    with session_scope(engine) as s:
+        q = select(Artifact).where(Artifact.run_id == run_id).order_by(Artifact.created_at)
+        if kind:
+            q = q.where(Artifact.kind == kind)
+        return list(s.exec(q).all())
+
+
+def get_artifact(engine: Engine, artifact_id: str) -> Artifact:
+    """Load an artifact by id. Raises NotFound."""
+    with session_scope(engine) as s:
+        art = s.get(Artifact, artifact_id)
+        if art is None:
+            raise NotFound(f"no artifact with id {artifact_id!r}")
+        return art

@@ -1,0 +1,153 @@
+"""The database schema: every table both processes share (SQLModel, SQLite or Postgres).
+
+Times are UNIX epoch seconds (float, UTC) so that lease arithmetic is plain SQL on every
+backend. Free-form payloads are JSON columns. String ids carry a kind prefix that users see
+(``file-``, ``ftjob-``, ``model-``, ``art-``), in the style of the OpenAI fine-tuning API.
+"""
+from __future__ import annotations
+
+import secrets
+import time
+from typing import Any
+
+from sqlalchemy import JSON, Column, Index, Text
+from sqlmodel import Field, SQLModel
+
+
+def now() -> float:
+    """Current time as UNIX epoch seconds (float)."""
+    return time.time()
+
+
+def new_id(prefix: str) -> str:
+    """A random, URL-safe id such as ``ftjob-3f9a0c1b2d4e5f60`` (prefix + 16 hex digits)."""
+    return f"{prefix}-{secrets.token_hex(8)}"
+
+
+class JobState:
+    """Job states: queued -> running -> succeeded | failed | cancelled."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    FINAL = (SUCCEEDED, FAILED, CANCELLED)
+
+
+class Dataset(SQLModel, table=True):
+    """An uploaded dataset file; ``report`` holds the last validation report (JSON)."""
+
+    __tablename__ = "datasets"
+    id: str = Field(default_factory=lambda: new_id("file"), primary_key=True)
+    filename: str
+    path: str
+    bytes: int = 0
+    format: str | None = None
+    rows: int | None = None
+    purpose: str = "fine-tune"
+    status: str = "processed"  # processed | error
+    error: str | None = Field(default=None, sa_column=Column(Text))
+    report: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
+    owner: str | None = None
+    created_at: float = Field(default_factory=now)
+
+
+class Model(SQLModel, table=True):
+    """A registered base model: a Hub id, a local HF folder or a llama2.c checkpoint.
+
+    ``path`` is the local Hugging Face folder the worker trains from once ``status`` is
+    ``ready``; ``chat_template`` is the model's own template, if it has one.
+    """
+
+    __tablename__ = "models"
+    id: str = Field(default_factory=lambda: new_id("model"), primary_key=True)
+    name: str = Field(index=True, unique=True)
+    source: str  # hf | local | llama2c
+    source_ref: str  # Hub id, folder path, or "<checkpoint.bin>|<tokenizer.bin>"
+    path: str | None = None
+    status: str = "pending"  # pending | ready | failed
+    error: str | None = Field(default=None, sa_column=Column(Text))
+    chat_template: str | None = Field(default=None, sa_column=Column(Text))
+    info: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
+    created_at: float = Field(default_factory=now)
+
+
+class Run(SQLModel, table=True):
+    """One fine-tuning run (SFT or GRPO); its spec is the resolved, versioned payload."""
+
+    __tablename__ = "runs"
+    id: str = Field(default_factory=lambda: new_id("ftjob"), primary_key=True)
+    name: str | None = None
+    kind: str = "sft"  # sft | grpo
+    model_id: str = Field(foreign_key="models.id", index=True)
+    dataset_id: str = Field(foreign_key="datasets.id", index=True)
+    spec: dict[str, Any] = Field(sa_column=Column(JSON, nullable=False))
+    job_id: int | None = Field(default=None, index=True)
+    output_dir: str | None = None
+    owner: str | None = None
+    created_at: float = Field(default_factory=now)
+
+
+class Job(SQLModel, table=True):
+    """A queue entry. All state changes go through ``app.store.queue``."""
+
+    __tablename__ = "jobs"
+    __table_args__ = (Index("ix_jobs_state_priority", "state", "priority", "id"),)
+    id: int | None = Field(default=None, primary_key=True)
+    kind: str  # train | grpo | export | import_model
+    payload: dict[str, Any] = Field(sa_column=Column(JSON, nullable=False))
+    state: str = Field(default=JobState.QUEUED)
+    priority: int = 0
+    attempts: int = 0
+    max_attempts: int = 3
+    lease_owner: str | None = None
+    lease_expires_at: float | None = None
+    cancel_requested: bool = False
+    owner: str | None = None
+    run_id: str | None = Field(default=None, index=True)
+    created_at: float = Field(default_factory=now)
+    started_at: float | None = None
+    finished_at: float | None = None
+    error: str | None = Field(default=None, sa_column=Column(Text))
+    result: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
+
+
+class JobEvent(SQLModel, table=True):
+    """Append-only job event: ``type`` in state | metric | log | progress | sample."""
+
+    __tablename__ = "job_events"
+    id: int | None = Field(default=None, primary_key=True)
+    job_id: int = Field(index=True)
+    ts: float = Field(default_factory=now)
+    type: str
+    data: dict[str, Any] = Field(sa_column=Column(JSON, nullable=False))
+
+
+class Artifact(SQLModel, table=True):
+    """A file a job produced (adapter, config.json, checkpoint, export), under data_dir."""
+
+    __tablename__ = "artifacts"
+    id: str = Field(default_factory=lambda: new_id("art"), primary_key=True)
+    run_id: str | None = Field(default=None, index=True)
+    job_id: int | None = Field(default=None, index=True)
+    kind: str  # adapter | config | checkpoint | merged_16bit | gguf | ollama | log
+    name: str
+    path: str
+    bytes: int = 0
+    sha256: str | None = None
+    meta: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
+    created_at: float = Field(default_factory=now)
+
+
+class Worker(SQLModel, table=True):
+    """A live worker process, refreshed by its heartbeat; shown by ``/healthz``."""
+
+    __tablename__ = "workers"
+    id: str = Field(primary_key=True)
+    host: str
+    pid: int
+    device: str
+    started_at: float = Field(default_factory=now)
+    last_seen: float = Field(default_factory=now)
+    current_job_id: int | None = None

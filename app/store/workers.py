@@ -1,0 +1,39 @@
+"""Registry of live worker processes (for ``/healthz`` and the UI)."""
+from __future__ import annotations
+
+from sqlalchemy.engine import Engine
+from sqlmodel import select
+
+from app.store.db import session_scope
+from app.store.schema import Worker, now
+
+
+def register(engine: Engine, worker_id: str, host: str, pid: int, device: str) -> None:
+    """Insert or refresh this worker's row."""
+    with session_scope(engine, immediate=True) as s:
+        w = s.get(Worker, worker_id) or Worker(id=worker_id, host=host, pid=pid, device=device)
+        w.host, w.pid, w.device, w.last_seen = host, pid, device, now()
+        s.add(w)
+
+
+def touch(engine: Engine, worker_id: str, current_job_id: int | None) -> None:
+    """Refresh ``last_seen`` and the job the worker is running."""
+    with session_scope(engine, immediate=True) as s:
+        w = s.get(Worker, worker_id)
+        if w is not None:
+            w.last_seen, w.current_job_id = now(), current_job_id
+            s.add(w)
+
+
+def unregister(engine: Engine, worker_id: str) -> None:
+    """Remove this worker's row (clean shutdown)."""
+    with session_scope(engine, immediate=True) as s:
+        w = s.get(Worker, worker_id)
+        if w is not None:
+            s.delete(w)
+
+
+def live(engine: Engine, stale_seconds: float) -> list[Worker]:
+    """Workers seen within the last ``stale_seconds`` seconds."""
+    with session_scope(engine) as s:
+        return list(s.exec(select(Worker).where(Worker.last_seen >= now() - stale_seconds)).all())
