@@ -1,0 +1,43 @@
+# Whetstone images. Two targets share one build:
+#   docker build --target web    -t whetstone-web .     (FastAPI + htmx; no torch)
+#   docker build --target worker -t whetstone-worker .  (GPU worker on a CUDA base)
+# docker/compose.yaml runs both against one data volume (SQLite in WAL mode on it).
+
+# ---- third-party JS from npm, at build time -------------------------------------------
+FROM node:20-bookworm-slim AS assets
+WORKDIR /src
+COPY package.json package-lock.json* ./
+RUN npm ci --no-audit --no-fund || npm install --no-audit --no-fund
+COPY scripts/vendor-assets.mjs scripts/
+RUN mkdir -p static && node scripts/vendor-assets.mjs
+
+# ---- web: no torch, no CUDA ------------------------------------------------------------
+FROM python:3.11-slim-bookworm AS web
+ENV PYTHONUNBUFFERED=1 WHETSTONE_HOST=0.0.0.0 WHETSTONE_DATA_DIR=/data
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY app app
+COPY migrations migrations
+COPY templates templates
+COPY static static
+COPY --from=assets /src/static/vendor static/vendor
+RUN pip install --no-cache-dir -e .
+VOLUME /data
+EXPOSE 8000
+CMD ["sh", "-c", "python -m app.store.migrate && python -m app.web.main"]
+
+# ---- worker: the GPU process on a CUDA base --------------------------------------------
+FROM nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04 AS worker
+ENV PYTHONUNBUFFERED=1 WHETSTONE_DATA_DIR=/data DEBIAN_FRONTEND=noninteractive \
+    PIP_BREAK_SYSTEM_PACKAGES=1
+RUN apt-get update && apt-get install -y --no-install-recommends python3 python3-pip python3-dev \
+      build-essential git && rm -rf /var/lib/apt/lists/*
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY app app
+COPY worker worker
+COPY kernels kernels
+COPY migrations migrations
+RUN pip install --no-cache-dir -e ".[worker]"
+VOLUME /data
+CMD ["python3", "-m", "worker"]

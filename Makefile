@@ -1,0 +1,66 @@
+# Whetstone: `make run` starts the studio on the embedded defaults, `make test` runs the tests.
+# Both set everything up first (idempotent): venv, Python deps, npm assets, database migration.
+SHELL := /bin/bash
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# Leave empty to let pip choose (a CPU wheel is used where pip's find-links provides one);
+# on a CPU-only box elsewhere: make setup TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+TORCH_INDEX_URL ?=
+TORCH_VERSION := 2.13.0
+# The demo model stories260K is seeded from ../shared/data when it is there (no download needed).
+ifeq ($(origin WHETSTONE_SEED_DIR), undefined)
+  ifneq ($(wildcard ../shared/data/models/stories260K/stories260K.bin),)
+    export WHETSTONE_SEED_DIR := $(abspath ../shared/data)
+  endif
+endif
+
+.PHONY: setup deps assets migrate run web worker test test-setup test-fast clean
+
+setup: deps assets migrate
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip setuptools wheel
+
+# Reinstall only when pyproject.toml changes.
+$(VENV)/.deps-stamp: pyproject.toml | $(BIN)/python
+	@if [ -n "$(TORCH_INDEX_URL)" ]; then \
+	  $(BIN)/pip install -q torch==$(TORCH_VERSION) --index-url $(TORCH_INDEX_URL); fi
+	$(BIN)/pip install -q -e ".[worker,test]"
+	@touch $@
+
+deps: $(VENV)/.deps-stamp
+
+# Third-party JS (htmx, its SSE extension, the chart library) comes from npm at build time.
+static/vendor/.stamp: package.json
+	npm ci --no-audit --no-fund --loglevel=error || npm install --no-audit --no-fund --loglevel=error
+	node scripts/vendor-assets.mjs
+	@touch $@
+
+assets: static/vendor/.stamp
+
+migrate: deps
+	$(BIN)/python -m app.store.migrate
+
+run: setup
+	bash docker/start.sh
+
+web: setup
+	$(BIN)/python -m app.web.main
+
+worker: setup
+	$(BIN)/python -m worker
+
+# Test-only system packages: Chromium for the browser journey (Debian's package).
+test-setup: setup
+	@command -v chromium >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
+
+test: test-setup
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow and not browser" tests
+
+clean:
+	rm -rf $(VENV) node_modules static/vendor
