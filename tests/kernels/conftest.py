@@ -1,0 +1,27 @@
+"""Kernel tests on the CPU run the Triton kernels under the interpreter.
+
+Triton decides interpreter-or-compile when a kernel is *decorated* (module import), so the variable
+must be set before kernels/* is imported. This conftest sets it when CUDA is absent and, if some
+earlier test in the same pytest process already imported kernel modules without it, reloads them.
+"""
+import importlib
+import os
+import sys
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        from triton import knobs  # triton >= 3.3 reads the variable through knobs
+
+        knobs.runtime.interpret = True
+    except Exception:  # pragma: no cover - older triton reads os.environ directly
+        pass
+    stale = [name for name in sorted(sys.modules) if name == "kernels._common" or
+             (name.startswith("kernels.") and not name.endswith("_ref"))]
+    if stale and not getattr(sys.modules.get("kernels._common"), "INTERPRET", True):
+        for name in stale:
+            importlib.reload(sys.modules[name])
+    if "kernels" in sys.modules and stale:
+        importlib.reload(sys.modules["kernels"])

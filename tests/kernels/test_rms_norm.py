@@ -1,0 +1,59 @@
+import pytest
+import torch
+
+from kernels.rms_norm import rms_norm, rms_norm_bwd, rms_norm_fwd
+from kernels.rms_norm_ref import rms_norm_ref, rms_norm_ref_bwd
+
+from ._util import assert_close_lowp
+
+
+@pytest.mark.parametrize("gemma", [False, True])
+def test_ref_matches_torch_builtin(gemma):
+    x = torch.randn(4, 7, 33, dtype=torch.float64)
+    w = torch.randn(33, dtype=torch.float64)
+    want = torch.nn.functional.rms_norm(x, (33,), (1 + w) if gemma else w, eps=1e-5)
+    torch.testing.assert_close(rms_norm_ref(x, w, 1e-5, gemma), want)
+
+
+@pytest.mark.parametrize("gemma", [False, True])
+def test_ref_gradcheck_and_closed_form(gemma):
+    x = torch.randn(3, 11, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(11, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b: rms_norm_ref(a, b, 1e-6, gemma), (x, w))
+    dy = torch.randn(3, 11, dtype=torch.float64)
+    gx, gw = torch.autograd.grad(rms_norm_ref(x, w, 1e-6, gemma), (x, w), dy)
+    dx, dw = rms_norm_ref_bwd(dy, x.detach(), w.detach(), 1e-6, gemma)
+    torch.testing.assert_close(gx, dx.double())
+    torch.testing.assert_close(gw, dw.double())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 3), (3, 5, 37), (19, 130)])
+@pytest.mark.parametrize("gemma", [False, True])
+def test_triton_matches_reference(dtype, shape, gemma):
+    n = shape[-1]
+    x = torch.randn(shape, dtype=dtype, requires_grad=True)
+    w = (torch.rand(n, dtype=dtype) * 2).requires_grad_()
+    y = rms_norm(x, w, 1e-6, gemma)
+    yr = rms_norm(x, w, 1e-6, gemma, impl="reference")
+    assert_close_lowp(y, yr, dtype)
+    dy = torch.randn_like(y)
+    gx, gw = torch.autograd.grad(y, (x, w), dy)
+    rx, rw = torch.autograd.grad(yr, (x, w), dy)
+    assert_close_lowp(gx, rx, dtype)
+    assert_close_lowp(gw, rw, dtype)
+
+
+def test_launchers_and_noncontiguous_input():
+    x = torch.randn(6, 40)[:, :24]  # row stride 40, last dim contiguous
+    w = torch.randn(24)
+    y, rstd = rms_norm_fwd(x, w)
+    torch.testing.assert_close(y, rms_norm_ref(x, w))
+    torch.testing.assert_close(rstd, torch.rsqrt(x.pow(2).mean(-1) + 1e-6))
+    dy = torch.randn(6, 24)
+    dx, dw = rms_norm_bwd(dy, x, w, rstd)
+    rdx, rdw = rms_norm_ref_bwd(dy, x, w)
+    torch.testing.assert_close(dx, rdx)
+    torch.testing.assert_close(dw, rdw)
+    with pytest.raises(ValueError):
+        rms_norm(x, w, impl="cuda")
