@@ -1,0 +1,226 @@
+"""Dataset validation report (web preview) and the encoded stream (worker training).
+
+Both go through :func:`iter_rows`, so the preview shows exactly what training sees.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Iterator
+
+from pydantic import BaseModel
+
+from .chat_template import DEFAULT_TEMPLATES, resolve_template
+from .encode import Encoded, TokenizerBundle, encode_with_bundle, load_tokenizer_bundle
+from .errors import DatasetError, RowIssue
+from .formats import canonical_format, detect_format, normalize_row
+from .loader import file_kind, iter_records
+
+DETECT_SAMPLE_ROWS = 100
+
+
+class Issue(BaseModel):
+    """A problem (or warning) with a row: ``row`` is 1-based, None for the whole file."""
+
+    row: int | None
+    field: str | None
+    message: str
+
+
+class Bin(BaseModel):
+    """Histogram bin of token lengths: ``lo <= length < hi`` (tokens, before truncation)."""
+
+    lo: int
+    hi: int
+    count: int
+
+
+class PreviewRow(BaseModel):
+    """A row as the model sees it: ``segments`` = [(text, trained)], after truncation."""
+
+    row: int
+    segments: list[tuple[str, bool]]
+    num_tokens: int
+    num_trained: int
+    truncated: bool
+
+
+class DatasetReport(BaseModel):
+    """Everything the upload page shows about a dataset (``model_dump()`` is JSON-ready).
+
+    Token counts are in tokens of the given tokenizer, before truncation.
+    """
+
+    format: str
+    file_kind: str
+    total_rows: int
+    valid_rows: int
+    invalid_rows: int
+    errors: list[Issue]            # the first ``max_issues`` invalid rows
+    warnings: list[Issue]          # the first ``max_issues`` warnings
+    warning_count: int
+    max_seq_length: int | None
+    over_max_seq_length: int       # valid rows longer than max_seq_length (truncated)
+    no_trained_tokens: int         # valid rows with no trained token after truncation
+    min_tokens: int
+    max_tokens: int
+    mean_tokens: float
+    histogram: list[Bin]
+    preview: list[PreviewRow]
+
+
+@dataclass
+class RowResult:
+    """One row through the pipeline: either ``encoded`` or ``error`` is set."""
+
+    row: int
+    example: dict | None = None
+    encoded: Encoded | None = None
+    error: RowIssue | None = None
+    warnings: list[RowIssue] = field(default_factory=list)
+
+
+def _bundle(tokenizer: TokenizerBundle | str | os.PathLike) -> TokenizerBundle:
+    return tokenizer if isinstance(tokenizer, TokenizerBundle) else load_tokenizer_bundle(tokenizer)
+
+
+def iter_rows(path: str | os.PathLike, tokenizer: TokenizerBundle | str | os.PathLike,
+              chat_template: str | None = None, max_seq_length: int | None = None,
+              train_on_responses_only: bool = True, fmt: str | None = None,
+              ) -> tuple[str, Iterator[RowResult]]:
+    """Detect the format and return ``(format, iterator of RowResult)`` over all rows.
+
+    ``chat_template``: a built-in name (see ``DEFAULT_TEMPLATES``), Jinja source, or None
+    for the model's own.  Row problems are yielded as ``RowResult.error``.
+
+    Raises:
+        DatasetError: whole-file problems (see :func:`app.data.loader.iter_records`), no
+            detectable format, a bad template, or conversations with no template at all.
+    """
+    bundle = _bundle(tokenizer)
+    template = resolve_template(chat_template, bundle.chat_template)
+    records = iter_records(path)
+    head = list(itertools.islice(records, DETECT_SAMPLE_ROWS))
+    if not head:
+        raise DatasetError("the file holds no rows")
+    fmt = canonical_format(fmt) if fmt else detect_format([r.data for r in head if r.data is not None])
+    if fmt in ("alpaca", "sharegpt", "messages", "oasst_tree") and not template:
+        raise DatasetError(f"{fmt} rows need a chat template and the model has none; choose one "
+                           f"of: {', '.join(DEFAULT_TEMPLATES)}")
+
+    def gen() -> Iterator[RowResult]:
+        for rec in itertools.chain(head, records):
+            if rec.error is not None:
+                yield RowResult(rec.row, error=RowIssue.from_error(rec.error, rec.row))
+                continue
+            try:
+                example, warns = normalize_row(rec.data, fmt, rec.row)
+                enc = encode_with_bundle(example, bundle, template, max_seq_length=max_seq_length,
+                                         train_on_responses_only=train_on_responses_only)
+            except DatasetError as err:
+                yield RowResult(rec.row, error=RowIssue.from_error(err, rec.row))
+                continue
+            yield RowResult(rec.row, example, enc, None, warns)
+
+    return fmt, gen()
+
+
+def _nice_width(span: int, max_bins: int) -> int:
+    raw = max(1, math.ceil(span / max_bins))
+    base = 10 ** int(math.floor(math.log10(raw)))
+    for mult in (1, 2, 5, 10):
+        if base * mult >= raw:
+            return base * mult
+    return base * 10
+
+
+def token_histogram(lengths: list[int], max_bins: int = 16) -> list[Bin]:
+    """Equal-width bins with a round width (1, 2, 5 × 10^k) from 0 to the longest length."""
+    if not lengths:
+        return []
+    width = _nice_width(max(lengths) + 1, max_bins)
+    counts: dict[int, int] = {}
+    for n in lengths:
+        counts[n // width] = counts.get(n // width, 0) + 1
+    return [Bin(lo=b * width, hi=(b + 1) * width, count=counts.get(b, 0))
+            for b in range(max(counts) + 1)]
+
+
+def inspect_dataset(path: str | os.PathLike, tokenizer: TokenizerBundle | str | os.PathLike,
+                    chat_template: str | None = None, max_seq_length: int | None = 2048,
+                    train_on_responses_only: bool = True, fmt: str | None = None,
+                    preview_rows: int = 5, max_issues: int = 100,
+                    raise_if_empty: bool = True) -> DatasetReport:
+    """Validate a whole dataset file and build its :class:`DatasetReport`.
+
+    Args:
+        path: the dataset file.
+        tokenizer: a :class:`TokenizerBundle` or a HF model folder.
+        chat_template: built-in template name, Jinja source, or None (the model's).
+        max_seq_length: tokens; rows above it are counted (and truncated in the preview).
+        train_on_responses_only: mask prompts (see :mod:`app.data.encode`).
+        fmt: force a format (see ``app.data.formats.FORMATS``) instead of detecting it.
+        preview_rows: how many valid rows to render for the preview.
+        max_issues: cap on listed errors and warnings (the counts are exact).
+        raise_if_empty: raise when no row is valid, naming the first bad row and field.
+
+    Raises:
+        DatasetError: whole-file problems, or (``raise_if_empty``) no valid row at all.
+    """
+    fmt, rows = iter_rows(path, tokenizer, chat_template, max_seq_length,
+                          train_on_responses_only, fmt)
+    total = valid = over = untrained = warning_count = 0
+    errors: list[Issue] = []
+    first_error: RowIssue | None = None
+    warnings: list[Issue] = []
+    lengths: list[int] = []
+    preview: list[PreviewRow] = []
+    for res in rows:
+        total += 1
+        if res.error is not None:
+            first_error = first_error or res.error
+            if len(errors) < max_issues:
+                errors.append(Issue(row=res.error.row, field=res.error.field, message=res.error.message))
+            continue
+        valid += 1
+        enc = res.encoded
+        lengths.append(enc.num_tokens)
+        over += int(max_seq_length is not None and enc.num_tokens > max_seq_length)
+        untrained += int(enc.num_trained == 0)
+        for w in res.warnings:
+            warning_count += 1
+            if len(warnings) < max_issues:
+                warnings.append(Issue(row=w.row, field=w.field, message=w.message))
+        if len(preview) < preview_rows:
+            preview.append(PreviewRow(row=res.row, segments=enc.segments, num_tokens=enc.num_tokens,
+                                      num_trained=enc.num_trained, truncated=enc.truncated))
+    if valid == 0 and raise_if_empty and first_error is not None:
+        raise DatasetError(f"{first_error.message} (no usable rows: all {total} rows are invalid)",
+                           row=first_error.row, field=first_error.field)
+    return DatasetReport(
+        format=fmt, file_kind=file_kind(path), total_rows=total, valid_rows=valid,
+        invalid_rows=total - valid, errors=errors, warnings=warnings, warning_count=warning_count,
+        max_seq_length=max_seq_length, over_max_seq_length=over, no_trained_tokens=untrained,
+        min_tokens=min(lengths, default=0), max_tokens=max(lengths, default=0),
+        mean_tokens=round(sum(lengths) / len(lengths), 2) if lengths else 0.0,
+        histogram=token_histogram(lengths), preview=preview)
+
+
+def iter_encoded(path: str | os.PathLike, tokenizer: TokenizerBundle | str | os.PathLike,
+                 chat_template: str | None = None, max_seq_length: int | None = 2048,
+                 train_on_responses_only: bool = True, fmt: str | None = None,
+                 skip_untrained: bool = True) -> Iterator[tuple[int, Encoded]]:
+    """The training set: ``(row, Encoded)`` for each valid row, in file order.
+
+    Invalid rows are skipped (the report lists them); so are rows with no trained token
+    when ``skip_untrained``.  Same arguments and errors as :func:`inspect_dataset`.
+    """
+    _, rows = iter_rows(path, tokenizer, chat_template, max_seq_length, train_on_responses_only, fmt)
+    for res in rows:
+        if res.encoded is None or (skip_untrained and res.encoded.num_trained == 0):
+            continue
+        yield res.row, res.encoded
+
+
