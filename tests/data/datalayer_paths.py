@@ -1,0 +1,19 @@
+"""Paths to the real test data in ../shared/data (importable from the tests of tests/data)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+SHARED = Path(os.environ.get("WHETSTONE_SEED_DIR") or Path(__file__).resolve().parents[3] / "shared" / "data")
+GPT2 = SHARED / "tokenizers" / "gpt2-bpe"
+TEMPLATES_DIR = SHARED / "chat_templates"
+# Marker strings of the real templates: in the real models these are added (special)
+# tokens, so we register them on the GPT-2 test tokenizer the same way.
+TEMPLATE_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|start_header_id|>",
+                     "<|end_header_id|>", "<|eot_id|>", "<start_of_turn>", "<end_of_turn>",
+                     "<|end|>", "<|user|>", "<|assistant|>", "<|system|>", "[INST]", "[/INST]",
+                     "<s>", "</s>", "<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>")
+
+
+def template_files() -> list[Path]:
+    return sorted(TEMPLATES_DIR.glob("*.jinja"))
