@@ -1,0 +1,63 @@
+"""``python -m worker`` / ``whetstone-worker``: claim and run jobs from the queue.
+
+Flags: ``--once`` (one job, then exit), ``--poll-interval SECONDS``, ``--worker-id ID``,
+``--kinds train,import_model``. Settings come from ``WHETSTONE_*`` (see app/settings.py).
+SIGTERM/SIGINT stop the current job (training checkpoints first), put it back in the queue,
+unregister the worker and exit 0.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+
+from app.settings import Settings
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="whetstone-worker", description=__doc__.splitlines()[0])
+    p.add_argument("--once", action="store_true", help="process one job, then exit")
+    p.add_argument("--poll-interval", type=float, default=1.0,
+                   help="seconds between queue polls when idle (default 1.0)")
+    p.add_argument("--worker-id", default=None, help="default: <hostname>-<pid>")
+    p.add_argument("--kinds", default=None,
+                   help="comma-separated job kinds to claim (default: all this worker knows)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from worker.loop import HANDLERS, Worker
+
+    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()] if args.kinds else None
+    unknown = sorted(set(kinds or []) - set(HANDLERS))
+    if unknown:
+        print(f"unknown job kinds: {', '.join(unknown)} (known: {', '.join(sorted(HANDLERS))})",
+              file=sys.stderr)
+        return 2
+    w = Worker(Settings(), worker_id=args.worker_id, kinds=kinds, poll_interval=args.poll_interval)
+    hits = {"n": 0}
+
+    def on_signal(signum, _frame):  # noqa: ANN001
+        hits["n"] += 1
+        logging.getLogger("worker").warning("signal %s: stopping after the current step", signum)
+        w.request_shutdown()
+        if hits["n"] > 1:  # a second signal: interrupt whatever is running now
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        w.start()
+        return w.serve(once=args.once)
+    except KeyboardInterrupt:  # a second signal while idle or starting
+        return 0
+    finally:
+        w.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
