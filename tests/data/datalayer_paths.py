@@ -17,3 +17,18 @@ TEMPLATE_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|start_hea
 
 def template_files() -> list[Path]:
     return sorted(TEMPLATES_DIR.glob("*.jinja"))
+
+
+# (path under shared/data, detected format, rows, valid rows) — counts from shared/data/README.md
+EXPECTED_ROWS = [
+    ("sft/alpaca_en_demo.json", "alpaca", 999, 999),
+    ("sft/identity_alpaca.json", "alpaca", 91, 91),
+    ("sft/glaive_toolcall_en_demo_sharegpt.json", "sharegpt", 300, 300),
+    ("sft/oasst1_en_100_alpaca.json", "alpaca", 95, 95),
+    ("sft/oasst1_en_100_messages.jsonl", "messages", 95, 95),
+    ("sft/oasst1_en_100_sharegpt.json", "sharegpt", 95, 95),
+    ("sft/oasst1_en_100_trees.jsonl", "oasst_tree", 100, 95),  # 5 synthetic trees rejected
+    ("sft/oasst_conversation_sharegpt.json", "sharegpt", 1, 1),
+    ("messy/dolly_pretemplated_eos_marker.jsonl", "prompt_completion", 151, 151),
+    ("pretrain_text/wiki_demo.txt", "text", 30, 30),
+]

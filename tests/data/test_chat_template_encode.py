@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from datalayer_paths import GPT2, SHARED, template_files
+from datalayer_paths import EXPECTED_ROWS, GPT2, SHARED, template_files
 
 from app.data.chat_template import (DEFAULT_TEMPLATES, list_default_templates, render_chat,
                                     render_with_spans, resolve_template)
@@ -153,18 +153,7 @@ def test_load_tokenizer_bundle(tmp_path, gpt2_tokenizer):
         load_tokenizer_bundle(tmp_path / "missing")
 
 
-@pytest.mark.parametrize("rel,fmt,rows,valid", [
-    ("sft/alpaca_en_demo.json", "alpaca", 999, 999),
-    ("sft/identity_alpaca.json", "alpaca", 91, 91),
-    ("sft/glaive_toolcall_en_demo_sharegpt.json", "sharegpt", 300, 300),
-    ("sft/oasst1_en_100_alpaca.json", "alpaca", 95, 95),
-    ("sft/oasst1_en_100_messages.jsonl", "messages", 95, 95),
-    ("sft/oasst1_en_100_sharegpt.json", "sharegpt", 95, 95),
-    ("sft/oasst1_en_100_trees.jsonl", "oasst_tree", 100, 95),
-    ("sft/oasst_conversation_sharegpt.json", "sharegpt", 1, 1),
-    ("messy/dolly_pretemplated_eos_marker.jsonl", "prompt_completion", 151, 151),
-    ("pretrain_text/wiki_demo.txt", "text", 30, 30),
-])
+@pytest.mark.parametrize("rel,fmt,rows,valid", EXPECTED_ROWS)
 def test_report_on_real_files(rel, fmt, rows, valid, bundle):
     rep = inspect_dataset(SHARED / rel, bundle, "chatml", max_seq_length=512, preview_rows=3)
     assert (rep.format, rep.total_rows, rep.valid_rows, rep.invalid_rows) == (fmt, rows, valid, rows - valid)

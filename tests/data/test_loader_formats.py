@@ -9,7 +9,7 @@ from app.data.errors import DatasetError
 from app.data.formats import detect_format, normalize_row
 from app.data.loader import iter_records, txt_split_mode
 
-from datalayer_paths import SHARED
+from datalayer_paths import EXPECTED_ROWS, SHARED
 
 
 def _load(path, fmt=None):
@@ -29,18 +29,9 @@ def _load(path, fmt=None):
     return fmt, recs, ok, bad, warns
 
 
-@pytest.mark.parametrize("name,fmt,rows,valid", [
-    ("alpaca_en_demo.json", "alpaca", 999, 999),
-    ("identity_alpaca.json", "alpaca", 91, 91),
-    ("glaive_toolcall_en_demo_sharegpt.json", "sharegpt", 300, 300),
-    ("oasst1_en_100_alpaca.json", "alpaca", 95, 95),
-    ("oasst1_en_100_messages.jsonl", "messages", 95, 95),
-    ("oasst1_en_100_sharegpt.json", "sharegpt", 95, 95),
-    ("oasst1_en_100_trees.jsonl", "oasst_tree", 100, 95),
-    ("oasst_conversation_sharegpt.json", "sharegpt", 1, 1),
-])
-def test_sft_files(name, fmt, rows, valid):
-    got_fmt, recs, ok, bad, _ = _load(SHARED / "sft" / name)
+@pytest.mark.parametrize("rel,fmt,rows,valid", [e for e in EXPECTED_ROWS if e[0].startswith("sft/")])
+def test_sft_files(rel, fmt, rows, valid):
+    got_fmt, recs, ok, bad, _ = _load(SHARED / rel)
     assert got_fmt == fmt
     assert len(recs) == rows and len(ok) == valid and len(bad) == rows - valid
     for ex in ok:

@@ -1,0 +1,111 @@
+"""The web process: ``create_app(settings)`` and the ``whetstone-web`` console script.
+
+The web process validates input, writes rows, renders pages and streams job events from the
+database. It never imports torch, triton, transformers, kernels or worker; the database is
+its only channel to the worker.
+"""
+from __future__ import annotations
+
+import logging
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from fastapi.staticfiles import StaticFiles
+from sqlalchemy import text
+
+from app.settings import Settings, get_settings
+from app.store import workers as workers_store
+from app.store.db import get_engine, session_scope
+from app.web import errors
+from app.web.deps import get_engine as dep_engine
+
+log = logging.getLogger("whetstone.web")
+
+STATIC_DIR = Path(__file__).resolve().parents[2] / "static"
+
+
+def _migration_head(engine) -> str | None:
+    try:
+        with session_scope(engine) as s:
+            row = s.execute(text("SELECT version_num FROM alembic_version")).first()
+            return row[0] if row else None
+    except Exception:  # noqa: BLE001 - reported as not migrated
+        return None
+
+
+def _seed_demo_model(engine, settings: Settings) -> None:
+    try:
+        from app.store.seed import ensure_demo_model  # provided by the worker side
+    except ImportError:
+        log.info("app.store.seed is not available; the demo model is not registered")
+        return
+    try:
+        ensure_demo_model(engine, settings)
+    except Exception:  # noqa: BLE001 - a seeding problem must not stop the studio
+        log.exception("could not register the demo model")
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """Build the FastAPI app for ``settings`` (default: from ``WHETSTONE_*`` variables).
+
+    On startup the data dir is created, the database migrated to the newest schema and the
+    demo model registered (when ``app.store.seed`` exists).
+    """
+    settings = settings or get_settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        from app.store import migrate
+
+        settings.ensure_dirs()
+        migrate.upgrade(settings.resolved_database_url)
+        _seed_demo_model(app.state.engine, settings)
+        yield
+
+    app = FastAPI(title="Whetstone", version="0.1.0", lifespan=lifespan, docs_url="/api/docs",
+                  redoc_url=None, openapi_url="/api/openapi.json")
+    app.state.settings = settings
+    app.state.engine = get_engine(settings.resolved_database_url)
+    errors.install(app)
+    app.mount("/static", StaticFiles(directory=str(STATIC_DIR), check_dir=False), name="static")
+
+    @app.get("/healthz")
+    def healthz(request: Request) -> JSONResponse:
+        engine = dep_engine(request)
+        db = {"ok": False, "kind": engine.dialect.name, "migration": None}
+        live = []
+        try:
+            with session_scope(engine) as s:
+                s.execute(text("SELECT 1"))
+            db["ok"] = True
+            db["migration"] = _migration_head(engine)
+            live = [{"id": w.id, "host": w.host, "pid": w.pid, "device": w.device,
+                     "last_seen": w.last_seen, "current_job_id": w.current_job_id}
+                    for w in workers_store.live(engine, settings.worker_stale_seconds)]
+        except Exception as exc:  # noqa: BLE001
+            db["error"] = str(exc)
+        status = "ok" if db["ok"] else "degraded"
+        return JSONResponse({"status": status, "database": db, "workers": live},
+                            status_code=200)
+
+    from app.web.routes import api, artifacts, datasets, models, openai_api, pages, runs
+
+    for mod in (pages, datasets, models, runs, artifacts, api, openai_api):
+        app.include_router(mod.router)
+    return app
+
+
+def run() -> None:
+    """Console script ``whetstone-web``: serve on ``settings.host:settings.port`` with uvicorn."""
+    import uvicorn
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = get_settings()
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
+                proxy_headers=True, log_level="info")
+
+
+if __name__ == "__main__":
+    run()

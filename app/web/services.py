@@ -1,0 +1,146 @@
+"""Operations shared by the browser pages, the native /api and the OpenAI-style /v1 API."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from fastapi import Request
+from pydantic import ValidationError
+from sqlalchemy.engine import Engine
+from starlette.concurrency import run_in_threadpool
+
+from app.data.errors import DatasetError
+from app.settings import Settings
+from app.store import repo
+from app.store.schema import Dataset, Model, new_id
+from app.store.specs import TrainSpec
+from app.web.inspect import default_templates, fallback_tokenizer_dir, inspect_file
+from app.web.uploads import UploadError, receive_upload, safe_filename
+
+SUPPORTED = (".json", ".jsonl", ".ndjson", ".csv", ".tsv", ".parquet", ".txt")
+
+
+def ready_tokenizer_path(model: Model | None) -> str | None:
+    """The local folder of a ready model (its tokenizer lives there), else None."""
+    if model is not None and model.status == "ready" and model.path and os.path.isdir(model.path):
+        return model.path
+    return None
+
+
+def tokenizer_for(model: Model | None, settings: Settings) -> tuple[str | None, str | None]:
+    """(tokenizer folder, label) for a report: the model's, else the seed dir's GPT-2 BPE."""
+    path = ready_tokenizer_path(model)
+    if path:
+        return path, model.name
+    fallback = fallback_tokenizer_dir(settings.seed_dir)
+    if fallback:
+        return fallback, "gpt2-bpe (until a model is ready)"
+    return None, None
+
+
+def default_model(engine: Engine) -> Model | None:
+    """The model used for a dataset's first report: the first ready one, if any."""
+    models = repo.list_models(engine)
+    for m in models:
+        if m.status == "ready":
+            return m
+    return models[0] if models else None
+
+
+def resolve_template(model: Model | None, choice: str | None) -> tuple[str | None, str | None]:
+    """(template name, Jinja text) to use: the model's own, else a built-in default."""
+    if model is not None and model.chat_template and choice in (None, "", "model"):
+        return "model", model.chat_template
+    defaults = default_templates()
+    if choice and choice in defaults:
+        return choice, defaults[choice]
+    if choice and "{" in choice:
+        return "custom", choice
+    name = next(iter(defaults))
+    return name, defaults[name]
+
+
+async def report_for(path: str, model: Model | None, template_choice: str | None,
+                     max_seq_length: int, settings: Settings,
+                     dataset_format: str | None = None) -> dict[str, Any]:
+    """The validation report of ``path`` as seen by ``model`` (raises DatasetError)."""
+    name, text = resolve_template(model, template_choice)
+    tok_dir, label = tokenizer_for(model, settings)
+    report = await run_in_threadpool(
+        inspect_file, path, tokenizer_dir=tok_dir, chat_template=text,
+        max_seq_length=max_seq_length, dataset_format=dataset_format)
+    report["model"] = model.name if model else None
+    report["model_id"] = model.id if model else None
+    report["tokenizer"] = label
+    report["template_name"] = name
+    return report
+
+
+async def upload_dataset(request: Request, settings: Settings, engine: Engine,
+                         purpose_required: bool = False) -> tuple[Dataset, dict[str, str]]:
+    """Receive a multipart upload, validate it with the dataset layer and record it.
+
+    Raises:
+        UploadError: transport problems (size limit → 413, no file, empty file).
+        DatasetError: the file's content is unusable (the file is deleted again).
+    """
+    up = await receive_upload(request, settings.data_dir / "uploads", settings.max_upload_mb)
+    fields = up.fields
+    try:
+        if purpose_required and fields.get("purpose", "fine-tune") != "fine-tune":
+            raise UploadError(f"purpose {fields.get('purpose')!r} is not supported; use 'fine-tune'",
+                              400, "purpose")
+        original = up.filename or "upload"
+        ext = os.path.splitext(original)[1].lower()
+        if ext not in SUPPORTED:
+            raise DatasetError(f"unsupported file type {ext or '(no extension)'!r}; "
+                               f"use one of {', '.join(SUPPORTED)}")
+    except Exception:
+        up.discard()
+        raise
+    ds_id = new_id("file")
+    final = settings.data_dir / "uploads" / f"{ds_id}-{safe_filename(original)}"
+    os.replace(up.temp_path, final)
+    up.temp_path = None
+    try:
+        model = default_model(engine)
+        report = await report_for(str(final), model, None,
+                                  TrainSpec.model_fields["max_seq_length"].default, settings)
+    except DatasetError:
+        final.unlink(missing_ok=True)
+        raise
+    except Exception:
+        final.unlink(missing_ok=True)
+        raise
+    ds = Dataset(id=ds_id, filename=original, path=str(final.resolve()), bytes=up.bytes,
+                 format=report.get("format"), rows=report.get("valid_rows") or report.get("rows"),
+                 purpose="fine-tune", status="processed", report=report)
+    repo.add_dataset(engine, ds)
+    return ds, fields
+
+
+def field_errors(exc: ValidationError) -> tuple[dict[str, str], list[str]]:
+    """Map a pydantic ValidationError to ``{field: message}`` plus form-level messages."""
+    out: dict[str, str] = {}
+    general: list[str] = []
+    for err in exc.errors():
+        loc = err.get("loc") or ()
+        msg = err.get("msg", "invalid value")
+        msg = msg.removeprefix("Value error, ")
+        if loc:
+            out.setdefault(str(loc[0]), msg)
+        elif "max_steps" in msg:
+            out.setdefault("max_steps", msg)
+        else:
+            general.append(msg)
+    return out, general
+
+
+def is_under(path: str | Path, root: str | Path) -> bool:
+    """True when ``path`` resolves inside ``root`` (no escaping through .. or links)."""
+    try:
+        Path(path).resolve().relative_to(Path(root).resolve())
+        return True
+    except (ValueError, OSError):
+        return False

@@ -1,0 +1,154 @@
+"""Stream a multipart upload straight to disk, enforcing the size limit while it arrives.
+
+The request body is parsed incrementally with python-multipart: file bytes go to a temporary
+``*.part`` file under ``data_dir/uploads`` as they arrive; the limit (``settings.max_upload_mb``)
+is checked on every chunk, and an oversize or interrupted upload deletes its partial file. The
+caller renames the finished temp file to its final name.
+"""
+from __future__ import annotations
+
+import os
+import re
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fastapi import Request
+from python_multipart.multipart import MultipartParser, parse_options_header
+
+
+class UploadError(Exception):
+    """A problem with the upload itself (not with its content); ``status`` is the HTTP code."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = "file"):
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+
+
+@dataclass
+class ReceivedUpload:
+    """Result of :func:`receive_upload`: form fields and the temp file of the one file part."""
+
+    fields: dict[str, str] = field(default_factory=dict)
+    filename: str | None = None
+    temp_path: Path | None = None
+    bytes: int = 0
+
+    def discard(self) -> None:
+        """Delete the temp file, if any."""
+        if self.temp_path is not None:
+            self.temp_path.unlink(missing_ok=True)
+            self.temp_path = None
+
+
+_SAFE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def safe_filename(name: str) -> str:
+    """The base name of ``name`` with anything unusual replaced by ``_`` (never empty)."""
+    base = os.path.basename(name.replace("\\", "/")).strip() or "upload"
+    cleaned = _SAFE.sub("_", base).lstrip(".")
+    return cleaned[:120] or "upload"
+
+
+def limit_message(limit_mb: int) -> str:
+    return (f"the file is larger than the upload limit of {limit_mb} MiB "
+            f"(WHETSTONE_MAX_UPLOAD_MB); nothing was saved")
+
+
+async def receive_upload(request: Request, upload_dir: Path, limit_mb: int,
+                         file_field: str = "file") -> ReceivedUpload:
+    """Parse a ``multipart/form-data`` body, writing the part named ``file_field`` to disk.
+
+    Raises:
+        UploadError: not multipart, no file part, empty file, or larger than ``limit_mb``
+            (status 413). No partial file is left behind.
+    """
+    ctype, params = parse_options_header(request.headers.get("content-type", ""))
+    if ctype != b"multipart/form-data" or b"boundary" not in params:
+        raise UploadError("send the file as multipart/form-data", 400)
+    limit = limit_mb * 1024 * 1024
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit + 64 * 1024:
+        raise UploadError(limit_message(limit_mb), 413)
+
+    upload_dir.mkdir(parents=True, exist_ok=True)
+    out = ReceivedUpload()
+    state: dict = {"name": None, "filename": None, "headers": {}, "hname": b"", "hval": b"",
+                   "buf": bytearray(), "fh": None, "too_big": False}
+
+    def on_part_begin() -> None:
+        state.update(name=None, filename=None, headers={}, buf=bytearray())
+
+    def on_header_field(data: bytes, start: int, end: int) -> None:
+        state["hname"] += data[start:end]
+
+    def on_header_value(data: bytes, start: int, end: int) -> None:
+        state["hval"] += data[start:end]
+
+    def on_header_end() -> None:
+        state["headers"][state["hname"].decode("latin-1").lower()] = state["hval"]
+        state["hname"], state["hval"] = b"", b""
+
+    def on_headers_finished() -> None:
+        disp, opts = parse_options_header(state["headers"].get("content-disposition", b""))
+        name = opts.get(b"name", b"").decode("utf-8", "replace")
+        state["name"] = name
+        if name == file_field and b"filename" in opts:
+            state["filename"] = opts[b"filename"].decode("utf-8", "replace")
+            if out.temp_path is None:
+                out.filename = state["filename"]
+                out.temp_path = upload_dir / f".upload-{secrets.token_hex(8)}.part"
+                state["fh"] = open(out.temp_path, "wb")
+
+    def on_part_data(data: bytes, start: int, end: int) -> None:
+        chunk = data[start:end]
+        if state["filename"] is not None and state["fh"] is not None:
+            out.bytes += len(chunk)
+            if out.bytes > limit:
+                state["too_big"] = True
+                return
+            state["fh"].write(chunk)
+        elif len(state["buf"]) < 64 * 1024:
+            state["buf"] += chunk
+
+    def on_part_end() -> None:
+        if state["filename"] is not None and state["fh"] is not None:
+            state["fh"].close()
+            state["fh"] = None
+        elif state["name"] and state["filename"] is None:
+            out.fields[state["name"]] = bytes(state["buf"]).decode("utf-8", "replace")
+
+    parser = MultipartParser(params[b"boundary"], {
+        "on_part_begin": on_part_begin, "on_part_data": on_part_data, "on_part_end": on_part_end,
+        "on_header_field": on_header_field, "on_header_value": on_header_value,
+        "on_header_end": on_header_end, "on_headers_finished": on_headers_finished,
+    })
+    try:
+        async for chunk in request.stream():
+            parser.write(chunk)
+            if state["too_big"]:
+                raise UploadError(limit_message(limit_mb), 413)
+        parser.finalize()
+    except UploadError:
+        _abort(state, out)
+        raise
+    except Exception as exc:  # malformed body or client gone: never leave a partial file
+        _abort(state, out)
+        raise UploadError(f"the upload could not be read: {exc}", 400) from None
+    if out.temp_path is None:
+        raise UploadError(f"no file was sent (expected a file field named {file_field!r})", 400)
+    if out.bytes == 0:
+        out.discard()
+        raise UploadError("the file is empty", 400)
+    return out
+
+
+def _abort(state: dict, out: ReceivedUpload) -> None:
+    fh = state.get("fh")
+    if fh is not None:
+        fh.close()
+        state["fh"] = None
+    out.discard()

@@ -1,0 +1,94 @@
+// Whetstone run page: SSE (job events from the database) -> stats, log and a live loss chart.
+(function () {
+  "use strict";
+  const root = document.getElementById("run");
+  if (!root) return;
+  const $ = (id) => document.getElementById(id);
+  const FINAL = ["succeeded", "failed", "cancelled"];
+  let chart = null;
+  const points = [];
+
+  function fmt(x, digits) {
+    if (x === undefined || x === null || Number.isNaN(x)) return "—";
+    if (typeof x !== "number") return String(x);
+    if (x !== 0 && (Math.abs(x) < 1e-3 || Math.abs(x) >= 1e5)) return x.toExponential(3);
+    return Number(x.toPrecision(digits || 4)).toString();
+  }
+  function duration(sec) {
+    if (sec === undefined || sec === null) return "—";
+    sec = Math.max(0, Math.round(sec));
+    const h = Math.floor(sec / 3600), m = Math.floor((sec % 3600) / 60), s = sec % 60;
+    const pad = (n) => String(n).padStart(2, "0");
+    return h ? `${h}:${pad(m)}:${pad(s)}` : `${m}:${pad(s)}`;
+  }
+  function ensureChart() {
+    if (chart || typeof window.Chart === "undefined") return chart;
+    chart = new window.Chart($("loss-chart"), {
+      type: "line",
+      data: { datasets: [{ label: "training loss", data: points, borderColor: "#2f6fdf",
+        backgroundColor: "rgba(47,111,223,0.1)", pointRadius: 0, borderWidth: 2, tension: 0.2 }] },
+      options: { animation: false, maintainAspectRatio: false, parsing: false,
+        scales: { x: { type: "linear", title: { display: true, text: "step" } },
+                  y: { title: { display: true, text: "loss" } } },
+        plugins: { legend: { display: false } } },
+    });
+    return chart;
+  }
+  let pending = false;
+  function redraw() {
+    if (pending) return;
+    pending = true;
+    requestAnimationFrame(() => { pending = false; const c = ensureChart(); if (c) c.update("none"); });
+  }
+  function setState(state) {
+    const el = $("m-state");
+    el.textContent = state;
+    el.className = "state state-" + state;
+  }
+  function log(line) {
+    const el = $("log");
+    const atBottom = el.scrollTop + el.clientHeight >= el.scrollHeight - 4;
+    el.textContent += line + "\n";
+    if (atBottom) el.scrollTop = el.scrollHeight;
+  }
+  function stamp(ts) { return new Date(ts * 1000).toLocaleTimeString(); }
+
+  const es = new EventSource(root.dataset.eventsUrl);
+  es.addEventListener("metric", (e) => {
+    const d = JSON.parse(e.data);
+    $("m-step").textContent = d.total_steps ? `${d.step} / ${d.total_steps}` : String(d.step);
+    if (d.loss !== undefined) $("m-loss").textContent = fmt(d.loss);
+    if (d.learning_rate !== undefined) $("m-lr").textContent = fmt(d.learning_rate);
+    if (d.grad_norm !== undefined) $("m-grad").textContent = fmt(d.grad_norm);
+    if (d.tokens_per_second !== undefined) $("m-tps").textContent = fmt(d.tokens_per_second);
+    if (d.eta_seconds !== undefined) $("m-eta").textContent = duration(d.eta_seconds);
+    if (d.memory_gib !== undefined) $("m-mem").textContent = `${fmt(d.memory_gib)} GiB ${d.memory_kind || ""}`;
+    if (d.total_steps) $("m-progress").style.width = Math.min(100, (100 * d.step) / d.total_steps) + "%";
+    if (d.loss !== undefined && d.loss !== null) { points.push({ x: d.step, y: d.loss }); redraw(); }
+  });
+  es.addEventListener("state", (e) => {
+    const d = JSON.parse(e.data);
+    setState(d.state);
+    log(`[${stamp(d.ts)}] state: ${d.state}${d.reason ? " — " + d.reason : ""}`);
+    if (d.error) { const el = $("m-error"); el.hidden = false; el.textContent = d.error; log("error: " + d.error); }
+    if (d.state === "succeeded") $("m-progress").style.width = "100%";
+  });
+  es.addEventListener("log", (e) => {
+    const d = JSON.parse(e.data);
+    log(`[${stamp(d.ts)}] ${d.level && d.level !== "info" ? d.level + ": " : ""}${d.message}`);
+  });
+  es.addEventListener("progress", (e) => {
+    const d = JSON.parse(e.data);
+    log(`[${stamp(d.ts)}] ${d.stage}: ${d.done}/${d.total}${d.message ? " " + d.message : ""}`);
+  });
+  es.addEventListener("end", (e) => {
+    es.close();
+    const d = JSON.parse(e.data);
+    if (FINAL.includes(d.state)) setState(d.state);
+    if (window.htmx) {
+      const runId = root.dataset.runId;
+      window.htmx.ajax("GET", `/runs/${runId}`, { target: "#artifacts", swap: "outerHTML" });
+      window.htmx.ajax("GET", `/runs/${runId}`, { target: "#controls", swap: "outerHTML" });
+    }
+  });
+})();
