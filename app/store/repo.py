@@ -55,6 +55,26 @@ def update_dataset(engine: Engine, dataset_id: str, **fields: Any) -> Dataset:
         return ds
 
 
+def delete_dataset(engine: Engine, dataset_id: str) -> Dataset:
+    """Delete a dataset row (not its file) and return it. Raises NotFound.
+
+    Raises InUse when a run still references it.
+    """
+    with session_scope(engine, immediate=True) as s:
+        ds = s.get(Dataset, dataset_id)
+        if ds is None:
+            raise NotFound(f"no dataset with id {dataset_id!r}")
+        used = s.exec(select(Run.id).where(Run.dataset_id == dataset_id).limit(1)).first()
+        if used is not None:
+            raise InUse(f"dataset {dataset_id!r} is used by fine-tuning job {used!r}")
+        s.delete(ds)
+        return ds
+
+
+class InUse(ValueError):
+    """A row cannot be deleted because another row references it (message names it)."""
+
+
 # ---- models -----------------------------------------------------------------------------
 def add_model(engine: Engine, model: Model, import_job: bool = True) -> Model:
     """Register a model and (by default) queue the ``import_model`` job that makes it ready."""

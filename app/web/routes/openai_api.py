@@ -1,2 +1,355 @@
-from fastapi import APIRouter
-router = APIRouter()
+"""The OpenAI fine-tuning API under /v1, so the official ``openai`` client can drive the studio.
+
+Files are datasets (``file-…``); fine-tuning jobs are runs (``ftjob-…``). Our own TrainSpec
+fields (``r``, ``lora_alpha``, ``max_steps``, ``target_modules``, …) are accepted as extra body
+fields; ``hyperparameters`` n_epochs / batch_size / learning_rate_multiplier map onto
+num_train_epochs / per_device_train_batch_size / learning_rate (× the default 2e-4). Errors use
+the OpenAI shape ``{"error": {"message", "type", "param", "code"}}``.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import FileResponse, JSONResponse
+from pydantic import ValidationError
+
+from app.data.errors import DatasetError
+from app.store import events, queue, repo
+from app.store.schema import Dataset, JobState, Run
+from app.store.specs import TrainSpec
+from app.web.deps import get_engine, get_settings
+from app.web.errors import ApiError
+from app.web.routes.runs import FieldError, create_checked
+from app.web.services import is_under, upload_dataset
+from app.web.uploads import UploadError
+
+router = APIRouter(prefix="/v1")
+BASE_LR = TrainSpec.model_fields["learning_rate"].default
+_IGNORED = {"integrations", "metadata", "suffix", "seed", "validation_file", "hyperparameters",
+            "method", "model", "training_file"}
+
+
+# ---- files ------------------------------------------------------------------------------
+def file_object(ds: Dataset) -> dict[str, Any]:
+    return {"id": ds.id, "object": "file", "bytes": ds.bytes, "created_at": int(ds.created_at),
+            "filename": ds.filename, "purpose": ds.purpose, "status": ds.status,
+            "status_details": ds.error, "expires_at": None}
+
+
+@router.post("/files")
+async def create_file(request: Request):
+    try:
+        ds, _ = await upload_dataset(request, get_settings(request), get_engine(request),
+                                     purpose_required=True)
+    except UploadError as exc:
+        raise ApiError(exc.status, exc.message, exc.param, "invalid_file") from None
+    except DatasetError as exc:
+        raise ApiError(400, f"invalid training file: {exc}", "file", "invalid_file") from None
+    return file_object(ds)
+
+
+@router.get("/files")
+def list_files(request: Request, purpose: str | None = None, limit: int = 10000,
+               after: str | None = None, order: str = "desc"):
+    items = repo.list_datasets(get_engine(request), limit=max(1, min(limit, 10000)) + 1000)
+    if purpose:
+        items = [d for d in items if d.purpose == purpose]
+    if order == "asc":
+        items.reverse()
+    if after:
+        ids = [d.id for d in items]
+        items = items[ids.index(after) + 1:] if after in ids else items
+    page = items[:limit]
+    return {"object": "list", "data": [file_object(d) for d in page],
+            "has_more": len(items) > len(page),
+            "first_id": page[0].id if page else None, "last_id": page[-1].id if page else None}
+
+
+@router.get("/files/{file_id}")
+def retrieve_file(request: Request, file_id: str):
+    return file_object(_dataset(request, file_id))
+
+
+@router.get("/files/{file_id}/content")
+def file_content(request: Request, file_id: str):
+    ds = _dataset(request, file_id)
+    if not is_under(ds.path, get_settings(request).data_dir) or not os.path.isfile(ds.path):
+        raise ApiError(404, f"the content of file {file_id} is not available", "file_id")
+    return FileResponse(ds.path, filename=ds.filename, media_type="application/octet-stream")
+
+
+@router.delete("/files/{file_id}")
+def delete_file(request: Request, file_id: str):
+    engine, settings = get_engine(request), get_settings(request)
+    ds = _dataset(request, file_id)
+    try:
+        repo.delete_dataset(engine, ds.id)
+    except repo.InUse as exc:
+        raise ApiError(409, str(exc), "file_id", "file_in_use") from None
+    if is_under(ds.path, settings.data_dir / "uploads"):
+        try:
+            os.unlink(ds.path)
+        except OSError:
+            pass
+    return {"id": ds.id, "object": "file", "deleted": True}
+
+
+def _dataset(request: Request, file_id: str) -> Dataset:
+    try:
+        return repo.get_dataset(get_engine(request), file_id)
+    except repo.NotFound:
+        raise ApiError(404, f"No such File object: {file_id}", "id", "file_not_found") from None
+
+
+# ---- fine-tuning jobs -------------------------------------------------------------------
+def _status(job) -> str:
+    if job is None:
+        return "queued"
+    return {"queued": "queued", "running": "running", "succeeded": "succeeded",
+            "failed": "failed", "cancelled": "cancelled"}.get(job.state, job.state)
+
+
+def job_object(engine, run: Run, job=None, model_name: str | None = None) -> dict[str, Any]:
+    if job is None and run.job_id is not None:
+        job = queue.get_job(engine, run.job_id)
+    if model_name is None:
+        try:
+            model_name = repo.get_model(engine, run.model_id).name
+        except repo.NotFound:
+            model_name = run.model_id
+    spec = run.spec or {}
+    status = _status(job)
+    hp = {"n_epochs": spec.get("num_train_epochs"), "batch_size": spec.get("per_device_train_batch_size"),
+          "learning_rate_multiplier": round(spec.get("learning_rate", BASE_LR) / BASE_LR, 10)}
+    error = None
+    if job is not None and job.state == JobState.FAILED:
+        error = {"code": "training_failed", "message": job.error or "the job failed", "param": None}
+    arts = repo.list_artifacts(engine, run.id) if status == "succeeded" else []
+    metric = events.latest(engine, job.id, "metric") if job is not None else None
+    return {
+        "id": run.id, "object": "fine_tuning.job", "created_at": int(run.created_at),
+        "error": error,
+        "fine_tuned_model": f"{model_name}:ft:{run.id}" if status == "succeeded" else None,
+        "finished_at": int(job.finished_at) if job is not None and job.finished_at else None,
+        "hyperparameters": hp, "model": model_name, "organization_id": "whetstone",
+        "result_files": [a.id for a in arts if a.kind in ("adapter", "config", "metrics")],
+        "seed": spec.get("seed"), "status": status,
+        "trained_tokens": (job.result or {}).get("trained_tokens") if job is not None else None,
+        "training_file": run.dataset_id, "validation_file": None, "integrations": [],
+        "metadata": None, "estimated_finish": None, "user_provided_suffix": run.name,
+        "method": {"type": "supervised", "supervised": {"hyperparameters": hp}},
+        "whetstone": {"spec": spec, "progress": metric.data if metric else None,
+                      "cancel_requested": bool(job and job.cancel_requested)},
+    }
+
+
+def spec_from_openai(body: dict[str, Any]) -> dict[str, Any]:
+    """TrainSpec input from an OpenAI job-create body (hyperparameters + our extra fields)."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    for key in ("model", "training_file"):
+        if not body.get(key) or not isinstance(body.get(key), str):
+            raise ApiError(400, f"{key} is required", key, "missing_required_parameter")
+    if body.get("validation_file"):
+        raise ApiError(400, "validation_file is not supported yet; leave it out", "validation_file",
+                       "unsupported_parameter")
+    hp: dict[str, Any] = dict(body.get("hyperparameters") or {})
+    method = body.get("method")
+    if method:
+        if not isinstance(method, dict) or method.get("type", "supervised") != "supervised":
+            raise ApiError(400, "only method.type 'supervised' is supported", "method.type",
+                           "unsupported_parameter")
+        hp.update((method.get("supervised") or {}).get("hyperparameters") or {})
+    raw: dict[str, Any] = {"model": body["model"], "dataset": body["training_file"]}
+    mapping = {"n_epochs": "num_train_epochs", "batch_size": "per_device_train_batch_size"}
+    for key, value in hp.items():
+        if value in (None, "auto"):
+            continue
+        if key in mapping:
+            raw[mapping[key]] = value
+        elif key == "learning_rate_multiplier":
+            try:
+                raw["learning_rate"] = float(value) * BASE_LR
+            except (TypeError, ValueError):
+                raise ApiError(400, "learning_rate_multiplier must be a number",
+                               "hyperparameters.learning_rate_multiplier", "invalid_value") from None
+        elif key in TrainSpec.model_fields:
+            raw[key] = value
+        else:
+            raise ApiError(400, f"unknown hyperparameter {key!r}", f"hyperparameters.{key}",
+                           "unknown_parameter")
+    if body.get("seed") is not None:
+        raw["seed"] = body["seed"]
+    for key, value in body.items():
+        if key in _IGNORED:
+            continue
+        if key in TrainSpec.model_fields and key not in ("model", "dataset", "spec_version"):
+            raw[key] = value
+        else:
+            raise ApiError(400, f"unknown parameter {key!r}", key, "unknown_parameter")
+    return raw
+
+
+_PARAM_NAMES = {"num_train_epochs": "hyperparameters.n_epochs",
+                "per_device_train_batch_size": "hyperparameters.batch_size",
+                "learning_rate": "hyperparameters.learning_rate_multiplier",
+                "model": "model", "dataset": "training_file"}
+
+
+@router.post("/fine_tuning/jobs")
+async def create_job(request: Request):
+    engine = get_engine(request)
+    try:
+        body = await request.json()
+    except ValueError:
+        raise ApiError(400, "the request body is not valid JSON") from None
+    raw = spec_from_openai(body)
+    try:
+        spec = TrainSpec(**raw)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        field = str(err["loc"][0]) if err.get("loc") else None
+        msg = err.get("msg", "invalid value").removeprefix("Value error, ")
+        param = _PARAM_NAMES.get(field, field)
+        raise ApiError(400, f"{param}: {msg}" if param else msg, param, "invalid_value") from None
+    try:
+        run, job = create_checked(engine, spec, name=body.get("suffix"))
+    except FieldError as exc:
+        param = _PARAM_NAMES.get(exc.field, exc.field)
+        code = "model_not_found" if exc.field == "model" else "file_not_found"
+        raise ApiError(404 if "no " in exc.message[:3] else 400, exc.message, param, code) from None
+    return job_object(engine, run, job)
+
+
+def _run(request: Request, job_id: str) -> Run:
+    try:
+        return repo.get_run(get_engine(request), job_id)
+    except repo.NotFound:
+        raise ApiError(404, f"No fine-tuning job with id {job_id!r}", "fine_tuning_job_id",
+                       "fine_tuning_job_not_found") from None
+
+
+@router.get("/fine_tuning/jobs")
+def list_jobs(request: Request, after: str | None = None, limit: int = 20):
+    engine = get_engine(request)
+    limit = max(1, min(limit, 100))
+    runs = repo.list_runs(engine, limit=limit + 1, after=after)
+    page = runs[:limit]
+    return {"object": "list", "data": [job_object(engine, r) for r in page],
+            "has_more": len(runs) > limit}
+
+
+@router.get("/fine_tuning/jobs/{job_id}")
+def retrieve_job(request: Request, job_id: str):
+    return job_object(get_engine(request), _run(request, job_id))
+
+
+@router.post("/fine_tuning/jobs/{job_id}/cancel")
+def cancel_job(request: Request, job_id: str):
+    engine = get_engine(request)
+    run = _run(request, job_id)
+    if run.job_id is not None:
+        job = queue.get_job(engine, run.job_id)
+        if job.state in JobState.FINAL:
+            raise ApiError(400, f"fine-tuning job {job_id} is already {job.state}", "fine_tuning_job_id",
+                           "job_already_finished")
+        queue.cancel(engine, run.job_id)
+    return job_object(engine, run)
+
+
+def event_object(ev) -> dict[str, Any]:
+    d = ev.data or {}
+    level, etype, data = "info", "message", None
+    if ev.type == "metric":
+        etype = "metrics"
+        data = {**d, "step": d.get("step"), "loss": d.get("loss"), "train_loss": d.get("loss"),
+                "learning_rate": d.get("learning_rate"), "total_steps": d.get("total_steps")}
+        total = f"/{d['total_steps']}" if d.get("total_steps") else ""
+        loss = f"{d['loss']:.4f}" if isinstance(d.get("loss"), (int, float)) else "n/a"
+        message = f"Step {d.get('step')}{total}: training loss={loss}"
+    elif ev.type == "state":
+        state = d.get("state")
+        message = {"queued": "Fine-tuning job queued", "running": "Fine-tuning job started",
+                   "succeeded": "The job has successfully completed",
+                   "cancelled": "Fine-tuning job cancelled",
+                   "failed": "Fine-tuning job failed"}.get(state, f"Job state: {state}")
+        extra = d.get("error") or d.get("reason")
+        if extra:
+            message += f": {extra}"
+        if state == "failed":
+            level = "error"
+        data = d
+    elif ev.type == "log":
+        level = d.get("level", "info")
+        level = "warn" if level == "warning" else level
+        message = d.get("message", "")
+    else:
+        message = d.get("message") or f"{d.get('stage', ev.type)}: {d.get('done', '')}/{d.get('total', '')}"
+        data = d
+    return {"id": f"ftevent-{ev.id}", "object": "fine_tuning.job.event", "created_at": int(ev.ts),
+            "level": level, "message": message, "type": etype, "data": data}
+
+
+def _all_events(engine, job_id: int, before: int | None) -> list:
+    out, last = [], 0
+    while True:
+        batch = events.since(engine, job_id, last, 5000)
+        if not batch:
+            break
+        out.extend(e for e in batch if before is None or e.id < before)
+        last = batch[-1].id
+        if before is not None and last >= before:
+            break
+    return out
+
+
+@router.get("/fine_tuning/jobs/{job_id}/events")
+def list_events(request: Request, job_id: str, after: str | None = None, limit: int = 20):
+    engine = get_engine(request)
+    run = _run(request, job_id)
+    limit = max(1, min(limit, 10000))
+    before = None
+    if after:
+        try:
+            before = int(after.removeprefix("ftevent-"))
+        except ValueError:
+            raise ApiError(400, f"after must be an event id such as ftevent-12, not {after!r}", "after",
+                           "invalid_value") from None
+    evs = _all_events(engine, run.job_id, before) if run.job_id is not None else []
+    evs.reverse()  # newest first, as OpenAI lists them
+    page = evs[:limit]
+    return {"object": "list", "data": [event_object(e) for e in page], "has_more": len(evs) > limit}
+
+
+@router.get("/fine_tuning/jobs/{job_id}/checkpoints")
+def list_checkpoints(request: Request, job_id: str, after: str | None = None, limit: int = 10):
+    engine = get_engine(request)
+    run = _run(request, job_id)
+    model_name = job_object(engine, run)["model"]
+    arts = [a for a in repo.list_artifacts(engine, run.id, kind="checkpoint")]
+    arts.reverse()
+    if after:
+        ids = [a.id for a in arts]
+        arts = arts[ids.index(after) + 1:] if after in ids else arts
+    page = arts[:max(1, min(limit, 100))]
+    data = []
+    for a in page:
+        meta = a.meta or {}
+        step = meta.get("step")
+        data.append({"id": a.id, "object": "fine_tuning.job.checkpoint", "created_at": int(a.created_at),
+                     "fine_tuned_model_checkpoint": f"{model_name}:ft:{run.id}:ckpt-step-{step}",
+                     "fine_tuning_job_id": run.id, "step_number": step,
+                     "metrics": {"step": step, "train_loss": meta.get("loss"),
+                                 **(meta.get("metrics") or {})}})
+    return {"object": "list", "data": data, "has_more": len(arts) > len(page),
+            "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None}
+
+
+@router.get("/models")
+def list_models(request: Request):
+    engine = get_engine(request)
+    data = [{"id": m.name, "object": "model", "created": int(m.created_at), "owned_by": m.source}
+            for m in repo.list_models(engine)]
+    return JSONResponse({"object": "list", "data": data})

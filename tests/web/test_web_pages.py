@@ -1,0 +1,106 @@
+"""Pages, htmx fragments, health, error pages and the import boundary of the web process."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from fastapi.testclient import TestClient
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_healthz(client):
+    r = client.get("/healthz")
+    assert r.status_code == 200
+    body = r.json()
+    assert body["status"] == "ok"
+    assert body["database"]["ok"] is True
+    assert body["database"]["kind"] == "sqlite"
+    assert body["database"]["migration"]
+    assert body["workers"] == []
+
+
+def test_demo_model_is_seeded(client):
+    names = [m["name"] for m in client.get("/api/models").json()["data"]]
+    assert "stories260K" in names
+
+
+def test_every_page_renders(client):
+    for path in ("/", "/datasets", "/models", "/runs/new"):
+        r = client.get(path)
+        assert r.status_code == 200, path
+        assert r.text.startswith("<!doctype html>")
+        assert "/static/app.css" in r.text
+
+
+def test_htmx_requests_get_only_the_fragment(client):
+    hx = {"HX-Request": "true"}
+    r = client.get("/", headers=hx)
+    assert r.status_code == 200 and 'id="runs"' in r.text and "<html" not in r.text
+    r = client.get("/datasets", headers={**hx, "HX-Target": "dataset_list"})
+    assert 'id="dataset_list"' in r.text and "<html" not in r.text and "upload_form" not in r.text
+    r = client.get("/models", headers=hx)
+    assert 'id="model_list"' in r.text and "<html" not in r.text
+    r = client.get("/runs/new", headers=hx)
+    assert r.text.lstrip().startswith('<form id="run_form"') and "<html" not in r.text
+    models = client.get("/api/models").json()["data"]
+    r = client.get(f"/runs/new/template?model={models[0]['id']}", headers=hx)
+    assert r.text.lstrip().startswith('<div id="chat_template"')
+    assert "&lt;|im_start|&gt;" in r.text  # the default template is shown in full (escaped)
+
+
+def test_not_found_is_a_friendly_page_and_json(client):
+    r = client.get("/runs/ftjob-doesnotexist")
+    assert r.status_code == 404 and "Not found" in r.text and "Traceback" not in r.text
+    r = client.get("/api/runs/ftjob-doesnotexist")
+    assert r.status_code == 404 and "ftjob-doesnotexist" in r.json()["error"]["message"]
+    r = client.get("/v1/fine_tuning/jobs/ftjob-nope")
+    assert r.status_code == 404 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_unexpected_errors_are_logged_not_shown(app, monkeypatch, caplog):
+    from app.store import repo
+
+    def boom(*a, **k):
+        raise RuntimeError("secret internal detail")
+
+    monkeypatch.setattr(repo, "list_datasets", boom)
+    with TestClient(app, raise_server_exceptions=False) as c:
+        r = c.get("/datasets")
+        assert r.status_code == 500
+        assert "secret internal detail" not in r.text and "Traceback" not in r.text
+        assert "Something went wrong" in r.text
+        r = c.get("/api/datasets")
+        assert r.status_code == 500 and r.json()["error"]["code"] == "server_error"
+    assert any("secret internal detail" in (rec.exc_text or "") or rec.exc_info for rec in caplog.records)
+
+
+def test_register_model_validation(client, settings):
+    r = client.post("/models", data={"source": "local", "folder": "/nonexistent/dir"})
+    assert r.status_code == 422 and "no folder at /nonexistent/dir" in r.text
+    r = client.post("/models", data={"source": "llama2c", "checkpoint": "", "tokenizer": ""})
+    assert r.status_code == 422 and "llama2.c checkpoint" in r.text
+    ckpt = settings.seed_dir / "models" / "stories260K"
+    r = client.post("/api/models", json={"source": "llama2c", "name": "tiny-copy",
+                                         "checkpoint": str(ckpt / "stories260K.bin"),
+                                         "tokenizer": str(ckpt / "tok512.bin")})
+    assert r.status_code == 201 and r.json()["status"] == "pending"
+    r = client.post("/api/models", json={"source": "hf", "hf_id": "Qwen/Qwen2.5-0.5B", "name": "tiny-copy"})
+    assert r.status_code == 422 and r.json()["error"]["param"] == "name"
+    r = client.post("/models", data={"source": "hf", "hf_id": "HuggingFaceTB/SmolLM2-135M"},
+                    follow_redirects=False)
+    assert r.status_code == 303
+    assert "SmolLM2-135M" in client.get("/models").text
+
+
+def test_web_process_never_imports_the_ml_stack():
+    code = ("import sys, json; import app.web.main as m; "
+            "app = m.create_app(); "
+            "print(json.dumps(sorted(k for k in sys.modules if k.split('.')[0] in "
+            "('torch', 'triton', 'transformers', 'kernels', 'worker', 'peft', 'trl'))))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120, env={"PATH": "/usr/bin:/bin", "WHETSTONE_DATA_DIR": "/tmp/ws-boundary"})
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []
