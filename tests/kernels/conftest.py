@@ -8,6 +8,7 @@ import importlib
 import os
 import sys
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -25,3 +26,8 @@ if not torch.cuda.is_available():
             importlib.reload(sys.modules[name])
     if "kernels" in sys.modules and stale:
         importlib.reload(sys.modules["kernels"])
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(1234)

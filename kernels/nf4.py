@@ -1,0 +1,124 @@
+"""NF4 (bitsandbytes 4-bit, blocksize 64, double-quantised absmax) dequantisation in Triton.
+
+Maths (bit-exact with bitsandbytes' dequantize_4bit; see kernels/nf4_ref.py for the format):
+
+    absmax[j] = fl(fl(code2[qabsmax[j]] * absmax2[j // 256]) + offset)     (nested; else fp32 absmax[j])
+    W[2i]     = to_dtype(fl(NF4[byte[i] >> 4] * absmax[2i // 64]))
+    W[2i+1]   = to_dtype(fl(NF4[byte[i] & 15] * absmax[2i // 64]))
+
+Each program turns BLOCK packed bytes into 2*BLOCK outputs; the two nibbles are joined and stored
+interleaved, so loads and stores are contiguous. fp-contraction (FMA) is switched off at launch
+(``enable_fp_fusion=False``) so the absmax is rounded twice, as bitsandbytes does. Traffic: n/2
+bytes read, n * sizeof(dtype) written (+ n/64 bytes of absmax).
+
+As an autograd op, ``NF4LinearFunction`` computes y = x W^T with W dequantised into a temporary that
+is freed at once; backward re-dequantises W (nothing but x's shape is saved) and returns dx = dy W.
+W is frozen (no weight gradient). ``nf4_fwd`` is the dequantisation; ``nf4_bwd`` the linear backward.
+Dtypes: packed uint8, output fp32/fp16/bf16. Source: Dettmers et al. 2023 (QLoRA); bitsandbytes.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import INTERPRET, check_impl
+from .nf4_ref import NF4State, nf4_code, nf4_dequantize_ref, nf4_linear_ref, nf4_state_from_bnb
+
+_BLOCK = 1024  # packed bytes per program
+_CODE_CACHE: dict = {}
+
+
+@triton.jit
+def _nf4_dequant_kernel(Q, ABSMAX, ABSMAX2, CODE2, OFFSET, NF4, OUT, n_out, BLOCKSIZE: tl.constexpr,
+                        BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr, BLOCK: tl.constexpr):
+    byte = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    first = byte * 2
+    m = first < n_out
+    b = tl.load(Q + byte, mask=m, other=0).to(tl.int32)
+    blk = first // BLOCKSIZE
+    if NESTED:
+        qa = tl.load(ABSMAX + blk, mask=m, other=0).to(tl.int32)
+        scaled = tl.load(CODE2 + qa) * tl.load(ABSMAX2 + blk // BLOCKSIZE2, mask=m, other=0.0)
+        amax = scaled + tl.load(OFFSET)
+    else:
+        amax = tl.load(ABSMAX + blk, mask=m, other=0.0)
+    hi = tl.load(NF4 + (b >> 4)) * amax
+    lo = tl.load(NF4 + (b & 15)) * amax
+    vals = tl.reshape(tl.join(hi, lo), [2 * BLOCK])
+    idx = tl.reshape(tl.join(first, first + 1), [2 * BLOCK])
+    tl.store(OUT + idx, vals.to(OUT.dtype.element_ty), mask=idx < n_out)
+
+
+def _as_state(state) -> NF4State:
+    return state if isinstance(state, NF4State) else nf4_state_from_bnb(state)
+
+
+def _code(device) -> torch.Tensor:
+    if device not in _CODE_CACHE:
+        _CODE_CACHE[device] = nf4_code(device)
+    return _CODE_CACHE[device]
+
+
+def nf4_fwd(packed: torch.Tensor, state, dtype: torch.dtype | None = None, out: torch.Tensor | None = None):
+    """Dequantise bitsandbytes NF4 ``packed`` (uint8) with its QuantState / NF4State to ``dtype``."""
+    st = _as_state(state)
+    dtype = dtype or st.dtype
+    n = 1
+    for s in st.shape:
+        n *= int(s)
+    if out is None:
+        out = torch.empty(st.shape, dtype=dtype, device=packed.device)
+    if st.blocksize % 2:
+        raise ValueError("blocksize must be even")
+    nested = st.nested
+    absmax = st.absmax
+    dummy = absmax
+    grid = (triton.cdiv(triton.cdiv(n, 2), _BLOCK),)
+    kwargs = {} if INTERPRET else {"enable_fp_fusion": False}
+    if n:
+        _nf4_dequant_kernel[grid](
+            packed, absmax, st.absmax2 if nested else dummy, st.code2 if nested else dummy,
+            st.offset.reshape(1).float() if nested else dummy, _code(packed.device), out, n,
+            BLOCKSIZE=st.blocksize, BLOCKSIZE2=st.blocksize2 if nested else 1, NESTED=nested, BLOCK=_BLOCK,
+            num_warps=4, **kwargs)
+    return out
+
+
+def nf4_bwd(dy: torch.Tensor, packed: torch.Tensor, state) -> torch.Tensor:
+    """Backward of y = x W^T w.r.t. x: dy @ W, W re-dequantised to dy's dtype."""
+    w = nf4_fwd(packed, state, dy.dtype)
+    return dy @ w
+
+
+class NF4LinearFunction(torch.autograd.Function):
+    """y = x @ dequant(W)^T; saves nothing of W (re-dequantised in backward)."""
+
+    @staticmethod
+    def forward(ctx, x, packed, state):
+        ctx.state = state
+        ctx.save_for_backward(packed)
+        w = nf4_fwd(packed, state, x.dtype)
+        return x @ w.t()
+
+    @staticmethod
+    def backward(ctx, dy):
+        (packed,) = ctx.saved_tensors
+        return nf4_bwd(dy, packed, ctx.state), None, None
+
+
+def nf4_dequantize(packed, state, dtype=None, impl: str = "triton"):
+    """Dequantise bitsandbytes NF4 weights; impl "triton" | "reference" (bit-identical results)."""
+    check_impl(impl)
+    if impl == "reference":
+        return nf4_dequantize_ref(packed, _as_state(state), dtype)
+    return nf4_fwd(packed, state, dtype)
+
+
+def nf4_linear(x, packed, state, bias=None, impl: str = "triton"):
+    """x @ W^T (+ bias) for a frozen NF4 weight W; differentiable w.r.t. x (and bias)."""
+    check_impl(impl)
+    if impl == "reference":
+        return nf4_linear_ref(x, packed, _as_state(state), bias)
+    y = NF4LinearFunction.apply(x, packed, state)
+    return y + bias if bias is not None else y
