@@ -108,7 +108,9 @@ def spec_from_form(form, engine) -> tuple[dict, dict]:
     choice = form.get("chat_template_choice")
     text = (form.get("chat_template") or "").strip()
     if choice != "model":
-        raw["chat_template"] = text or None
+        if not text:
+            text = default_templates().get(str(choice or ""), "") or next(iter(default_templates().values()))
+        raw["chat_template"] = text
         values["chat_template"] = text
     else:
         raw.pop("chat_template", None)

@@ -1,0 +1,96 @@
+"""Dataset uploads through the browser form: every shared file previews or fails clearly."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from conftest import SHARED
+
+FILES = sorted(p for sub in ("sft", "messy") if (SHARED / sub).is_dir()
+               for p in (SHARED / sub).iterdir() if p.is_file())
+
+
+def _alert(html: str) -> str:
+    m = re.search(r'class="alert error" role="alert">(.*?)</div>', html, re.S)
+    return re.sub(r"<[^>]+>", "", m.group(1)) if m else ""
+
+
+@pytest.mark.parametrize("path", FILES, ids=[p.name for p in FILES])
+def test_browser_upload_every_file(client, path: Path, settings):
+    with path.open("rb") as fh:
+        r = client.post("/datasets", files={"file": (path.name, fh)}, follow_redirects=False)
+    assert r.status_code in (303, 400), r.text[:500]
+    assert "Traceback" not in r.text
+    if r.status_code == 303:
+        page = client.get(r.headers["location"])
+        assert page.status_code == 200
+        assert "Validation report" in page.text
+        assert 'class="trained"' in page.text  # preview with trained tokens highlighted
+        assert 'class="histogram"' in page.text
+        ds = client.get("/api/datasets/" + r.headers["location"].rsplit("/", 1)[1]).json()
+        assert ds["report"]["valid_rows"] > 0 and ds["format"]
+    else:
+        msg = _alert(r.text)
+        assert re.search(r"row \d+", msg), msg  # the error names the row
+        leftovers = list((settings.data_dir / "uploads").iterdir())
+        assert leftovers == [], leftovers
+
+
+def test_messy_errors_name_row_and_field(client):
+    path = SHARED / "messy" / "sharegpt_empty_assistant_turn.json"
+    with path.open("rb") as fh:
+        r = client.post("/datasets", files={"file": (path.name, fh)})
+    msg = _alert(r.text)
+    assert r.status_code == 400 and "row 1" in msg and "conversations[1].value" in msg
+
+
+def test_oversize_upload_is_rejected_and_leaves_nothing(client, settings):
+    big = b'{"text": "' + b"x" * (settings.max_upload_mb * 1024 * 1024 + 10) + b'"}\n'
+    r = client.post("/datasets", files={"file": ("big.jsonl", big)})
+    assert r.status_code == 413
+    assert "upload limit of 8 MiB" in _alert(r.text)
+    assert list((settings.data_dir / "uploads").iterdir()) == []
+    assert client.get("/api/datasets").json()["data"] == []
+
+
+def test_oversize_is_enforced_while_streaming(app, settings):
+    """Without a Content-Length header the limit still holds chunk by chunk."""
+    from fastapi.testclient import TestClient
+
+    boundary = "XyZ"
+    head = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"big.txt\"\r\n"
+            "Content-Type: text/plain\r\n\r\n").encode()
+
+    def body():
+        yield head
+        for _ in range(settings.max_upload_mb + 2):
+            yield b"y" * (1024 * 1024)
+        yield f"\r\n--{boundary}--\r\n".encode()
+
+    with TestClient(app) as c:
+        r = c.post("/datasets", content=body(),
+                   headers={"Content-Type": f"multipart/form-data; boundary={boundary}"})
+    assert r.status_code == 413
+    assert list((settings.data_dir / "uploads").iterdir()) == []
+
+
+def test_unsupported_and_empty_files(client):
+    r = client.post("/datasets", files={"file": ("notes.docx", b"hello")})
+    assert r.status_code == 400 and "unsupported file type" in _alert(r.text)
+    r = client.post("/datasets", files={"file": ("empty.jsonl", b"")})
+    assert r.status_code == 400 and "empty" in _alert(r.text)
+
+
+def test_report_fragment_adjusts_max_seq_length(client):
+    path = SHARED / "sft" / "alpaca_en_demo.json"
+    with path.open("rb") as fh:
+        r = client.post("/datasets", files={"file": (path.name, fh)}, follow_redirects=False)
+    ds_id = r.headers["location"].rsplit("/", 1)[1]
+    hx = {"HX-Request": "true"}
+    r = client.get(f"/datasets/{ds_id}/report?max_seq_length=16&chat_template=llama3", headers=hx)
+    assert r.status_code == 200 and r.text.lstrip().startswith('<div id="report"')
+    assert "Over max_seq_length (16)" in r.text and "llama3" in r.text
+    r = client.get(f"/datasets/{ds_id}/report?max_seq_length=abc", headers=hx)
+    assert r.status_code == 422 and "max_seq_length must be" in r.text

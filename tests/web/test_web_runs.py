@@ -1,0 +1,160 @@
+"""Run form validation, run creation, the SSE stream with resume, cancel and downloads."""
+from __future__ import annotations
+
+import json
+
+from app.store import events, queue, repo
+from app.store.schema import Artifact
+
+from conftest import SHARED
+
+
+def _upload(client, name="alpaca_en_demo.json") -> str:
+    path = SHARED / "sft" / name
+    with path.open("rb") as fh:
+        r = client.post("/datasets", files={"file": (path.name, fh)}, follow_redirects=False)
+    return r.headers["location"].rsplit("/", 1)[1]
+
+
+def _form(client, ds_id, **over):
+    model = client.get("/api/models").json()["data"][0]["id"]
+    data = {"model": model, "dataset": ds_id, "r": "8", "lora_alpha": "16", "lora_dropout": "0",
+            "max_seq_length": "256", "learning_rate": "2e-4", "num_train_epochs": "1",
+            "max_steps": "30", "per_device_train_batch_size": "2", "gradient_accumulation_steps": "1",
+            "warmup_ratio": "0", "lr_scheduler_type": "linear", "seed": "1",
+            "train_on_responses_only": "true", "chat_template_choice": "chatml",
+            "target_modules": ["q_proj", "v_proj"]}
+    data.update(over)
+    return data
+
+
+def test_run_form_validation_errors_show_next_to_fields(client):
+    ds = _upload(client)
+    r = client.post("/runs", data=_form(client, ds, r="0", learning_rate="abc", max_steps="0",
+                                        target_modules=[], lr_scheduler_type="sideways"))
+    assert r.status_code == 422
+    html = r.text
+    assert "Please fix the fields marked below." in html and "Traceback" not in html
+    for msg in ("greater than or equal to 1", "valid number", "must be one of linear",
+                "at least 1 item"):
+        assert msg in html, msg
+    assert html.count('class="field-error"') >= 4
+    r = client.post("/runs", data=_form(client, ds, max_steps="0"))
+    assert r.status_code == 422 and "max_steps must be -1" in r.text
+    r = client.post("/runs", data=_form(client, "file-missing"), headers={"HX-Request": "true"})
+    assert r.status_code == 422 and "no dataset with id" in r.text and "<html" not in r.text
+
+
+def test_create_run_and_page(client, engine):
+    ds = _upload(client)
+    r = client.post("/runs", data=_form(client, ds, name="first"), follow_redirects=False)
+    assert r.status_code == 303
+    run_id = r.headers["location"].rsplit("/", 1)[1]
+    run = repo.get_run(engine, run_id)
+    assert run.spec["r"] == 8 and run.spec["max_steps"] == 30
+    assert run.spec["target_modules"] == ["q_proj", "v_proj"]
+    assert "<|im_start|>" in run.spec["chat_template"]  # the chosen default is saved in full
+    page = client.get(f"/runs/{run_id}")
+    assert page.status_code == 200 and "loss-chart" in page.text and "Cancel" in page.text
+    assert run_id in client.get("/").text
+    api = client.get(f"/api/runs/{run_id}").json()
+    assert api["state"] == "queued" and api["metrics"]["count"] == 0
+
+
+def test_api_create_run_errors(client):
+    ds = _upload(client)
+    r = client.post("/api/runs", json={"model": "stories260K", "dataset": ds, "r": -1})
+    assert r.status_code == 422 and r.json()["error"]["param"] == "r"
+    r = client.post("/api/runs", json={"model": "nope", "dataset": ds})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    r = client.post("/api/runs", json={"model": "stories260K", "dataset": ds, "max_steps": 5})
+    assert r.status_code == 201 and r.json()["spec"]["max_steps"] == 5
+
+
+def _sse(text: str) -> list[dict]:
+    out = []
+    for block in text.replace("\r\n", "\n").split("\n\n"):
+        ev = {}
+        for line in block.split("\n"):
+            if ":" in line and not line.startswith(":"):
+                k, v = line.split(":", 1)
+                ev[k] = v.strip()
+        if ev:
+            out.append(ev)
+    return out
+
+
+def _start_run(client, engine):
+    ds = _upload(client)
+    r = client.post("/api/runs", json={"model": "stories260K", "dataset": ds, "max_steps": 3})
+    run_id = r.json()["id"]
+    job = queue.claim(engine, "test-worker", 60, kinds=["train"])
+    assert job is not None and job.run_id == run_id
+    return run_id, job
+
+
+def test_sse_streams_until_final_and_resumes(client, engine, settings):
+    run_id, job = _start_run(client, engine)
+    for step in (1, 2, 3):
+        events.append_many(engine, job.id, [
+            ("metric", {"step": step, "total_steps": 3, "loss": 3.0 - step * 0.5,
+                        "learning_rate": 1e-4, "grad_norm": 1.0, "tokens_per_second": 100.0,
+                        "eta_seconds": 3 - step, "memory_gib": 0.1, "memory_kind": "rss"}),
+            ("log", {"level": "info", "message": f"step {step} done"})])
+    run_dir = settings.data_dir / "runs" / run_id
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.json").write_text(json.dumps({"r": 8}))
+    repo.add_artifact(engine, Artifact(run_id=run_id, job_id=job.id, kind="config", name="config.json",
+                                       path=str(run_dir / "config.json"), bytes=7))
+    assert queue.finish(engine, job.id, "test-worker", result={"trained_tokens": 123})
+
+    with client.stream("GET", f"/runs/{run_id}/events") as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        full = _sse("".join(r.iter_text()))
+    kinds = [e.get("event") for e in full]
+    assert kinds[-1] == "end" and kinds.count("metric") == 3 and "log" in kinds
+    assert json.loads(full[-1]["data"])["state"] == "succeeded"
+    ids = [int(e["id"]) for e in full if "id" in e]
+    assert ids == sorted(ids)
+    metric = json.loads(next(e for e in full if e.get("event") == "metric")["data"])
+    assert metric["step"] == 1 and metric["loss"] == 2.5
+
+    cut = ids[3]
+    with client.stream("GET", f"/runs/{run_id}/events", headers={"Last-Event-ID": str(cut)}) as r:
+        resumed = _sse("".join(r.iter_text()))
+    assert [int(e["id"]) for e in resumed if "id" in e] == [i for i in ids if i > cut]
+    with client.stream("GET", f"/runs/{run_id}/events?after={ids[-2]}") as r:
+        tail = _sse("".join(r.iter_text()))
+    assert [int(e["id"]) for e in tail if "id" in e] == [ids[-1]]
+
+    arts = client.get(f"/api/runs/{run_id}").json()["artifacts"]
+    dl = client.get(arts[0]["download_url"])
+    assert dl.status_code == 200 and dl.json() == {"r": 8}
+    page = client.get(f"/runs/{run_id}", headers={"HX-Request": "true", "HX-Target": "artifacts"})
+    assert "config.json" in page.text and "<html" not in page.text
+
+
+def test_download_refuses_paths_outside_data_dir(client, engine, tmp_path):
+    run_id, job = _start_run(client, engine)
+    outside = tmp_path / "secret.txt"
+    outside.write_text("no")
+    art = repo.add_artifact(engine, Artifact(run_id=run_id, kind="config", name="x", path=str(outside)))
+    assert client.get(f"/artifacts/{art.id}/download").status_code == 404
+
+
+def test_cancel_queued_and_running(client, engine):
+    ds = _upload(client)
+    queued = client.post("/api/runs", json={"model": "stories260K", "dataset": ds}).json()["id"]
+    r = client.post(f"/runs/{queued}/cancel", follow_redirects=False)
+    assert r.status_code == 303
+    assert client.get(f"/api/runs/{queued}").json()["state"] == "cancelled"
+
+    run_id, job = _start_run(client, engine)
+    r = client.post(f"/runs/{run_id}/cancel", headers={"HX-Request": "true"})
+    assert r.status_code == 200 and "Cancelling" in r.text and "<html" not in r.text
+    assert queue.heartbeat(engine, job.id, "test-worker", 60).cancel_requested
+    assert queue.acknowledge_cancel(engine, job.id, "test-worker")
+    with client.stream("GET", f"/runs/{run_id}/events") as r:
+        evs = _sse("".join(r.iter_text()))
+    assert json.loads(evs[-1]["data"])["state"] == "cancelled"
