@@ -1,0 +1,92 @@
+"""The training set, encoded by ``app.data`` exactly as the web preview shows it.
+
+This module is the worker's only door to the dataset layer: rows are read, normalised, rendered
+with the chat template and tokenised into ``input_ids`` + ``labels`` (-100 on untrained tokens)
+by :func:`app.data.report.iter_encoded`; here they only become a ``datasets.Dataset``.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+#: The built-in template picked when neither the run nor the model names one.
+FALLBACK_TEMPLATE = "alpaca"
+
+
+@dataclass
+class ChosenTemplate:
+    """The chat template a run actually uses: ``name`` (built-in, ``model``, ``custom``)."""
+
+    name: str
+    source: str | None
+    note: str | None = None
+
+
+def choose_template(requested: str | None, model_template: str | None) -> ChosenTemplate:
+    """Resolve ``TrainSpec.chat_template`` against the model's own template.
+
+    A built-in name or Jinja source wins; else the model's template; else the fallback default
+    (``note`` then says so, for a log event). Raises DatasetError on Jinja that does not parse.
+    """
+    from app.data.chat_template import DEFAULT_TEMPLATES, resolve_template
+
+    if requested:
+        src = resolve_template(requested, model_template)
+        name = requested.strip().lower() if requested.strip().lower() in DEFAULT_TEMPLATES \
+            else "custom"
+        return ChosenTemplate(name, src)
+    if model_template:
+        return ChosenTemplate("model", model_template)
+    name = FALLBACK_TEMPLATE if FALLBACK_TEMPLATE in DEFAULT_TEMPLATES else next(iter(DEFAULT_TEMPLATES))
+    return ChosenTemplate(name, DEFAULT_TEMPLATES[name],
+                          note=f"the model has no chat template and the run chose none; "
+                               f"using the built-in {name!r} template")
+
+
+@dataclass
+class EncodedSet:
+    """Encoded rows plus counts for config.json and the log."""
+
+    dataset: object  # datasets.Dataset with input_ids, labels
+    rows: int
+    tokens: int
+    trained_tokens: int
+    truncated: int
+
+
+def build_dataset(path: str | Path, model_dir: str | Path, template: str | None,
+                  max_seq_length: int, train_on_responses_only: bool, fmt: str | None = None,
+                  check: Callable[[], None] | None = None,
+                  progress: Callable[[int], None] | None = None) -> EncodedSet:
+    """Encode every valid row of ``path`` for the model in ``model_dir``.
+
+    ``check`` is called every 64 rows (raises to stop), ``progress(rows_done)`` likewise.
+    Raises DatasetError for whole-file problems (or when no row is trainable).
+    """
+    from datasets import Dataset
+
+    from app.data.encode import load_tokenizer_bundle
+    from app.data.errors import DatasetError
+    from app.data.report import iter_encoded
+
+    bundle = load_tokenizer_bundle(model_dir)
+    ids, labels = [], []
+    tokens = trained = truncated = 0
+    for n, (_row, enc) in enumerate(iter_encoded(path, bundle, template, max_seq_length,
+                                                 train_on_responses_only, fmt), 1):
+        ids.append(list(enc.input_ids))
+        labels.append(list(enc.labels))
+        tokens += len(enc.input_ids)
+        trained += sum(1 for x in enc.labels if x != -100)
+        truncated += bool(enc.truncated)
+        if n % 64 == 0:
+            if check:
+                check()
+            if progress:
+                progress(n)
+    if not ids:
+        raise DatasetError("no row of the dataset has a trained token; check the format and "
+                           "the chat template")
+    return EncodedSet(Dataset.from_dict({"input_ids": ids, "labels": labels}), len(ids), tokens,
+                      trained, truncated)
