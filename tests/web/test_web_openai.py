@@ -1,0 +1,114 @@
+"""The official openai client against /v1 on a real uvicorn server (no worker running)."""
+from __future__ import annotations
+
+import openai
+import pytest
+
+from app.store import events, queue
+
+from conftest import SHARED
+
+FILES = sorted(p for sub in ("sft", "messy") if (SHARED / sub).is_dir()
+               for p in (SHARED / sub).iterdir() if p.is_file())
+
+
+@pytest.fixture
+def oai(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="local", max_retries=0, timeout=60)
+
+
+def test_files_create_every_file(oai, settings):
+    for path in FILES:
+        with path.open("rb") as fh:
+            try:
+                f = oai.files.create(file=(path.name, fh), purpose="fine-tune")
+            except openai.BadRequestError as exc:
+                err = exc.body if isinstance(exc.body, dict) else {}
+                assert exc.status_code == 400
+                assert "row " in err.get("message", ""), (path.name, err)
+                assert err.get("param") == "file"
+                continue
+        assert f.id.startswith("file-") and f.filename == path.name and f.status == "processed"
+        assert oai.files.retrieve(f.id).bytes == path.stat().st_size
+    listed = oai.files.list()
+    assert len(listed.data) >= 8
+    leftovers = [p.name for p in (settings.data_dir / "uploads").iterdir() if p.name.startswith(".")]
+    assert leftovers == []
+
+
+def test_files_errors_and_delete(oai, settings):
+    big = b"x" * (settings.max_upload_mb * 1024 * 1024 + 1)
+    with pytest.raises(openai.APIStatusError) as exc:
+        oai.files.create(file=("big.txt", big), purpose="fine-tune")
+    assert exc.value.status_code == 413 and "upload limit" in exc.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as exc:
+        oai.files.create(file=("a.jsonl", b'{"text": "hi"}\n'), purpose="assistants")
+    assert exc.value.body["param"] == "purpose"
+    f = oai.files.create(file=("a.jsonl", b'{"text": "hello world"}\n'), purpose="fine-tune")
+    assert oai.files.delete(f.id).deleted is True
+    with pytest.raises(openai.NotFoundError):
+        oai.files.retrieve(f.id)
+
+
+def test_fine_tuning_jobs(oai, engine):
+    path = SHARED / "sft" / "oasst1_en_100_messages.jsonl"
+    with path.open("rb") as fh:
+        f = oai.files.create(file=(path.name, fh), purpose="fine-tune")
+    job = oai.fine_tuning.jobs.create(
+        model="stories260K", training_file=f.id,
+        hyperparameters={"n_epochs": 2, "batch_size": 4, "learning_rate_multiplier": 0.5},
+        extra_body={"r": 4, "lora_alpha": 8, "max_steps": 30, "target_modules": ["q_proj", "v_proj"]})
+    assert job.id.startswith("ftjob-") and job.status == "queued" and job.model == "stories260K"
+    spec = job.model_extra["whetstone"]["spec"]
+    assert spec["num_train_epochs"] == 2 and spec["per_device_train_batch_size"] == 4
+    assert spec["learning_rate"] == pytest.approx(1e-4) and spec["r"] == 4 and spec["max_steps"] == 30
+    assert spec["target_modules"] == ["q_proj", "v_proj"]
+
+    job2 = oai.fine_tuning.jobs.create(
+        model="stories260K", training_file=f.id,
+        method={"type": "supervised", "supervised": {"hyperparameters": {"n_epochs": 3}}})
+    assert job2.method.supervised.hyperparameters.n_epochs == 3
+
+    page = oai.fine_tuning.jobs.list(limit=1)
+    assert len(page.data) == 1 and page.has_more
+    ids = [j.id for j in oai.fine_tuning.jobs.list(limit=10).data]
+    assert set(ids) == {job.id, job2.id}
+
+    claimed = queue.claim(engine, "w", 60, kinds=["train"])
+    assert claimed.run_id == job.id
+    for step in (1, 2):
+        events.append_many(engine, claimed.id, [("metric", {"step": step, "total_steps": 30,
+                                                            "loss": 2.0 / step, "learning_rate": 1e-4})])
+    assert oai.fine_tuning.jobs.retrieve(job.id).status == "running"
+    evs = oai.fine_tuning.jobs.list_events(job.id, limit=10).data
+    metrics = [e for e in evs if e.type == "metrics"]
+    assert metrics[0].data["step"] == 2 and metrics[0].data["loss"] == 1.0
+    assert metrics[0].data["learning_rate"] == 1e-4 and "Step 2/30" in metrics[0].message
+    older = oai.fine_tuning.jobs.list_events(job.id, after=evs[0].id, limit=100).data
+    assert [e.id for e in older] == [e.id for e in evs[1:]]
+
+    assert oai.fine_tuning.jobs.checkpoints.list(job.id).data == []
+    cancelled = oai.fine_tuning.jobs.cancel(job.id)
+    assert cancelled.model_extra["whetstone"]["cancel_requested"] is True
+    assert oai.fine_tuning.jobs.cancel(job2.id).status == "cancelled"
+    with pytest.raises(openai.BadRequestError):
+        oai.fine_tuning.jobs.cancel(job2.id)
+
+
+def test_fine_tuning_errors(oai):
+    with pytest.raises(openai.NotFoundError) as exc:
+        oai.fine_tuning.jobs.create(model="no-such-model", training_file="file-x")
+    assert exc.value.body["param"] == "model" and exc.value.body["type"] == "invalid_request_error"
+    f = oai.files.create(file=("a.jsonl", b'{"text": "hello world"}\n'), purpose="fine-tune")
+    with pytest.raises(openai.NotFoundError) as exc:
+        oai.fine_tuning.jobs.create(model="stories260K", training_file="file-nope")
+    assert exc.value.body["param"] == "training_file"
+    with pytest.raises(openai.BadRequestError) as exc:
+        oai.fine_tuning.jobs.create(model="stories260K", training_file=f.id,
+                                    hyperparameters={"batch_size": 0})
+    assert exc.value.body["param"] == "hyperparameters.batch_size"
+    with pytest.raises(openai.BadRequestError) as exc:
+        oai.fine_tuning.jobs.create(model="stories260K", training_file=f.id, extra_body={"rank": 8})
+    assert "unknown parameter 'rank'" in exc.value.body["message"]
+    with pytest.raises(openai.NotFoundError):
+        oai.fine_tuning.jobs.retrieve("ftjob-missing")
