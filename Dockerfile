@@ -6,10 +6,9 @@
 # ---- third-party JS from npm, at build time -------------------------------------------
 FROM node:20-bookworm-slim AS assets
 WORKDIR /src
-COPY package.json package-lock.json* ./
-RUN npm ci --no-audit --no-fund || npm install --no-audit --no-fund
-COPY scripts/vendor-assets.mjs scripts/
-RUN mkdir -p static && node scripts/vendor-assets.mjs
+COPY package.json package-lock.json ./
+COPY static/copy-vendor.mjs static/
+RUN npm ci --no-audit --no-fund
 
 # ---- web: no torch, no CUDA ------------------------------------------------------------
 FROM python:3.11-slim-bookworm AS web

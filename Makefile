@@ -33,9 +33,10 @@ $(VENV)/.deps-stamp: pyproject.toml | $(BIN)/python
 deps: $(VENV)/.deps-stamp
 
 # Third-party JS (htmx, its SSE extension, the chart library) comes from npm at build time.
-static/vendor/.stamp: package.json
-	npm ci --no-audit --no-fund --loglevel=error || npm install --no-audit --no-fund --loglevel=error
-	node scripts/vendor-assets.mjs
+# (npm's postinstall runs static/copy-vendor.mjs, which copies them into static/vendor/.)
+static/vendor/.stamp: package.json package-lock.json
+	npm ci --no-audit --no-fund --loglevel=error
+	node static/copy-vendor.mjs >/dev/null
 	@touch $@
 
 assets: static/vendor/.stamp
