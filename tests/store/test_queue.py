@@ -1,0 +1,132 @@
+"""The queue protocol on a real SQLite file: racing claimers, leases, reaping, cancel, fencing."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from pathlib import Path
+
+import pytest
+from sqlalchemy import inspect
+
+from app.store import queue
+from app.store.db import make_engine
+from app.store.migrate import upgrade
+from app.store.schema import JobState
+
+
+@pytest.fixture()
+def url(tmp_path: Path) -> str:
+    u = f"sqlite:///{tmp_path / 'q.db'}"
+    upgrade(u)
+    return u
+
+
+@pytest.fixture()
+def engine(url: str):
+    eng = make_engine(url)
+    yield eng
+    eng.dispose()
+
+
+def _claimer(url: str, worker_id: str, out) -> None:  # noqa: ANN001
+    eng = make_engine(url)
+    got = []
+    while True:
+        job = queue.claim(eng, worker_id, 300)
+        if job is None:
+            break
+        got.append(job.id)
+        assert queue.finish(eng, job.id, worker_id, {"by": worker_id})
+    out.put((worker_id, got))
+    eng.dispose()
+
+
+def test_migrations_on_empty_db(tmp_path: Path) -> None:
+    u = f"sqlite:///{tmp_path / 'empty.db'}"
+    upgrade(u)
+    upgrade(u)  # idempotent
+    eng = make_engine(u)
+    tables = set(inspect(eng).get_table_names())
+    assert {"datasets", "models", "runs", "jobs", "job_events", "artifacts", "workers"} <= tables
+    assert queue.claim(eng, "w", 10) is None
+    eng.dispose()
+
+
+def test_racing_processes_claim_each_job_exactly_once(url: str, engine) -> None:
+    ids = {queue.enqueue(engine, "train", {"i": i}).id for i in range(200)}
+    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_claimer, args=(url, f"w{i}", out)) for i in range(4)]
+    for p in procs:
+        p.start()
+    results = [out.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    claimed = [j for _, got in results for j in got]
+    assert len(claimed) == 200 and set(claimed) == ids  # every job once, none twice
+    assert sum(1 for _, got in results if got) >= 2  # it really was a race
+    jobs = queue.list_jobs(engine, limit=500)
+    assert all(j.state == JobState.SUCCEEDED and j.attempts == 1 for j in jobs)
+    by = {j.id: j.result["by"] for j in jobs}
+    for wid, got in results:
+        assert all(by[j] == wid for j in got)
+
+
+def test_priority_and_kinds(engine) -> None:
+    low = queue.enqueue(engine, "train", {}, priority=0)
+    high = queue.enqueue(engine, "import_model", {}, priority=10)
+    assert queue.claim(engine, "w", 10, kinds=["train"]).id == low.id
+    assert queue.claim(engine, "w", 10).id == high.id
+
+
+def test_expired_lease_requeued_then_failed_after_max_attempts(engine) -> None:
+    job = queue.enqueue(engine, "train", {}, max_attempts=2)
+    assert queue.claim(engine, "dead1", 0.05).id == job.id
+    time.sleep(0.1)
+    assert queue.reap(engine) == [(job.id, JobState.QUEUED)]
+    again = queue.claim(engine, "dead2", 0.05)
+    assert again.id == job.id and again.attempts == 2
+    time.sleep(0.1)
+    assert queue.reap(engine) == [(job.id, JobState.FAILED)]
+    final = queue.get_job(engine, job.id)
+    assert final.state == JobState.FAILED and "max_attempts=2" in final.error
+    assert queue.claim(engine, "w", 10) is None
+
+
+def test_fenced_finish_after_lease_loss(engine) -> None:
+    job = queue.enqueue(engine, "train", {})
+    queue.claim(engine, "slow", 0.05)
+    time.sleep(0.1)
+    queue.reap(engine)
+    assert queue.claim(engine, "fresh", 60).id == job.id
+    assert queue.heartbeat(engine, job.id, "slow", 60).alive is False
+    assert queue.finish(engine, job.id, "slow", {"x": 1}) is False
+    assert queue.fail(engine, job.id, "slow", "boom") is False
+    assert queue.get_job(engine, job.id).state == JobState.RUNNING
+    assert queue.finish(engine, job.id, "fresh", {"ok": True}) is True
+    assert queue.get_job(engine, job.id).result == {"ok": True}
+
+
+def test_cancel_queued_and_running(engine) -> None:
+    q = queue.enqueue(engine, "train", {})
+    r = queue.enqueue(engine, "train", {})
+    assert queue.cancel(engine, q.id).state == JobState.CANCELLED
+    got = queue.claim(engine, "w", 60)
+    assert got.id == r.id  # the cancelled one is never claimed
+    assert queue.heartbeat(engine, r.id, "w", 60).cancel_requested is False
+    assert queue.cancel(engine, r.id).cancel_requested
+    hb = queue.heartbeat(engine, r.id, "w", 60)
+    assert hb.alive and hb.cancel_requested
+    assert queue.acknowledge_cancel(engine, r.id, "w")
+    assert queue.get_job(engine, r.id).state == JobState.CANCELLED
+    with pytest.raises(queue.JobNotFound):
+        queue.cancel(engine, 99999)
+
+
+def test_release_returns_job_without_counting_the_attempt(engine) -> None:
+    job = queue.enqueue(engine, "train", {})
+    queue.claim(engine, "w", 60)
+    assert queue.release(engine, job.id, "w", "shutdown")
+    j = queue.get_job(engine, job.id)
+    assert j.state == JobState.QUEUED and j.attempts == 0 and j.lease_owner is None
