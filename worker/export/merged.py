@@ -1,0 +1,161 @@
+"""Merged 16-bit export: base + LoRA delta as one ``LlamaForCausalLM``-style safetensors folder.
+
+* QLoRA runs trained against an NF4-quantised base, so the merge starts from the base *as the
+  adapter saw it*: each quantised ``nn.Linear`` weight is dequantised from NF4 (bitsandbytes'
+  ``dequantize_4bit`` when the model holds ``Params4bit``; otherwise the NF4 round trip of the
+  16/32-bit weight, :func:`nf4_roundtrip`: blocks of 64, absmax scaling, the 16-value NF4 code
+  book of Dettmers et al. 2023 "QLoRA", Appendix E). ``lm_head`` is never quantised (as in
+  transformers' bitsandbytes integration). Double quantisation of the absmax is not reproduced
+  on CPU (its error is ~1e-3 of the scale).
+* The delta ``B @ A * scaling`` is added with peft's ``merge_and_unload`` in fp32, then the
+  weights are cast to bf16/fp16 and saved with ``save_pretrained`` (safetensors); tied
+  embeddings stay tied (``lm_head`` is not written when ``tie_word_embeddings``).
+* The chat template's end-of-turn token (e.g. ``<|im_end|>``) is added to ``eos_token_id`` in
+  config.json and generation_config.json and becomes ``eos_token`` of the tokenizer config,
+  so ``generate`` and serving stacks stop at the end of the answer.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .files import ExportError, ProgressFn, atomic_path, noop_progress
+from .run import RunInfo, load_tokenizer, load_trained_model
+
+NF4_CODE = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+            -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+            0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+            0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0)
+DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+
+
+def nf4_roundtrip(w, blocksize: int = 64):
+    """Quantise ``w`` to NF4 (per-block absmax) and back; same shape and dtype as ``w``."""
+    import torch
+
+    flat = w.detach().float().reshape(-1)
+    pad = (-flat.numel()) % blocksize
+    blocks = torch.nn.functional.pad(flat, (0, pad)).view(-1, blocksize)
+    absmax = blocks.abs().amax(dim=1, keepdim=True).clamp_min(1e-12)
+    code = torch.tensor(NF4_CODE)
+    idx = (blocks / absmax).unsqueeze(-1).sub(code).abs().argmin(dim=-1)
+    deq = (code[idx] * absmax).reshape(-1)[:flat.numel()]
+    return deq.view_as(w).to(w.dtype)
+
+
+def dequantized_base_(model) -> int:
+    """Replace every quantisable Linear weight (not lm_head) by its NF4-dequantised value.
+
+    Returns the number of weights changed. Uses bitsandbytes when the weight is a
+    ``Params4bit`` (CUDA); otherwise the pure-PyTorch round trip.
+    """
+    import torch
+
+    n = 0
+    for name, mod in model.named_modules():
+        if name.endswith("lm_head") or not hasattr(mod, "weight") or mod.weight is None:
+            continue
+        w = mod.weight
+        if type(w).__name__ == "Params4bit":  # bitsandbytes, CUDA only
+            import bitsandbytes.functional as bnbf
+
+            deq = bnbf.dequantize_4bit(w.data, w.quant_state).to(torch.float32)
+            new = torch.nn.Linear(mod.in_features, mod.out_features, bias=mod.bias is not None)
+            new.weight = torch.nn.Parameter(deq, requires_grad=False)
+            if mod.bias is not None:
+                new.bias = mod.bias
+            parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+            setattr(parent, name.rsplit(".", 1)[-1], new)
+            n += 1
+        elif isinstance(mod, torch.nn.Linear):
+            with torch.no_grad():
+                w.copy_(nf4_roundtrip(w))
+            n += 1
+    return n
+
+
+def special_strings(tok) -> list[str]:
+    """All special/added token strings of a tokenizer (for naming end-of-turn markers)."""
+    out = list(dict.fromkeys([*tok.all_special_tokens,
+                              *(t.content for t in tok.added_tokens_decoder.values())]))
+    return [t for t in out if t]
+
+
+def chat_layout(tok, template: str | None):
+    """The :class:`~worker.export.chat.ChatLayout` of ``template`` for this tokenizer."""
+    from .chat import derive_layout
+
+    if not template:
+        return None
+    special = {"bos_token": tok.bos_token or "", "eos_token": tok.eos_token or ""}
+    return derive_layout(template, special, special_strings(tok))
+
+
+def end_of_turn_tokens(tok, template: str | None) -> list[tuple[str, int]]:
+    """``[(text, id)]`` of the template's end-of-turn markers that are single tokens."""
+    lay = chat_layout(tok, template)
+    out = []
+    for text in (lay.stops if lay else []):
+        ids = tok.convert_tokens_to_ids([text])
+        if ids and ids[0] is not None and ids[0] != tok.unk_token_id:
+            out.append((text, int(ids[0])))
+    return out
+
+
+def _as_list(v) -> list[int]:
+    return [] if v is None else list(v) if isinstance(v, (list, tuple)) else [v]
+
+
+def add_end_tokens(folder: Path, eot: list[tuple[str, int]]) -> list[int]:
+    """Add end-of-turn ids to config.json / generation_config.json / tokenizer_config.json."""
+    ids = [i for _, i in eot]
+    cfg_p, gen_p, tok_p = (folder / "config.json", folder / "generation_config.json",
+                           folder / "tokenizer_config.json")
+    cfg = json.loads(cfg_p.read_text())
+    ends = list(dict.fromkeys(_as_list(cfg.get("eos_token_id")) + ids))
+    if ids:
+        cfg["eos_token_id"] = ends if len(ends) > 1 else ends[0]
+        cfg_p.write_text(json.dumps(cfg, indent=2))
+    gen = json.loads(gen_p.read_text()) if gen_p.exists() else {}
+    gen_ends = list(dict.fromkeys(_as_list(gen.get("eos_token_id")) + ends))
+    gen["eos_token_id"] = gen_ends
+    gen.setdefault("bos_token_id", cfg.get("bos_token_id"))
+    gen_p.write_text(json.dumps(gen, indent=2))
+    if eot and tok_p.exists():
+        tcfg = json.loads(tok_p.read_text())
+        tcfg["eos_token"] = eot[0][0]
+        tok_p.write_text(json.dumps(tcfg, indent=2, ensure_ascii=False))
+    return gen_ends
+
+
+def export_merged(info: RunInfo, out_dir: str | Path, dtype: str = "bf16",
+                  progress: ProgressFn = noop_progress) -> dict:
+    """Write ``out_dir`` (atomically) and return ``{"path", "dtype", "eos_token_id", ...}``."""
+    import torch
+
+    if dtype not in DTYPES:
+        raise ExportError(f"merged dtype must be one of {sorted(DTYPES)}, not {dtype!r}")
+    progress("load", 0.05)
+    model = load_trained_model(info, dtype=torch.float32)
+    tok = load_tokenizer(info)
+    progress("merge", 0.4)
+    merged = model.merge_and_unload()
+    merged = merged.to(getattr(torch, DTYPES[dtype]))
+    tied = bool(getattr(merged.config, "tie_word_embeddings", False))
+    if tied:
+        merged.tie_weights()
+        if merged.get_output_embeddings().weight is not merged.get_input_embeddings().weight:
+            raise ExportError("tied embeddings came apart during the merge")
+    merged.config.dtype = DTYPES[dtype]
+    eot = end_of_turn_tokens(tok, info.chat_template)
+    progress("save", 0.6)
+    with atomic_path(out_dir) as tmp:
+        merged.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        if info.chat_template:
+            (tmp / "chat_template.jinja").write_text(info.chat_template)
+        ends = add_end_tokens(tmp, eot)
+    progress("save", 1.0)
+    return {"path": str(out_dir), "dtype": dtype, "tied_embeddings": tied,
+            "eos_token_id": ends, "end_of_turn": [t for t, _ in eot],
+            "dequantized_from_nf4": info.load_in_4bit}

@@ -1,0 +1,92 @@
+"""What an export reads from a finished run, and how the trained model is rebuilt from it.
+
+A run folder (written by ``worker/jobs/train.py``) holds::
+
+    runs/<run_id>/adapter/      PEFT layout: adapter_config.json, adapter_model.safetensors
+                                (tokenizer files beside them when training saved them)
+    runs/<run_id>/config.json   resolved TrainSpec (``chat_template``, ``system_prompt``,
+                                ``load_in_4bit`` ...) plus the chat template actually used
+
+The base model is a local Hugging Face folder (``Model.path``); it is passed in explicitly, or
+taken from ``config.json`` (``model_path``/``base_model_path``) or the adapter's
+``base_model_name_or_path``.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .files import ExportError
+
+
+@dataclass
+class RunInfo:
+    """Everything an exporter needs to know about a run."""
+
+    run_dir: Path
+    adapter_dir: Path
+    base_dir: Path
+    chat_template: str | None
+    system_prompt: str | None
+    load_in_4bit: bool
+    config: dict = field(default_factory=dict)
+
+    @property
+    def tokenizer_dir(self) -> Path:
+        """The adapter folder when training saved a tokenizer there, else the base folder."""
+        for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"):
+            if (self.adapter_dir / name).exists():
+                return self.adapter_dir
+        return self.base_dir
+
+
+def load_run(run_dir: str | Path, base_dir: str | Path | None = None) -> RunInfo:
+    """Read a run folder; raises :class:`ExportError` naming what is missing."""
+    run_dir = Path(run_dir)
+    adapter = run_dir / "adapter"
+    if not (adapter / "adapter_config.json").exists():
+        raise ExportError(f"{adapter}: no adapter_config.json; has the run finished training?")
+    cfg_path = run_dir / "config.json"
+    cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+    spec = cfg.get("spec", cfg) if isinstance(cfg.get("spec"), dict) else cfg
+    acfg = json.loads((adapter / "adapter_config.json").read_text())
+    if base_dir is None:
+        base_dir = (cfg.get("model_path") or cfg.get("base_model_path")
+                    or acfg.get("base_model_name_or_path"))
+    if not base_dir or not Path(base_dir).is_dir():
+        raise ExportError(f"base model folder {base_dir!r} not found; pass the model's path")
+    template = cfg.get("chat_template_used") or cfg.get("resolved_chat_template") \
+        or spec.get("chat_template")
+    if template and "{%" not in template and "{{" not in template:
+        from app.data.chat_template import resolve_template
+
+        template = resolve_template(template)
+    return RunInfo(run_dir=run_dir, adapter_dir=adapter, base_dir=Path(base_dir),
+                   chat_template=template, system_prompt=spec.get("system_prompt"),
+                   load_in_4bit=bool(spec.get("load_in_4bit")), config=cfg)
+
+
+def load_tokenizer(info: RunInfo):
+    """The run's tokenizer, with its chat template set to the one training used."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(info.tokenizer_dir)
+    if info.chat_template:
+        tok.chat_template = info.chat_template
+    return tok
+
+
+def load_trained_model(info: RunInfo, dtype=None):
+    """Base (NF4 round-tripped when the run was QLoRA) + adapter, unmerged, in eval mode."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from .merged import dequantized_base_
+
+    base = AutoModelForCausalLM.from_pretrained(info.base_dir, dtype=dtype or torch.float32)
+    if info.load_in_4bit:
+        dequantized_base_(base)
+    model = PeftModel.from_pretrained(base, info.adapter_dir)
+    return model.eval()

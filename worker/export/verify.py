@@ -1,0 +1,184 @@
+"""Verify an export against the trained model (base + adapter, unmerged) on probe prompts.
+
+Checks, per probe prompt:
+
+* tokenisation: the artifact's tokenizer gives the same ids as the run's HF tokenizer;
+* greedy continuation (``max_new_tokens`` = 32, stopping at the model's end ids): identical for
+  merged 16-bit, F32/F16/BF16/Q8_0 GGUF (``exact=True``);
+* top-1 agreement (all types; the figure shown for K-quants, ``exact=False``): the artifact is fed
+  prompt + reference continuation and its argmax is compared with the reference's next token at
+  every continuation position (teacher forcing, so one early miss does not count twice).
+
+Result: ``{"passed", "checks": [...], "top1_agreement", "failures": [diff, ...]}`` where a diff is
+``{"passed": False, "check", "prompt", "expected_tokens", "got_tokens", "first_mismatch"}``.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+MAX_NEW = 32
+EXACT_GGUF = ("F32", "F16", "BF16", "Q8_0")
+
+
+def first_mismatch(a: list[int], b: list[int]) -> int | None:
+    """Index of the first difference (``min(len)`` when one is a prefix), None if equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def _diff(check: str, prompt: str, want: list[int], got: list[int]) -> dict:
+    return {"passed": False, "check": check, "prompt": prompt, "expected_tokens": want,
+            "got_tokens": got, "first_mismatch": first_mismatch(want, got)}
+
+
+def probe_prompts(path: str | Path | None, tok, template: str | None, n: int = 3,
+                  max_chars: int = 200) -> list[str]:
+    """Up to ``n`` prompts from the run's data file (chat rows rendered with the template up to
+    the last user turn + generation prompt; plain text cut at ``max_chars``)."""
+    rows: list = []
+    p = Path(path) if path else None
+    if p and p.exists():
+        text = p.read_text(encoding="utf-8", errors="replace")
+        if p.suffix in (".jsonl", ".json"):
+            try:
+                obj = json.loads(text)
+                rows = obj if isinstance(obj, list) else [obj]
+            except json.JSONDecodeError:
+                rows = [json.loads(l) for l in text.splitlines()[:50] if l.strip()]
+        else:
+            rows = [b.strip() for b in text.replace("<|endoftext|>", "\n\n").split("\n\n")
+                    if b.strip()]
+    out: list[str] = []
+    for r in rows:
+        if len(out) >= n:
+            break
+        if isinstance(r, str):
+            out.append(r[:max_chars])
+            continue
+        msgs = r.get("messages") or [
+            {"role": "user" if c.get("from") in ("human", "user") else "assistant",
+             "content": c.get("value", "")} for c in r.get("conversations", [])]
+        if not msgs and r.get("instruction"):
+            msgs = [{"role": "user", "content": (r["instruction"] + "\n" + r.get("input", ""))
+                     .strip()}]
+        while msgs and msgs[-1]["role"] != "user":
+            msgs = msgs[:-1]
+        if msgs and template:
+            msgs = [dict(m, content=m["content"][:max_chars]) for m in msgs]
+            out.append(tok.apply_chat_template(msgs, chat_template=template, tokenize=False,
+                                               add_generation_prompt=True))
+        elif msgs:
+            out.append(msgs[-1]["content"][:max_chars])
+    return out or ["Once upon a time", "The little dog"][:n]
+
+
+def encode(tok, prompt: str) -> list[int]:
+    """HF ids for a prompt; BOS added unless the (rendered) prompt already starts with it."""
+    bos = tok.bos_token or "\0"
+    return list(tok(prompt, add_special_tokens=not prompt.startswith(bos))["input_ids"])
+
+
+def hf_greedy(model, ids: list[int], end_ids: list[int], n: int = MAX_NEW) -> list[int]:
+    """Greedy continuation (no sampling, no cache tricks) of ``ids`` for ``n`` tokens."""
+    import torch
+
+    seq = list(ids)
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([seq])).logits[0, -1]
+            nxt = int(torch.argmax(logits.float()))
+            seq.append(nxt)
+            if nxt in end_ids:
+                break
+    return seq[len(ids):]
+
+
+def reference(model, tok, prompts: list[str], end_ids: list[int]) -> list[dict]:
+    """``[{"prompt", "ids", "continuation"}]`` from the trained (unmerged) model."""
+    return [{"prompt": p, "ids": encode(tok, p),
+             "continuation": hf_greedy(model, encode(tok, p), end_ids)} for p in prompts]
+
+
+def verify_merged(folder: str | Path, refs: list[dict], end_ids: list[int], tok) -> dict:
+    """Reload the merged folder with transformers and compare with ``refs``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    mtok = AutoTokenizer.from_pretrained(folder)
+    fails, checks = [], []
+    for r in refs:
+        ids = encode(mtok, r["prompt"])
+        checks.append("tokenization")
+        if ids != r["ids"]:
+            fails.append(_diff("tokenization", r["prompt"], r["ids"], ids))
+            continue
+        got = hf_greedy(model, ids, end_ids)
+        checks.append("greedy")
+        if got != r["continuation"]:
+            fails.append(_diff("greedy", r["prompt"], r["continuation"], got))
+    return {"passed": not fails, "checks": sorted(set(checks)), "probes": len(refs),
+            "failures": fails}
+
+
+def _llama(path: str | Path, n_ctx: int):
+    from llama_cpp import Llama
+
+    return Llama(model_path=str(path), n_ctx=n_ctx, logits_all=True, verbose=False,
+                 n_threads=2, n_gpu_layers=0, seed=0)
+
+
+def gguf_greedy(llm, ids: list[int], end_ids: list[int], n: int = MAX_NEW) -> list[int]:
+    """Greedy decoding with llama.cpp (incremental KV cache, argmax of the logits)."""
+    import numpy as np
+
+    llm.reset()
+    llm.eval(ids)
+    out: list[int] = []
+    for _ in range(n):
+        nxt = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        out.append(nxt)
+        if nxt in end_ids:
+            break
+        llm.eval([nxt])
+    return out
+
+
+def teacher_forced_top1(llm, ids: list[int], cont: list[int]) -> tuple[int, int]:
+    """(matches, positions): llama.cpp argmax vs the reference next token along ``cont``."""
+    import numpy as np
+
+    if not cont:
+        return 0, 0
+    llm.reset()
+    llm.eval(ids + cont[:-1])
+    preds = np.argmax(llm.scores[len(ids) - 1:len(ids) + len(cont) - 1], axis=-1)
+    return int(sum(int(a) == b for a, b in zip(preds, cont))), len(cont)
+
+
+def verify_gguf(path: str | Path, qtype: str, refs: list[dict], end_ids: list[int],
+                bos_text: str | None = None) -> dict:
+    """Reload a GGUF with llama.cpp and compare with ``refs`` (see the module docstring)."""
+    exact = qtype.upper() in EXACT_GGUF
+    n_ctx = max(len(r["ids"]) + MAX_NEW for r in refs) + 8
+    llm = _llama(path, n_ctx)
+    fails, hits, total = [], 0, 0
+    for r in refs:
+        add_bos = not (bos_text and r["prompt"].startswith(bos_text))
+        ids = llm.tokenize(r["prompt"].encode("utf-8"), add_bos=add_bos, special=True)
+        if list(ids) != r["ids"]:
+            fails.append(_diff("tokenization", r["prompt"], r["ids"], list(ids)))
+            continue
+        h, t = teacher_forced_top1(llm, r["ids"], r["continuation"])
+        hits, total = hits + h, total + t
+        if exact:
+            got = gguf_greedy(llm, r["ids"], end_ids)
+            if got != r["continuation"]:
+                fails.append(_diff("greedy", r["prompt"], r["continuation"], got))
+    llm.close()
+    agree = hits / total if total else 1.0
+    return {"passed": not fails, "type": qtype, "exact_greedy_required": exact,
+            "top1_agreement": round(agree, 4), "positions": total, "probes": len(refs),
+            "failures": fails}

@@ -1,0 +1,179 @@
+"""Job handler for kind ``export``: payload = ExportSpec (+ ``export_id``) -> files + verification.
+
+``export_run`` does the work and is independent of the queue; ``run_export`` adapts it to the
+worker loop (payload dict in, result dict out, progress through a callback). Files land in
+``<out_dir>/`` (written to temp names and renamed, so a retried job simply redoes them):
+
+* adapter      -> ``adapter/``                      (PEFT folder, tokenizer, chat template)
+* merged_16bit -> ``merged-<dtype>/``               (safetensors, config, tokenizer)
+* gguf         -> ``<name>-<TYPE>.gguf`` per requested type (default F16)
+* ollama       -> ``<name>-<TYPE>.gguf`` + ``Modelfile`` (+ creation on a server if a URL is given)
+
+Result: ``{"format", "files": [{"name","path","size","sha256"}], "verification": {"passed",
+...}, "ollama": {...}}``. A failed verification raises :class:`VerificationFailed`, whose
+``result`` holds the same dict with the diffs (store it as the job's result and error).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+from worker.export.files import ExportError, describe_files, noop_progress
+
+DEFAULT_OLLAMA_TYPE = "Q8_0"
+
+
+class VerificationFailed(ExportError):
+    """The artifact was written but does not reproduce the trained model; see ``result``."""
+
+    def __init__(self, message: str, result: dict):
+        super().__init__(message)
+        self.result = result
+
+
+def _spec(spec) -> dict:
+    return spec.model_dump() if hasattr(spec, "model_dump") else dict(spec)
+
+
+def _end_ids(model, eot: list[tuple[str, int]]) -> list[int]:
+    gc = getattr(model, "generation_config", None)
+    ids = getattr(gc, "eos_token_id", None) if gc else None
+    ids = [] if ids is None else list(ids) if isinstance(ids, (list, tuple)) else [ids]
+    return list(dict.fromkeys([*ids, *(i for _, i in eot)]))
+
+
+def export_run(run_dir: str | Path, spec, out_dir: str | Path,
+               progress: Callable[[str, float], None] = noop_progress, *,
+               base_dir: str | Path | None = None, data_path: str | Path | None = None,
+               ollama_url: str | None = None, model_name: str | None = None,
+               name: str = "model") -> dict:
+    """Export one run; see the module docstring. Raises ExportError / VerificationFailed."""
+    import torch
+
+    from worker.export import verify as V
+    from worker.export.merged import chat_layout, end_of_turn_tokens, special_strings
+    from worker.export.run import load_run, load_tokenizer, load_trained_model
+
+    s = _spec(spec)
+    fmt, out = s["format"], Path(out_dir)
+    info = load_run(run_dir, base_dir)
+    tok = load_tokenizer(info)
+    progress("reference", 0.02)
+    trained = load_trained_model(info, dtype=torch.float32)
+    eot = end_of_turn_tokens(tok, info.chat_template)
+    end_ids = _end_ids(trained, eot)
+    data_path = data_path or info.config.get("dataset_path")
+    refs = V.reference(trained, tok, V.probe_prompts(data_path, tok, info.chat_template), end_ids)
+    files: list[Path] = []
+    result: dict[str, Any] = {"format": fmt, "probes": [r["prompt"] for r in refs]}
+    checks: dict[str, dict] = {}
+
+    if fmt == "adapter":
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+
+        from worker.export.adapter import export_adapter
+
+        res = export_adapter(info, out / "adapter", progress)
+        files.append(out / "adapter")
+        base = AutoModelForCausalLM.from_pretrained(info.base_dir, dtype=torch.float32)
+        if info.load_in_4bit:
+            from worker.export.merged import dequantized_base_
+            dequantized_base_(base)
+        reloaded = PeftModel.from_pretrained(base, out / "adapter").eval()
+        fails = [V._diff("greedy", r["prompt"], r["continuation"], got)
+                 for r in refs
+                 if (got := V.hf_greedy(reloaded, r["ids"], end_ids)) != r["continuation"]]
+        checks["adapter"] = {"passed": not fails, "peft": res, "failures": fails}
+    elif fmt == "merged_16bit":
+        from worker.export.merged import export_merged
+
+        folder = out / f"merged-{s.get('dtype', 'bf16')}"
+        result["merged"] = export_merged(info, folder, s.get("dtype", "bf16"), progress)
+        files.append(folder)
+        progress("verify", 0.8)
+        checks["merged"] = V.verify_merged(folder, refs, end_ids, tok)
+    elif fmt in ("gguf", "ollama"):
+        from worker.export.gguf_writer import BASE_TYPES, write_gguf
+        from worker.export.quantize import quantize
+
+        types = [q.upper() for q in s.get("quantization") or []] or (
+            ["F16"] if fmt == "gguf" else [DEFAULT_OLLAMA_TYPE])
+        merged = trained.merge_and_unload()
+        state, config = merged.state_dict(), merged.config
+        eot_id = next((i for _, i in eot if i != tok.eos_token_id), None)
+        kw = dict(chat_template=info.chat_template, eot_id=eot_id,
+                  tokenizer_dir=info.tokenizer_dir, name=name)
+        f16 = out / f"{name}-F16.gguf"
+        ggufs: list[tuple[str, Path]] = []
+        for k, q in enumerate(types):
+            path = out / f"{name}-{q}.gguf"
+            progress(f"gguf {q}", 0.1 + 0.6 * k / len(types))
+            if q in BASE_TYPES:
+                write_gguf(state, config, tok, path, q, **kw)
+            else:
+                if not f16.exists():
+                    write_gguf(state, config, tok, f16, "F16", **kw)
+                quantize(f16, path, q)
+            ggufs.append((q, path))
+        if "F16" not in types and f16.exists():
+            f16.unlink()
+        for q, path in ggufs:
+            progress(f"verify {q}", 0.75)
+            checks[f"gguf_{q}"] = V.verify_gguf(path, q, refs, end_ids, tok.bos_token)
+            files.append(path)
+        if fmt == "ollama":
+            result["ollama"] = _ollama(info, tok, ggufs[0][1], out, checks, ollama_url,
+                                       model_name or name, progress)
+            files.append(out / "Modelfile")
+    else:
+        raise ExportError(f"unknown export format {fmt!r}")
+
+    result["files"] = describe_files(files, out)
+    result["verification"] = {"passed": all(c.get("passed") for c in checks.values()),
+                              "checks": checks}
+    if not result["verification"]["passed"]:
+        failed = [k for k, c in checks.items() if not c.get("passed")]
+        raise VerificationFailed(f"export verification failed: {', '.join(failed)}", result)
+    progress("done", 1.0)
+    return result
+
+
+def _ollama(info, tok, gguf_path: Path, out: Path, checks: dict, url, model_name, progress):
+    from worker.export.chat import reference_messages  # noqa: F401 - documents the semantics
+    from worker.export.gotemplate import go_template
+    from worker.export.merged import chat_layout
+    from worker.export.ollama import build_modelfile, check_template, create_command, push
+
+    lay = chat_layout(tok, info.chat_template)
+    template, stops = None, []
+    if lay is not None:
+        bos = tok.bos_token if getattr(tok, "add_bos_token", True) else ""
+        template, stops = go_template(lay, bos or ""), lay.stops
+        sysmsg = [{"role": "system", "content": info.system_prompt or "You are helpful."}]
+        convs = [sysmsg + [{"role": "user", "content": "Hi"}],
+                 sysmsg + [{"role": "user", "content": "Hi"}, {"role": "assistant",
+                            "content": "Hello!"}, {"role": "user", "content": "A story?"}],
+                 [{"role": "user", "content": "No system prompt here."}]]
+        special = {"bos_token": tok.bos_token or "", "eos_token": tok.eos_token or ""}
+        checks["ollama_template"] = check_template(lay, info.chat_template, special, bos or "",
+                                                   convs)
+    (out / "Modelfile").write_text(build_modelfile(gguf_path.name, template, stops,
+                                                   info.system_prompt))
+    res = {"modelfile": str(out / "Modelfile"), "gguf": str(gguf_path),
+           "command": create_command(model_name, out), "created": False}
+    if url:
+        res.update(push(url, model_name, gguf_path, template, stops, info.system_prompt,
+                        progress))
+    return res
+
+
+def run_export(payload: dict, *, export_id: str, run_dir: str | Path, out_dir: str | Path,
+               progress: Callable[[str, float], None] = noop_progress, **kw) -> dict:
+    """Worker-loop entry for kind ``export``: ``payload`` is an ExportSpec dict."""
+    from app.store.specs import ExportSpec
+
+    spec = ExportSpec.model_validate({k: v for k, v in payload.items() if k != "export_id"})
+    res = export_run(run_dir, spec, Path(out_dir) / export_id, progress, **kw)
+    res["export_id"] = export_id
+    return res
