@@ -1,0 +1,90 @@
+"""One browser journey in headless Chromium (Debian's package), driven by Playwright.
+
+Upload a dataset, start a run, watch the loss chart grow while it trains, cancel a second
+run, download the adapter of the first. Runs against the real web process and CPU worker.
+"""
+from __future__ import annotations
+
+import shutil
+import zipfile
+
+import pytest
+
+from studio_harness import SHARED, Studio, wait_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.browser]
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+ARGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+def chart_points(page) -> int:
+    return page.evaluate(
+        "() => { const c = window.Chart && window.Chart.getChart('loss-chart');"
+        " return c ? c.data.datasets[0].data.length : 0; }")
+
+
+def start_run(page, studio: Studio, dataset_id: str, max_steps: int, name: str) -> str:
+    page.goto(f"{studio.url}/runs/new")
+    page.select_option("select[name=model]", label="stories260K")
+    page.select_option("select[name=dataset]", value=dataset_id)
+    page.fill("input[name=name]", name)
+    page.fill("input[name=max_steps]", str(max_steps))
+    page.fill("input[name=max_seq_length]", "128")
+    page.fill("input[name=per_device_train_batch_size]", "2")
+    page.fill("input[name=gradient_accumulation_steps]", "1")
+    page.fill("input[name=learning_rate]", "0.003")
+    page.click("#run_form button[type=submit]")
+    page.wait_for_url("**/runs/ftjob-*", timeout=30_000)
+    return page.url.rsplit("/", 1)[-1]
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (make test-setup)")
+def test_browser_journey(studio: Studio, tmp_path):
+    from playwright.sync_api import expect, sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        page = browser.new_page(accept_downloads=True)
+        errors: list[str] = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+
+        # 1. Upload a real dataset through the form; the report page shows its rows.
+        page.goto(f"{studio.url}/datasets")
+        page.set_input_files("#upload_form input[type=file]",
+                             str(SHARED / "sft" / "oasst1_en_100_sharegpt.json"))
+        page.click("#upload_form button[type=submit]")
+        page.wait_for_url("**/datasets/file-*", timeout=60_000)
+        dataset_id = page.url.rsplit("/", 1)[-1]
+        expect(page.locator("body")).to_contain_text("sharegpt")
+        expect(page.locator("body")).to_contain_text("95")
+
+        # 2. Start a run; the loss chart grows while it trains.
+        run_id = start_run(page, studio, dataset_id, max_steps=40, name="journey")
+        expect(page.locator("#m-state")).to_have_text("running", timeout=120_000)
+        wait_for(lambda: chart_points(page) >= 3, 180, "3 points on the loss chart", studio)
+        seen = chart_points(page)
+        wait_for(lambda: chart_points(page) > seen, 120, "the chart to grow", studio)
+        expect(page.locator("#m-state")).to_have_text("succeeded", timeout=300_000)
+        assert chart_points(page) >= 20
+
+        # 3. A second run, cancelled from its page.
+        start_run(page, studio, dataset_id, max_steps=5000, name="to-cancel")
+        expect(page.locator("#m-state")).to_have_text("running", timeout=120_000)
+        page.click("#controls button")
+        expect(page.locator("#m-state")).to_have_text("cancelled", timeout=60_000)
+
+        # 4. Download the first run's adapter from its page.
+        page.goto(f"{studio.url}/runs/{run_id}")
+        link = page.locator("#artifacts a", has_text="adapter")
+        with page.expect_download() as dl:
+            link.first.click()
+        path = tmp_path / "adapter.zip"
+        dl.value.save_as(path)
+        with zipfile.ZipFile(path) as z:
+            names = z.namelist()
+        assert any(n.endswith("adapter_config.json") for n in names), names
+        assert any(n.endswith("adapter_model.safetensors") for n in names), names
+        assert not errors, errors
+        browser.close()
