@@ -41,11 +41,10 @@ def _act_and_grad(g, ACT: tl.constexpr):
         a = g * cdf
         da = cdf + g * tl.exp(-0.5 * g * g) * 0.3989422804014327
     else:
-        k: tl.constexpr = 0.7978845608028654
-        inner = k * (g + 0.044715 * g * g * g)
+        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
         t = 2.0 * tl.sigmoid(2.0 * inner) - 1.0
         a = 0.5 * g * (1.0 + t)
-        da = 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * k * (1.0 + 3.0 * 0.044715 * g * g)
+        da = 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * g * g)
     return a, da
 
 
