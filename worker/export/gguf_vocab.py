@@ -40,11 +40,20 @@ def _from_sentencepiece(path: Path):
         scores.append(sp.get_score(i))
         types.append(UNKNOWN if sp.is_unknown(i) else CONTROL if sp.is_control(i)
                      else UNUSED if sp.is_unused(i) else BYTE if sp.is_byte(i) else NORMAL)
-    from sentencepiece import sentencepiece_model_pb2 as pb
+    prefix = sp.encode("a", out_type=str)[:1] == ["\u2581a"]  # add_dummy_prefix, no protobuf
+    return tokens, scores, types, prefix
 
-    proto = pb.ModelProto()
-    proto.ParseFromString(path.read_bytes())
-    return tokens, scores, types, bool(proto.normalizer_spec.add_dummy_prefix)
+
+def vocab_from_sentencepiece(path: Path) -> dict:
+    """GGUF tokenizer fields straight from a ``tokenizer.model`` (ids from the model itself)."""
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(path))
+    tokens, scores, types, prefix = _from_sentencepiece(path)
+    ids = {k: (v if v >= 0 else None) for k, v in (("bos", sp.bos_id()), ("eos", sp.eos_id()),
+                                                   ("unk", sp.unk_id()), ("pad", sp.pad_id()))}
+    return dict(model="llama", pre="default", add_space_prefix=prefix, tokens=tokens,
+                scores=scores, types=types, add_bos=True, add_eos=False, **ids)
 
 
 def vocab_from_tokenizer(tok, tokenizer_dir: Path | None, arch: str, vocab_size: int) -> dict:
@@ -69,7 +78,7 @@ def vocab_from_tokenizer(tok, tokenizer_dir: Path | None, arch: str, vocab_size:
         floor = -float(len(merges) + 1)
         scores = [float(-rank[p]) if p in rank else floor for p in tokens]
         types = [BYTE if _byte_piece(p) else NORMAL for p in tokens]
-        norm = json.dumps(data.get("normalizer") or {})
+        norm = json.dumps(data.get("normalizer") or {}, ensure_ascii=False)
         out.update(model="llama", pre="default",
                    add_space_prefix='"Prepend"' in norm and "\u2581" in norm)
     elif model.get("type") == "BPE":
@@ -107,13 +116,11 @@ def vocab_from_tokenizer(tok, tokenizer_dir: Path | None, arch: str, vocab_size:
             scores.append(-1000.0)
     if len(tokens) > vocab_size:
         raise ExportError(f"tokenizer has {len(tokens)} tokens but the model only {vocab_size}")
-    add_bos = getattr(tok, "add_bos_token", None)
-    if add_bos is None:
-        add_bos = bool(tok.bos_token_id is not None and
-                       tok("a", add_special_tokens=True)["input_ids"][:1] == [tok.bos_token_id])
+    probe = tok("a", add_special_tokens=True)["input_ids"]  # what the tokenizer really does
+    add_bos = tok.bos_token_id is not None and probe[:1] == [tok.bos_token_id]
     out.update(tokens=tokens, scores=scores, types=types, bos=tok.bos_token_id,
                eos=tok.eos_token_id, unk=unk, pad=tok.pad_token_id, add_bos=bool(add_bos),
-               add_eos=bool(getattr(tok, "add_eos_token", False) or False))
+               add_eos=tok.eos_token_id is not None and probe[-1:] == [tok.eos_token_id])
     return out
 
 

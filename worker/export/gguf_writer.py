@@ -224,10 +224,14 @@ def write_gguf(state: dict, config, tok, out_path: str | Path, qtype: str = "F16
 
 def write_vocab_only(tok, out_path: str | Path, tokenizer_dir: Path | None = None,
                      arch: str = "llama") -> None:
-    """A tensor-free GGUF holding only the tokenizer (for tokenisation tests)."""
+    """A tensor-free GGUF holding only the tokenizer (for tokenisation tests). ``tok`` is a HF
+    tokenizer, or a path to a SentencePiece ``tokenizer.model``."""
     import gguf
 
-    v = vocab_from_tokenizer(tok, tokenizer_dir, arch, len(tok))
+    from .gguf_vocab import vocab_from_sentencepiece
+
+    v = (vocab_from_sentencepiece(Path(tok)) if isinstance(tok, (str, Path))
+         else vocab_from_tokenizer(tok, tokenizer_dir, arch, len(tok)))
     with atomic_path(out_path) as tmp:
         w = gguf.GGUFWriter(str(tmp), arch)
         for fn, val in ((w.add_context_length, 4096), (w.add_embedding_length, 4096),

@@ -1,11 +1,11 @@
-"""Ollama export: a Modelfile for the GGUF, and model creation on an Ollama server.
+r"""Ollama export: a Modelfile for the GGUF, and model creation on an Ollama server.
 
 Modelfile (Ollama ``docs/modelfile.md``)::
 
     FROM ./model-Q4_K_M.gguf
-    TEMPLATE """<Go template from worker.export.gotemplate>"""
+    TEMPLATE '''<Go template from worker.export.gotemplate>'''  (written with triple double quotes)
     PARAMETER stop "<|im_end|>"          one line per end-of-turn marker
-    SYSTEM """<the run's system prompt>"""   only when the run had one
+    SYSTEM '''<the run's system prompt>'''   only when the run had one
 
 The TEMPLATE is derived from the run's Jinja chat template (:mod:`worker.export.chat`) and checked
 at export time: for probe conversations (system + multi-turn, ending on a user turn) the
