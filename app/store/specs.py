@@ -106,3 +106,168 @@ class ImportModelSpec(BaseModel):
 
     spec_version: Literal[1] = 1
     model_id: str
+
+
+# ---- GRPO -------------------------------------------------------------------------------
+#: Built-in reward names (worker/rewards/builtin.py) plus ``custom`` (Python from the browser).
+REWARD_NAMES = ("numeric_match", "exact_match", "regex_match", "format", "length_penalty", "custom")
+GRPO_LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo")
+SCALE_REWARDS = ("group", "batch", "none")
+#: The prompt column is the first of these a row has, unless the spec names one.
+PROMPT_COLUMNS = ("prompt", "question", "instruction", "query", "problem", "input", "text")
+#: The reference column is the first of these a row has, unless the spec names one.
+ANSWER_COLUMNS = ("answer", "solution", "reference", "target", "output", "completion")
+
+
+class RewardSpec(BaseModel):
+    """One reward function of a GRPO run: a built-in ``name`` (or ``custom``), its weight and params.
+
+    ``params`` per reward (all optional unless stated):
+
+    * numeric_match: ``column`` (default: the run's answer column), ``strict`` (only ``\\boxed{}``,
+      ``#### n`` or ``<answer>`` count; otherwise the last number of the completion does too).
+    * exact_match: ``column``, ``case_sensitive`` (False), ``strip`` (True).
+    * regex_match: ``pattern`` (required); with ``column`` the first group (or the whole match)
+      must equal that column's value, without it any match scores.
+    * format: ``reasoning_tag`` ("think"), ``answer_tag`` ("answer").
+    * length_penalty: ``target_tokens`` (required): −(tokens beyond target)/target, floor −1.
+    * custom: ``source`` (required, Python defining ``entry``), ``entry`` ("reward"),
+      ``timeout_s`` (5), ``memory_mb`` (512).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    weight: float = 1.0
+    label: str | None = Field(default=None, max_length=64, description="shown in charts")
+    params: dict = Field(default_factory=dict)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if v not in REWARD_NAMES:
+            raise ValueError(f"unknown reward {v!r}; choose one of {', '.join(REWARD_NAMES)}")
+        return v
+
+    @field_validator("weight")
+    @classmethod
+    def _weight(cls, v: float) -> float:
+        if v != v or v in (float("inf"), float("-inf")):
+            raise ValueError("weight must be a finite number")
+        return v
+
+    @model_validator(mode="after")
+    def _params(self) -> "RewardSpec":
+        import re
+
+        p = self.params
+        if self.name == "regex_match":
+            pat = p.get("pattern")
+            if not isinstance(pat, str) or not pat:
+                raise ValueError("regex_match needs params.pattern (a Python regular expression)")
+            try:
+                re.compile(pat)
+            except re.error as e:
+                raise ValueError(f"regex_match pattern does not compile: {e}") from None
+        if self.name == "length_penalty":
+            t = p.get("target_tokens")
+            if not isinstance(t, int) or isinstance(t, bool) or t < 1:
+                raise ValueError("length_penalty needs params.target_tokens, a positive integer")
+        if self.name == "custom":
+            src = p.get("source")
+            if not isinstance(src, str) or not src.strip():
+                raise ValueError("a custom reward needs params.source (Python code)")
+            try:
+                compile(src, "<custom reward>", "exec")
+            except SyntaxError as e:
+                raise ValueError(f"custom reward source: line {e.lineno}: {e.msg}") from None
+            for key, lo, hi in (("timeout_s", 0.1, 600), ("memory_mb", 64, 65536)):
+                if key in p and not (isinstance(p[key], (int, float)) and lo <= p[key] <= hi):
+                    raise ValueError(f"custom reward params.{key} must be between {lo} and {hi}")
+        return self
+
+    @property
+    def display_name(self) -> str:
+        return self.label or self.name
+
+
+class GrpoSpec(BaseModel):
+    """A LoRA/QLoRA GRPO run (spec_version 1), with TRL's GRPOConfig names.
+
+    ``per_device_train_batch_size`` counts completions, as in TRL: each optimizer step sees
+    ``per_device_train_batch_size * gradient_accumulation_steps`` completions, which must be a
+    multiple of ``num_generations`` (whole groups). ``max_prompt_length`` keeps the last tokens of
+    a longer prompt. ``chat_template`` "none" sends the prompt text as is (base models).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    spec_version: Literal[1] = 1
+    model: str = Field(description="registered model id or name")
+    dataset: str = Field(description="dataset file id")
+    prompt_column: str | None = None
+    answer_column: str | None = None
+    system_prompt: str | None = None
+    chat_template: str | None = None
+    rewards: list[RewardSpec] = Field(min_length=1)
+    num_generations: int = Field(default=4, ge=2, le=256)
+    max_prompt_length: int = Field(default=256, ge=1, le=1_048_576)
+    max_completion_length: int = Field(default=256, ge=1, le=1_048_576)
+    temperature: float = Field(default=1.0, gt=0.0, le=10.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    beta: float = Field(default=0.04, ge=0.0, le=100.0)
+    epsilon: float = Field(default=0.2, gt=0.0, le=10.0)
+    loss_type: str = "dapo"
+    scale_rewards: str = "group"
+    num_iterations: int = Field(default=1, ge=1, le=64)
+    learning_rate: float = Field(default=5e-6, gt=0.0, le=1.0)
+    per_device_train_batch_size: int = Field(default=4, ge=1, le=4096)
+    gradient_accumulation_steps: int = Field(default=1, ge=1, le=4096)
+    max_steps: int = Field(default=200, ge=1)
+    warmup_ratio: float = Field(default=0.0, ge=0.0, le=1.0)
+    lr_scheduler_type: str = "constant"
+    weight_decay: float = Field(default=0.0, ge=0.0, le=1.0)
+    max_grad_norm: float = Field(default=1.0, ge=0.0)
+    optim: str = "adamw_torch"
+    r: int = Field(default=16, ge=1, le=1024)
+    lora_alpha: int = Field(default=16, ge=1, le=4096)
+    lora_dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    target_modules: list[str] = Field(default_factory=lambda: list(ALL_LINEAR), min_length=1)
+    use_rslora: bool = False
+    load_in_4bit: bool = False
+    seed: int = Field(default=3407, ge=0)
+    logging_steps: int = Field(default=1, ge=1)
+    save_steps: int = Field(default=50, ge=1)
+    sample_every: int = Field(default=1, ge=1, description="steps between sample-table events")
+
+    _scheduler = field_validator("lr_scheduler_type")(TrainSpec._scheduler.__func__)
+    _optim = field_validator("optim")(TrainSpec._optim.__func__)
+    _targets = field_validator("target_modules")(TrainSpec._targets.__func__)
+
+    @field_validator("loss_type")
+    @classmethod
+    def _loss(cls, v: str) -> str:
+        if v not in GRPO_LOSS_TYPES:
+            raise ValueError(f"must be one of {', '.join(GRPO_LOSS_TYPES)}")
+        return v
+
+    @field_validator("scale_rewards")
+    @classmethod
+    def _scale(cls, v: str) -> str:
+        if v not in SCALE_REWARDS:
+            raise ValueError(f"must be one of {', '.join(SCALE_REWARDS)}")
+        return v
+
+    @model_validator(mode="after")
+    def _groups(self) -> "GrpoSpec":
+        per_step = self.per_device_train_batch_size * self.gradient_accumulation_steps
+        if per_step % self.num_generations:
+            raise ValueError(
+                f"per_device_train_batch_size × gradient_accumulation_steps ({per_step}) must be a "
+                f"multiple of num_generations ({self.num_generations}) so that every step scores "
+                f"whole groups")
+        return self
+
+    @property
+    def has_custom_rewards(self) -> bool:
+        return any(r.name == "custom" for r in self.rewards)

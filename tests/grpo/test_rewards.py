@@ -1,0 +1,194 @@
+"""Advantages, reward validation and the built-in rewards (on real GSM8K rows)."""
+from __future__ import annotations
+
+import math
+from decimal import Decimal
+
+import pytest
+from pydantic import ValidationError
+
+from app.store.specs import GrpoSpec, RewardSpec
+from worker.rewards import builtin
+from worker.rewards.base import (Batch, PerSample, RewardError, RewardFunction, group_advantages,
+                                 score_all, validate)
+from worker.rewards.registry import build
+
+
+# ---- advantages --------------------------------------------------------------------------
+def test_advantages_one_right_of_four():
+    adv, zero = group_advantages([1, 0, 0, 0], 4, "group")
+    assert adv == pytest.approx([1.5, -0.5, -0.5, -0.5], abs=1e-12)
+    assert zero == 0
+
+
+def test_all_equal_group_gives_zeros_and_is_counted():
+    adv, zero = group_advantages([0.3, 0.3, 0.3, 0.3, 1, 0, 0, 0], 4, "group")
+    assert adv[:4] == [0.0, 0.0, 0.0, 0.0]
+    assert adv[4:] == pytest.approx([1.5, -0.5, -0.5, -0.5])
+    assert zero == 1
+    for scale in ("batch", "none"):
+        adv, zero = group_advantages([2, 2, 2, 2], 4, scale)
+        assert adv == [0.0] * 4 and zero == 1
+
+
+def test_advantage_scales():
+    adv, _ = group_advantages([1, 0, 0, 0], 4, "none")
+    assert adv == pytest.approx([0.75, -0.25, -0.25, -0.25])
+    adv, _ = group_advantages([1, 0, 0, 0, 5, 5, 5, 5], 4, "batch")
+    rs = [1, 0, 0, 0, 5, 5, 5, 5]
+    m = sum(rs) / 8
+    s = math.sqrt(sum((r - m) ** 2 for r in rs) / 7)
+    assert adv[:4] == pytest.approx([0.75 / s, -0.25 / s, -0.25 / s, -0.25 / s])
+    assert adv[4:] == [0.0] * 4
+
+
+def test_advantages_reject_partial_groups_and_nan():
+    with pytest.raises(ValueError):
+        group_advantages([1, 0, 0], 2)
+    with pytest.raises(ValueError):
+        group_advantages([1, float("nan")], 2)
+
+
+# ---- validation: every way a reward can be wrong stops the run -----------------------------
+def _batch(n=4):
+    return Batch([f"prompt {i}" for i in range(n)], [f"completion {i}" for i in range(n)],
+                 [3] * n, {"answer": [f"#### {i}" for i in range(n)]})
+
+
+class _Fixed(RewardFunction):
+    def __init__(self, values, name="fixed"):
+        self.values, self.name = values, name
+
+    def score(self, batch):
+        return self.values
+
+
+@pytest.mark.parametrize("values, needle, index", [
+    ([1.0, None, 0.0, 0.0], "returned None", 1),
+    ([1.0, 0.0, "yes", 0.0], "returned a str ('yes'), not a number", 2),
+    ([1.0, 0.0, 0.0, float("nan")], "returned nan, not a finite number", 3),
+    ([float("inf"), 0.0, 0.0, 0.0], "returned inf", 0),
+    ([1.0, 0.0, [1.0], 0.0], "returned a list", 2),
+])
+def test_bad_values_name_function_and_sample(values, needle, index):
+    with pytest.raises(RewardError) as ei:
+        validate("my_reward", values, _batch())
+    msg = str(ei.value)
+    assert "'my_reward'" in msg and needle in msg
+    assert f"offending sample #{index}" in msg and f"completion {index}" in msg
+
+
+def test_wrong_count_is_never_broadcast():
+    with pytest.raises(RewardError, match=r"returned 1 rewards for 4 completions"):
+        validate("scalar", [1.0], _batch())
+    with pytest.raises(RewardError, match=r"returned a float, not a list of 4"):
+        validate("scalar", 1.0, _batch())
+    with pytest.raises(RewardError, match="returned 5 rewards"):
+        score_all([_Fixed([0.0] * 5)], _batch(), 4)
+
+
+def test_raising_reward_names_the_sample():
+    def fn(s):
+        if s.index == 2:
+            raise ZeroDivisionError("division by zero")
+        return 1.0
+
+    with pytest.raises(RewardError) as ei:
+        score_all([PerSample("divider", fn)], _batch(), 4)
+    assert "'divider' raised ZeroDivisionError: division by zero" in str(ei.value)
+    assert "#2" in str(ei.value) and "completion 2" in str(ei.value)
+
+
+def test_numbers_of_other_types_are_accepted():
+    import numpy as np
+
+    assert validate("n", [True, 1, np.float32(0.5), np.int64(2)], _batch()) == [1.0, 1.0, 0.5, 2.0]
+
+
+def test_score_all_weights_and_reports():
+    b = _batch(8)
+    a = _Fixed([1, 0, 0, 0, 1, 1, 1, 1], "a")
+    c = _Fixed([0, 0, 0, 0, 0, 0, 0, 0], "c")
+    c.weight = 2.0
+    s = score_all([a, c], b, 4)
+    assert s.total == [1, 0, 0, 0, 1, 1, 1, 1]
+    assert s.advantages[:4] == pytest.approx([1.5, -0.5, -0.5, -0.5])
+    assert s.frac_zero_std == 0.5 and s.names == ["a", "c"]
+
+
+# ---- built-ins on real GSM8K rows ---------------------------------------------------------
+def test_gsm8k_references_parse(gsm8k_rows):
+    for row in gsm8k_rows:
+        ref = builtin.reference_answer(row["answer"])
+        assert ref is not None, row["answer"]
+        assert str(ref) == row["answer"].split("####")[-1].strip().replace(",", "")
+
+
+def test_numeric_match_on_gsm8k(gsm8k_rows):
+    fn = builtin.make_builtin("numeric_match", {}, "answer")
+    rows = gsm8k_rows[:8]
+    refs = [r["answer"].split("####")[-1].strip() for r in rows]
+    comps = []
+    for i, ref in enumerate(refs):
+        comps.append([f"So the answer is \\boxed{{{ref}}}.",  # right, boxed
+                      f"Step by step... #### {ref}",  # right, GSM8K style
+                      f"<think>work</think><answer>{ref}</answer>",  # right, tag
+                      f"I think it is {int(Decimal(ref.replace(',', ''))) + 1}",  # wrong
+                      ][i % 4])
+    b = Batch([r["question"] for r in rows], comps, [10] * 8,
+              {"answer": [r["answer"] for r in rows], "question": [r["question"] for r in rows]})
+    got = validate(fn.name, fn.score(b), b)
+    assert got == [1, 1, 1, 0, 1, 1, 1, 0]
+    # the GSM8K solution text itself scores 1 against its own reference
+    b2 = Batch([""] * 8, [r["answer"] for r in rows], [1] * 8, {"answer": [r["answer"] for r in rows]})
+    assert fn.score(b2) == [1.0] * 8
+
+
+def test_numeric_extraction_forms():
+    ex = builtin.extract_answer
+    assert ex("\\boxed{\\frac{7}{2}}") == Decimal("3.5")
+    assert ex("total $1,234.50.") == Decimal("1234.50")
+    assert ex("#### 72") == 72 and ex("first 3 then \\boxed{5} then 9") == 5
+    assert ex("no digits", strict=False) is None
+    assert ex("the answer is 12", strict=True) is None
+    strict = builtin.make_builtin("numeric_match", {"strict": True}, "answer")
+    b = Batch(["q"], ["it is 72"], [3], {"answer": ["#### 72"]})
+    assert strict.score(b) == [0.0]
+
+
+def test_exact_regex_format_length():
+    b = Batch(["p"] * 4, ["  Paris ", "paris.", "<think>x</think> <answer>4</answer>",
+                          "blah <think>x</think> and <answer>4</answer>"],
+              [2, 2, 20, 40], {"city": ["paris"] * 4, "n": ["4"] * 4})
+    assert builtin.make_builtin("exact_match", {"column": "city"}, None).score(b)[:2] == [1.0, 0.0]
+    rx = builtin.make_builtin("regex_match", {"pattern": r"<answer>(\d+)</answer>",
+                                              "column": "n"}, None)
+    assert rx.score(b) == [0.0, 0.0, 1.0, 1.0]
+    word = builtin.make_builtin("regex_match", {"pattern": r"(?i)\bparis\b"}, None)
+    assert word.score(b) == [1.0, 1.0, 0.0, 0.0]
+    assert builtin.make_builtin("format", {}, None).score(b) == [0.0, 0.0, 1.0, 0.5]
+    assert builtin.make_builtin("length_penalty", {"target_tokens": 20}, None).score(b) == \
+        [0.0, 0.0, 0.0, -1.0]
+
+
+def test_missing_column_is_a_clear_error():
+    fn = builtin.make_builtin("exact_match", {"column": "nope"}, None)
+    with pytest.raises(RewardError, match="no column 'nope'"):
+        fn.score(_batch())
+
+
+def test_spec_validation_and_registry():
+    spec = GrpoSpec(model="m", dataset="d", rewards=[
+        {"name": "numeric_match"}, {"name": "format", "weight": 0.5},
+        {"name": "format", "weight": 0.1}])
+    fns = build(spec, "answer")
+    assert [f.name for f in fns] == ["numeric_match", "format", "format_2"]
+    assert [f.weight for f in fns] == [1.0, 0.5, 0.1]
+    with pytest.raises(ValidationError, match="multiple of num_generations"):
+        GrpoSpec(model="m", dataset="d", rewards=[{"name": "format"}], num_generations=3)
+    with pytest.raises(ValidationError, match="unknown reward"):
+        RewardSpec(name="vibes")
+    with pytest.raises(ValidationError, match="line 1"):
+        RewardSpec(name="custom", params={"source": "def reward(:"})
+    with pytest.raises(ValidationError, match="target_tokens"):
+        RewardSpec(name="length_penalty")
