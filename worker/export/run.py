@@ -4,8 +4,9 @@ A run folder (written by ``worker/jobs/train.py``) holds::
 
     runs/<run_id>/adapter/      PEFT layout: adapter_config.json, adapter_model.safetensors
                                 (tokenizer files beside them when training saved them)
-    runs/<run_id>/config.json   resolved TrainSpec (``chat_template``, ``system_prompt``,
-                                ``load_in_4bit`` ...) plus the chat template actually used
+    runs/<run_id>/config.json   {"spec": resolved TrainSpec (system_prompt, load_in_4bit...),
+                                 "model": {"path"}, "dataset": {"path"},
+                                 "chat_template": {"name", "template"}}
 
 The base model is a local Hugging Face folder (``Model.path``); it is passed in explicitly, or
 taken from ``config.json`` (``model_path``/``base_model_path``) or the adapter's
@@ -51,13 +52,16 @@ def load_run(run_dir: str | Path, base_dir: str | Path | None = None) -> RunInfo
     cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
     spec = cfg.get("spec", cfg) if isinstance(cfg.get("spec"), dict) else cfg
     acfg = json.loads((adapter / "adapter_config.json").read_text())
-    if base_dir is None:
-        base_dir = (cfg.get("model_path") or cfg.get("base_model_path")
+    model = cfg.get("model") if isinstance(cfg.get("model"), dict) else {}
+    if base_dir is None:  # train.py writes {"model": {"path": ...}}
+        base_dir = (model.get("path") or cfg.get("model_path") or cfg.get("base_model_path")
                     or acfg.get("base_model_name_or_path"))
     if not base_dir or not Path(base_dir).is_dir():
         raise ExportError(f"base model folder {base_dir!r} not found; pass the model's path")
-    template = cfg.get("chat_template_used") or cfg.get("resolved_chat_template") \
-        or spec.get("chat_template")
+    ct = cfg.get("chat_template")  # train.py: {"name", "template"}; else a Jinja string / name
+    template = ct.get("template") if isinstance(ct, dict) else (ct or spec.get("chat_template"))
+    if not template and (adapter / "chat_template.jinja").exists():
+        template = (adapter / "chat_template.jinja").read_text(encoding="utf-8")
     if template and "{%" not in template and "{{" not in template:
         from app.data.chat_template import resolve_template
 

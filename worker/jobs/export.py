@@ -15,6 +15,7 @@ Result: ``{"format", "files": [{"name","path","size","sha256"}], "verification":
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Callable
 
@@ -62,7 +63,9 @@ def export_run(run_dir: str | Path, spec, out_dir: str | Path,
     trained = load_trained_model(info, dtype=torch.float32)
     eot = end_of_turn_tokens(tok, info.chat_template)
     end_ids = _end_ids(trained, eot)
-    data_path = data_path or info.config.get("dataset_path")
+    ds = info.config.get("dataset")
+    data_path = data_path or (ds.get("path") if isinstance(ds, dict) else None) \
+        or info.config.get("dataset_path")
     refs = V.reference(trained, tok, V.probe_prompts(data_path, tok, info.chat_template), end_ids)
     files: list[Path] = []
     result: dict[str, Any] = {"format": fmt, "probes": [r["prompt"] for r in refs]}
@@ -170,10 +173,56 @@ def _ollama(info, tok, gguf_path: Path, out: Path, checks: dict, url, model_name
 
 def run_export(payload: dict, *, export_id: str, run_dir: str | Path, out_dir: str | Path,
                progress: Callable[[str, float], None] = noop_progress, **kw) -> dict:
-    """Worker-loop entry for kind ``export``: ``payload`` is an ExportSpec dict."""
+    """Queue-independent entry: ``payload`` is an ExportSpec dict (``export_id`` ignored)."""
     from app.store.specs import ExportSpec
 
     spec = ExportSpec.model_validate({k: v for k, v in payload.items() if k != "export_id"})
     res = export_run(run_dir, spec, Path(out_dir) / export_id, progress, **kw)
+    res["export_id"] = export_id
+    return res
+
+
+def run(ctx) -> dict:
+    """Worker-loop handler (``HANDLERS["export"] = "worker.jobs.export:run"``).
+
+    Payload: ExportSpec fields (+ optional ``export_id``, ``ollama_url``, ``model_name``).
+    Files go to ``<data_dir>/exports/<export_id or job id>/``; each becomes an Artifact of kind
+    ``spec.format`` with size and sha256. A failed verification raises JobError with the first
+    diff; the full result (diffs included) is logged as an event ``verification``.
+    """
+    from app.store import repo
+    from app.store.schema import Artifact
+    from worker.context import JobError
+
+    payload = dict(ctx.payload)
+    export_id = str(payload.pop("export_id", None) or f"export-{ctx.job.id}")
+    url = payload.pop("ollama_url", None) or getattr(ctx.settings, "ollama_url", None) or None
+    model_name = payload.pop("model_name", None)
+    from app.store.specs import ExportSpec
+
+    spec = ExportSpec.model_validate(payload)
+    run_row = repo.get_run(ctx.engine, spec.run_id)
+    run_dir = Path(run_row.output_dir or ctx.settings.data_dir / "runs" / spec.run_id)
+    out = (ctx.settings.data_dir / "exports" / export_id).resolve()
+
+    def progress(stage: str, frac: float) -> None:
+        ctx.check()
+        ctx.progress(stage, round(frac * 1000), 1000)
+
+    try:
+        res = export_run(run_dir, spec, out, progress, ollama_url=url if spec.format == "ollama"
+                         else None, model_name=model_name, name=spec.run_id)
+    except VerificationFailed as e:
+        ctx.log("export verification failed", "error", verification=e.result["verification"])
+        first = next((f for c in e.result["verification"]["checks"].values()
+                      for f in c.get("failures", [])), {})
+        raise JobError(f"{e}; first diff: {json.dumps(first)[:1500]}") from e
+    except ExportError as e:
+        raise JobError(str(e)) from e
+    for f in res["files"]:
+        repo.add_artifact(ctx.engine, Artifact(
+            run_id=spec.run_id, job_id=ctx.job.id, kind=spec.format, name=f["name"],
+            path=f["path"], bytes=f["size"], sha256=f["sha256"],
+            meta={"export_id": export_id, "quantization": spec.quantization}))
     res["export_id"] = export_id
     return res
