@@ -102,13 +102,17 @@ def make_cases(tokens, dev, dtype, lf):
         H, I, V, HQ, HK, D = 64, 96, 1000, 4, 2, 16
     e = torch.finfo(dtype).bits // 8
     for t in tokens:
-        w = torch.rand(H, device=dev, dtype=dtype) + 0.5
-        impls = {"whetstone": lambda x: rms_norm(x, w),
-                 "reference": lambda x: rms_norm_ref(x, w)}
-        if lf is not None:
-            impls["liger"] = lambda x: lf.liger_rms_norm(x, w, 1e-6, in_place=False)
-        yield ("rms_norm", f"{t}x{H}", 2 * t * H * e + t * 4, 3 * t * H * e + t * 4,
-               lambda: [torch.randn(t, H, device=dev, dtype=dtype)], impls, rms_norm_ref, (w,))
+        # LoRA case (frozen w, no dW) and full case (+dW; liger always computes dW)
+        for with_dw in (False, True):
+            impls = {"whetstone": lambda x, w: rms_norm(x, w),
+                     "reference": lambda x, w: rms_norm_ref(x, w)}
+            if lf is not None:
+                impls["liger"] = lambda x, w: lf.liger_rms_norm(x, w, 1e-6, in_place=False)
+            yield ("rms_norm", f"{t}x{H}" + ("+dW" if with_dw else ""), 2 * t * H * e + t * 4,
+                   3 * t * H * e + t * 4 + (H * e if with_dw else 0),
+                   (lambda: [torch.randn(t, H, device=dev, dtype=dtype),
+                             torch.rand(H, device=dev, dtype=dtype) + 0.5]), impls,
+                   (lambda x, w: rms_norm_ref(x, w)), (1,) if with_dw else (0,))
 
         for op, act in (("swiglu", "silu"), ("geglu", "gelu_tanh")):
             impls = {"whetstone": (lambda a, b, act=act: glu(a, b, act)),
@@ -117,7 +121,7 @@ def make_cases(tokens, dev, dtype, lf):
                 impls["liger"] = lf.liger_swiglu if op == "swiglu" else lf.liger_geglu
             yield (op, f"{t}x{I}", 3 * t * I * e, 5 * t * I * e,
                    lambda: [torch.randn(t, I, device=dev, dtype=dtype), torch.randn(t, I, device=dev, dtype=dtype)],
-                   impls, (lambda a, b, act=act: glu_ref(a, b, act)), ())
+                   impls, (lambda a, b, act=act: glu_ref(a, b, act)), (0, 1))
 
         cfg = {"hidden_size": H, "num_attention_heads": HQ, "head_dim": D, "rope_theta": 500000.0,
                "max_position_embeddings": 131072,
@@ -133,7 +137,7 @@ def make_cases(tokens, dev, dtype, lf):
         yield ("rope", f"1x{t}x({HQ}+{HK})x{D}", 2 * qk + 2 * t * D // 2 * e, 2 * qk + 2 * t * D // 2 * e,
                lambda: [torch.randn(1, t, HQ, D, device=dev, dtype=dtype).transpose(1, 2),
                         torch.randn(1, t, HK, D, device=dev, dtype=dtype).transpose(1, 2)],
-               impls, lambda q, k: rope_ref(q, k, cos, sin), ())
+               impls, lambda q, k: rope_ref(q, k, cos, sin), (0, 1))
 
         head = torch.randn(V, H, device=dev, dtype=dtype) / H ** 0.5
         labels = torch.randint(0, V, (t,), device=dev)
@@ -143,7 +147,7 @@ def make_cases(tokens, dev, dtype, lf):
         if lf is not None:
             impls["liger"] = lambda h: lf.liger_fused_linear_cross_entropy(h, head, labels)
         yield ("cross_entropy", f"{t}x{H}->{V}", None, None, lambda: [torch.randn(t, H, device=dev, dtype=dtype)],
-               impls, lambda h: linear_cross_entropy_ref(h, head, labels), ())
+               impls, lambda h: linear_cross_entropy_ref(h, head, labels), (0,))
     # NF4: one MLP weight [14336, 4096] (independent of the token count)
     n_out, n_in = (I, H)
     packed, st = nf4_quantize_ref(torch.randn(n_out, n_in, device=dev) * 0.02)
@@ -162,32 +166,56 @@ def make_cases(tokens, dev, dtype, lf):
            lambda: nf4_dequantize_ref(packed, st, dtype), ())
 
 
-def measure(timer, fn, inputs, grad_needed):
-    """Returns (fwd_ms, bwd_ms or None, peak_abs_gib, peak_extra_gib)."""
-    xs = [x.requires_grad_(grad_needed) for x in inputs]
-    fwd = timer.ms(lambda: fn(*xs))
-    bwd = None
-    peak = extra = None
+def graph_ms(timer, step):
+    """Median time of a CUDA-graph replay of step() (no CPU launch overhead); None if capture fails."""
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            step()
+        ms = timer.ms(g.replay)
+        del g
+        return ms
+    except Exception as ex:
+        print(f"#   graph capture failed ({ex!r})"[:200], flush=True)
+        torch.cuda.synchronize()
+        return None
+
+
+def measure(timer, fn, inputs, grad_idx):
+    """Returns dict: eager fwd / fwd+bwd ms, graph fwd / fwd+bwd ms, peak memory (abs, above baseline)."""
+    xs = [x.requires_grad_(i in grad_idx) for i, x in enumerate(inputs)]
+    gx = [x for i, x in enumerate(xs) if i in grad_idx]
+    r = {"fwd": timer.ms(lambda: fn(*xs))}
     if timer.dev == "cuda":
         timer.sync()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
     out = fn(*xs)
-    if grad_needed:
-        outs = out if isinstance(out, tuple) else (out,)
-        gs = [torch.randn_like(o) for o in outs]
-        torch.autograd.grad(outs, xs, gs, retain_graph=True)
-        if timer.dev == "cuda":
-            timer.sync()
-            peak = torch.cuda.max_memory_allocated() / GIB
-            extra = (torch.cuda.max_memory_allocated() - base) / GIB
-        bwd = timer.ms(lambda: torch.autograd.grad(outs, xs, gs, retain_graph=True))
-    elif timer.dev == "cuda":
+    outs = out if isinstance(out, tuple) else (out,)
+    gs = [torch.randn_like(o) for o in outs]
+
+    def step():
+        o = fn(*xs)
+        torch.autograd.grad(o if isinstance(o, tuple) else (o,), gx, gs)
+
+    if gx:
+        torch.autograd.grad(outs, gx, gs)
+    del out, outs
+    if timer.dev == "cuda":
         timer.sync()
-        peak = torch.cuda.max_memory_allocated() / GIB
-        extra = (torch.cuda.max_memory_allocated() - base) / GIB
-    del out
-    return fwd, bwd, peak, extra
+        r["peak"] = torch.cuda.max_memory_allocated() / GIB
+        r["extra"] = (torch.cuda.max_memory_allocated() - base) / GIB
+        r["graph_fwd"] = graph_ms(timer, lambda: fn(*xs))
+        r["graph_fwdbwd"] = graph_ms(timer, step) if gx else None
+    if gx:
+        r["fwdbwd"] = timer.ms(step)
+    return r
 
 
 def main():
@@ -197,12 +225,19 @@ def main():
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--no-liger", action="store_true")
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="also sweep RMSNorm backward programs per SM (with dW)")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results.jsonl"))
     args = ap.parse_args()
     dev = "cpu" if args.smoke else "cuda"
     tokens = [8, 13] if args.smoke else args.tokens
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     torch.manual_seed(0)
+    try:  # compiled backward graphs with donated buffers refuse to run twice over a retained graph
+        import torch._functorch.config as fconf
+
+        fconf.donated_buffer = False
+    except Exception:
+        pass
     timer = Timer(dev)
     bw = copy_bandwidth(dev)
     lf = None if args.no_liger or args.smoke else liger_ops()
@@ -213,37 +248,62 @@ def main():
     print(f"# copy bandwidth {bw:.0f} GB/s on {common['device']}; call_id {common['call_id']}", flush=True)
     rows = []
     with open(args.out, "a") as f:
-        for op, shape, b_fwd, b_bwd, make, impls, ref, _ in make_cases(tokens, dev, dtype, lf):
+        for op, shape, b_fwd, b_bwd, make, impls, ref, grad_idx in make_cases(tokens, dev, dtype, lf):
             if op not in args.ops:
                 continue
             impls = dict(impls)
             if not args.no_compile and dev == "cuda":
                 impls["compile"] = torch.compile(ref)  # per case: the references close over per-size tensors
-            grad = op != "nf4"
             for impl, fn in impls.items():
                 try:
-                    fwd, bwd, peak, extra = measure(timer, fn, make(), grad)
+                    r = measure(timer, fn, make(), grad_idx)
                 except Exception as ex:  # one failing baseline must not stop the run
                     print(f"# {op} {impl} failed: {ex!r}"[:300], flush=True)
                     continue
-                passes = [("fwd+bwd" if op == "cross_entropy" else "fwd", fwd + (bwd or 0) if op == "cross_entropy"
-                           else fwd, b_fwd)]
-                if bwd is not None and op != "cross_entropy":
-                    passes.append(("bwd", bwd, b_bwd))
-                for pas, ms, nbytes in passes:
+                g_f, g_fb = r.get("graph_fwd"), r.get("graph_fwdbwd")
+                passes = []
+                if op == "cross_entropy":
+                    passes.append(("fwd+bwd", g_fb, r["fwdbwd"], None))
+                else:
+                    passes.append(("fwd", g_f, r["fwd"], b_fwd))
+                    if "fwdbwd" in r:
+                        passes.append(("bwd", (g_fb - g_f) if (g_fb and g_f) else None, r["fwdbwd"] - r["fwd"], b_bwd))
+                for pas, gms, ems, nbytes in passes:
+                    ms = gms if gms else ems
                     gbps = nbytes / ms / 1e6 if nbytes else None
                     row = dict(common, name=op, impl=impl, shape=shape, dtype=str(dtype).replace("torch.", ""),
-                               ms=round(ms, 4), gbps=round(gbps, 1) if gbps else None,
+                               ms=round(ms, 4), timing="cuda_graph" if gms else "eager", eager_ms=round(ems, 4),
+                               gbps=round(gbps, 1) if gbps else None,
                                fraction_of_bw=round(gbps / bw, 3) if gbps else None,
-                               peak_alloc_gib=round(peak, 3) if peak is not None else None,
-                               extra_alloc_gib=round(extra, 3) if extra is not None else None,
+                               peak_alloc_gib=round(r["peak"], 3) if "peak" in r else None,
+                               extra_alloc_gib=round(r["extra"], 3) if "extra" in r else None,
                                bytes=nbytes, **{"pass": pas})
                     rows.append(row)
                     f.write(json.dumps(row) + "\n")
                     f.flush()
-                    print(f"{op:14s} {pas:8s} {impl:12s} {shape:24s} {ms:9.3f} ms  "
-                          f"{(gbps or 0):7.0f} GB/s  {(row['fraction_of_bw'] or 0):5.2f}  "
-                          f"peak+{(extra or 0):6.2f} GiB", flush=True)
+                    print(f"{op:13s} {pas:7s} {impl:12s} {shape:22s} {ms:8.3f} ms {row['timing'][:5]:5s} "
+                          f"(eager {ems:7.3f}) {(gbps or 0):5.0f} GB/s {(row['fraction_of_bw'] or 0):5.2f} "
+                          f"+{(row['extra_alloc_gib'] or 0):6.2f} GiB", flush=True)
+        if args.sweep and dev == "cuda":
+            rms_mod = sys.modules["kernels.rms_norm"]
+            keep = rms_mod.BWD_PROGS_PER_SM
+            for t in tokens:
+                for k in (1, 2, 4, 8, 16):
+                    rms_mod.BWD_PROGS_PER_SM = k
+                    x = torch.randn(t, 4096, device=dev, dtype=dtype, requires_grad=True)
+                    w = (torch.rand(4096, device=dev, dtype=dtype) + 0.5).requires_grad_()
+                    dy = torch.randn_like(x)
+                    f_ms = graph_ms(timer, lambda: rms_norm(x, w))
+                    fb_ms = graph_ms(timer, lambda: torch.autograd.grad(rms_norm(x, w), (x, w), dy))
+                    ms = fb_ms - f_ms
+                    gbps = (3 * t * 4096 * 2 + t * 4) / ms / 1e6
+                    row = dict(common, bench="kernels-sweep", name="rms_norm", impl=f"whetstone progs/SM={k}",
+                               shape=f"{t}x4096+dW", dtype="bfloat16", ms=round(ms, 4), timing="cuda_graph",
+                               gbps=round(gbps, 1), fraction_of_bw=round(gbps / bw, 3), **{"pass": "bwd"})
+                    f.write(json.dumps(row) + "\n")
+                    print(f"sweep rms bwd+dW T={t} progs/SM={k:2d}: {ms:.4f} ms {gbps:.0f} GB/s "
+                          f"{gbps / bw:.2f}", flush=True)
+            rms_mod.BWD_PROGS_PER_SM = keep
     return rows
 
 

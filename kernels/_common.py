@@ -4,16 +4,21 @@ from __future__ import annotations
 import os
 
 import torch
-import triton
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+_SMS: dict = {}
+
+
 def num_sms(device: torch.device) -> int:
-    """Number of streaming multiprocessors (a small constant on CPU/interpreter)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
+    """Number of streaming multiprocessors (a small constant on CPU/interpreter); cached per device."""
+    if device.type != "cuda":
+        return 4
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SMS:
+        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SMS[idx]
 
 
 def warps_for(block: int) -> int:
@@ -28,7 +33,8 @@ def warps_for(block: int) -> int:
 
 
 def next_pow2(n: int) -> int:
-    return triton.next_power_of_2(max(int(n), 1))
+    """Smallest power of two >= n (plain Python: triton.next_power_of_2 costs microseconds a call)."""
+    return 1 << (max(int(n), 1) - 1).bit_length()
 
 
 def check_impl(impl: str) -> None:

@@ -6,8 +6,8 @@ Maths (bit-exact with bitsandbytes' dequantize_4bit; see kernels/nf4_ref.py for 
     W[2i]     = to_dtype(fl(NF4[byte[i] >> 4] * absmax[2i // 64]))
     W[2i+1]   = to_dtype(fl(NF4[byte[i] & 15] * absmax[2i // 64]))
 
-Each program turns BLOCK packed bytes into 2*BLOCK outputs; the two nibbles are joined and stored
-interleaved, so loads and stores are contiguous. fp-contraction (FMA) is switched off at launch
+Each program takes a tile of 2048/blocksize quantisation blocks: the absmax is dequantised once per
+block, the two nibbles of each byte are looked up, joined and stored interleaved (contiguous stores). fp-contraction (FMA) is switched off at launch
 (``enable_fp_fusion=False``) so the absmax is rounded twice, as bitsandbytes does. Traffic: n/2
 bytes read, n * sizeof(dtype) written (+ n/64 bytes of absmax).
 
@@ -25,28 +25,29 @@ import triton.language as tl
 from ._common import INTERPRET, check_impl
 from .nf4_ref import NF4State, nf4_code, nf4_dequantize_ref, nf4_linear_ref, nf4_state_from_bnb
 
-_BLOCK = 1024  # packed bytes per program
+_ELEMS = 2048  # output elements per program (ROWS = _ELEMS / blocksize quantisation blocks)
 _CODE_CACHE: dict = {}
 
 
 @triton.jit
-def _nf4_dequant_kernel(Q, ABSMAX, ABSMAX2, CODE2, OFFSET, NF4, OUT, n_out, BLOCKSIZE: tl.constexpr,
-                        BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr, BLOCK: tl.constexpr):
-    byte = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    first = byte * 2
-    m = first < n_out
-    b = tl.load(Q + byte, mask=m, other=0).to(tl.int32)
-    blk = first // BLOCKSIZE
+def _nf4_dequant_kernel(Q, ABSMAX, ABSMAX2, CODE2, OFFSET, NF4, OUT, n_out, n_blocks, BLOCKSIZE: tl.constexpr,
+                        BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr, ROWS: tl.constexpr, HALF: tl.constexpr):
+    # a tile of ROWS quantisation blocks x HALF = BLOCKSIZE/2 packed bytes; absmax computed once per block
+    blk = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    bm = blk < n_blocks
     if NESTED:
-        qa = tl.load(ABSMAX + blk, mask=m, other=0).to(tl.int32)
-        scaled = tl.load(CODE2 + qa) * tl.load(ABSMAX2 + blk // BLOCKSIZE2, mask=m, other=0.0)
+        qa = tl.load(ABSMAX + blk, mask=bm, other=0).to(tl.int32)
+        scaled = tl.load(CODE2 + qa) * tl.load(ABSMAX2 + blk // BLOCKSIZE2, mask=bm, other=0.0)
         amax = scaled + tl.load(OFFSET)
     else:
-        amax = tl.load(ABSMAX + blk, mask=m, other=0.0)
-    hi = tl.load(NF4 + (b >> 4)) * amax
-    lo = tl.load(NF4 + (b & 15)) * amax
-    vals = tl.reshape(tl.join(hi, lo), [2 * BLOCK])
-    idx = tl.reshape(tl.join(first, first + 1), [2 * BLOCK])
+        amax = tl.load(ABSMAX + blk, mask=bm, other=0.0)
+    first = blk[:, None] * BLOCKSIZE + 2 * tl.arange(0, HALF)[None, :]  # element index of each high nibble
+    m = first < n_out
+    b = tl.load(Q + first // 2, mask=m, other=0).to(tl.int32)
+    hi = tl.load(NF4 + (b >> 4)) * amax[:, None]
+    lo = tl.load(NF4 + (b & 15)) * amax[:, None]
+    vals = tl.reshape(tl.join(hi, lo), [ROWS, BLOCKSIZE])
+    idx = blk[:, None] * BLOCKSIZE + tl.arange(0, BLOCKSIZE)[None, :]
     tl.store(OUT + idx, vals.to(OUT.dtype.element_ty), mask=idx < n_out)
 
 
@@ -69,18 +70,21 @@ def nf4_fwd(packed: torch.Tensor, state, dtype: torch.dtype | None = None, out: 
         n *= int(s)
     if out is None:
         out = torch.empty(st.shape, dtype=dtype, device=packed.device)
-    if st.blocksize % 2:
-        raise ValueError("blocksize must be even")
+    bs = st.blocksize
+    if bs < 2 or bs & (bs - 1):
+        raise ValueError("blocksize must be a power of two")
     nested = st.nested
     absmax = st.absmax
     dummy = absmax
-    grid = (triton.cdiv(triton.cdiv(n, 2), _BLOCK),)
+    offset = st.offset if not nested or st.offset.dtype == torch.float32 else st.offset.float()
+    n_blocks = -(-n // bs)
+    rows = max(1, _ELEMS // bs)
     kwargs = {} if INTERPRET else {"enable_fp_fusion": False}
     if n:
-        _nf4_dequant_kernel[grid](
+        _nf4_dequant_kernel[(-(-n_blocks // rows),)](
             packed, absmax, st.absmax2 if nested else dummy, st.code2 if nested else dummy,
-            st.offset.reshape(1).float() if nested else dummy, _code(packed.device), out, n,
-            BLOCKSIZE=st.blocksize, BLOCKSIZE2=st.blocksize2 if nested else 1, NESTED=nested, BLOCK=_BLOCK,
+            offset if nested else dummy, _code(packed.device), out, n, n_blocks,
+            BLOCKSIZE=bs, BLOCKSIZE2=st.blocksize2 if nested else 1, NESTED=nested, ROWS=rows, HALF=bs // 2,
             num_warps=4, **kwargs)
     return out
 

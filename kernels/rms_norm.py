@@ -8,9 +8,10 @@ Maths (per row x in R^N; all arithmetic in fp32, one rounding to x.dtype on stor
               dw = sum_rows(dy * xhat)
 
 Saved for backward: x (the input, which autograd keeps anyway), w, and rstd [M] fp32 (4 bytes a row).
-Recomputed in backward: xhat. dw is reduced without atomics: the backward grid has one program per
-SM (or fewer), each walks a contiguous range of rows and writes one fp32 partial row into a
-[programs, N] buffer, which torch sums (a tiny reduction of programs x N).
+Recomputed in backward: xhat. dw is reduced without atomics: the backward grid has a few programs
+per SM, each walks a contiguous range of rows and writes one fp32 partial row into a [programs, N]
+buffer, which torch sums (a small reduction of programs x N). When w is frozen (LoRA) the backward
+runs one program per row and computes no dw at all.
 
 Shapes: x [..., N] (last dim contiguous; leading dims flattened to M rows), w [N]. Dtypes: fp32,
 fp16, bf16 for x; w any float dtype (dw is returned in w's dtype). Reference: kernels/rms_norm_ref.py.
@@ -24,6 +25,8 @@ import triton.language as tl
 
 from ._common import check_impl, next_pow2, num_sms, warps_for
 from .rms_norm_ref import rms_norm_ref
+
+BWD_PROGS_PER_SM = 4  # backward programs per SM when dW is needed (partial-sum rows = this x SMs)
 
 
 @triton.jit
@@ -41,7 +44,7 @@ def _rms_norm_fwd_kernel(X, W, Y, RSTD, stride_x, stride_y, N, eps, w_offset, BL
 
 @triton.jit
 def _rms_norm_bwd_kernel(DY, X, W, RSTD, DX, DW_PART, stride_dy, stride_x, stride_dx, M, N, w_offset,
-                         rows_per_prog, BLOCK_N: tl.constexpr):
+                         rows_per_prog, BLOCK_N: tl.constexpr, COMPUTE_DW: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
@@ -58,8 +61,10 @@ def _rms_norm_bwd_kernel(DY, X, W, RSTD, DX, DW_PART, stride_dy, stride_x, strid
         c = tl.sum(g * xhat, axis=0) / N
         dx = (g - xhat * c) * rstd
         tl.store(DX + r * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
-        dw_acc += dy * xhat
-    tl.store(DW_PART + pid.to(tl.int64) * N + cols, dw_acc, mask=mask)
+        if COMPUTE_DW:
+            dw_acc += dy * xhat
+    if COMPUTE_DW:
+        tl.store(DW_PART + pid.to(tl.int64) * N + cols, dw_acc, mask=mask)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -87,15 +92,18 @@ def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: 
     m, n = x2.shape
     dx = torch.empty((m, n), dtype=x.dtype, device=x.device)
     block = next_pow2(n)
-    progs = max(1, min(m, 4 * num_sms(x.device)))
-    rows_per_prog = triton.cdiv(m, progs) if m else 1
-    progs = triton.cdiv(m, rows_per_prog) if m else 1
-    part = torch.zeros((progs, n), dtype=torch.float32, device=x.device)
+    if need_dw:  # a few programs per SM, each summing dW over a contiguous range of rows
+        progs = max(1, min(m, BWD_PROGS_PER_SM * num_sms(x.device)))
+        rows_per_prog = triton.cdiv(m, progs) if m else 1
+        progs = triton.cdiv(m, rows_per_prog) if m else 1
+        part = torch.empty((progs, n), dtype=torch.float32, device=x.device)
+    else:  # frozen weight (LoRA): one program per row, no partial sums
+        progs, rows_per_prog, part = m, 1, dx
     if m > 0:
         _rms_norm_bwd_kernel[(progs,)](dy2, x2, weight, rstd, dx, part, dy2.stride(0), x2.stride(0), dx.stride(0),
                                        m, n, 1.0 if gemma else 0.0, rows_per_prog, BLOCK_N=block,
-                                       num_warps=warps_for(block))
-    dw = part.sum(0).to(weight.dtype) if need_dw else None
+                                       COMPUTE_DW=need_dw, num_warps=warps_for(block))
+    dw = (part.sum(0).to(weight.dtype) if m else torch.zeros_like(weight)) if need_dw else None
     return dx.view(x.shape), dw
 
 

@@ -55,5 +55,12 @@ def test_launchers_and_noncontiguous_input():
     rdx, rdw = rms_norm_ref_bwd(dy, x, w)
     torch.testing.assert_close(dx, rdx)
     torch.testing.assert_close(dw, rdw)
+    dx2, dw2 = rms_norm_bwd(dy, x, w, rstd, need_dw=False)  # frozen weight: one program per row
+    assert dw2 is None
+    torch.testing.assert_close(dx2, rdx)
+    # autograd with a frozen weight takes the same path
+    xg = x.clone().requires_grad_()
+    (gx,) = torch.autograd.grad(rms_norm(xg, w, gemma=True), xg, dy)
+    torch.testing.assert_close(gx, rms_norm_ref_bwd(dy, x, w, gemma=True)[0])
     with pytest.raises(ValueError):
         rms_norm(x, w, impl="cuda")
