@@ -1,0 +1,233 @@
+"""Per-architecture description and the fused decoder layer that runs on *our* model instance.
+
+Nothing here patches a library class. :func:`arch_spec` reads a HF config (and our instance) and
+describes the layer: Llama 2/3.x, Mistral, Qwen2/2.5 (q/k/v bias) share one layout; Qwen3 adds a
+q/k RMSNorm over the head dim; Gemma 2/3 use (1 + w) norms, four norms a layer (sandwich), GeGLU
+(tanh), Gemma 2 attention-logit and final-logit soft-capping, Gemma 3 q/k norms and per-layer-type
+RoPE (local/global). Anything else (Phi-3's fused qkv/gate_up, MoE, multimodal) raises
+:class:`Unsupported`, and the engine leaves the model on PEFT's plain modules.
+
+:func:`run_layer` is one decoder layer, h [B, S, H] -> [B, S, H], reading the weights of the HF layer
+module and its PEFT LoRA wrappers:
+
+    x = norm(h); q, k, v = LoRAProj(x) (one pass); [q/k norm]; RoPE (kernels.rope, q and k at once)
+    o = SDPA(q, k, v) (flash/cuDNN when the mask is plain causal; a boolean block mask for padding,
+        packed sequences whose position_ids restart, or sliding windows; an explicit soft-capped
+        softmax for Gemma 2); h = h + [norm](LoRAProj_o(o))
+    h = h + [norm](LoRAMLP(norm(h)))   (gate, up, GLU, down in one autograd function)
+
+Norms are kernels.rms_norm, dtypes follow h. A projection group whose LoRA cannot be fused (dropout,
+DoRA) runs through its PEFT modules instead; the rest of the layer stays fused.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from worker.engine.lora_ops import LoRAMLPFunction, LoRAProjFunction, make_proj
+
+LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")
+GEMMA_LIKE = ("gemma2", "gemma3_text")
+ACTS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
+        "gelu_fast": "gelu_tanh", "gelu": "gelu"}
+
+
+class Unsupported(Exception):
+    """This architecture is not patched; the model trains with PEFT's plain modules."""
+
+
+@dataclass
+class ArchSpec:
+    model_type: str
+    activation: str
+    gemma_norm: bool
+    sandwich: bool
+    qk_norm: bool
+    attn_softcap: float | None
+    final_softcap: float | None
+    layer_types: list[str]
+    windows: dict[str, int | None] = field(default_factory=dict)
+    rope_per_type: bool = False
+
+
+def arch_spec(model) -> ArchSpec:
+    """Describe ``model`` (a HF *ForCausalLM instance) or raise Unsupported with the reason."""
+    cfg = model.config
+    mt = getattr(cfg, "model_type", "?")
+    if mt not in LLAMA_LIKE + GEMMA_LIKE:
+        raise Unsupported(f"architecture {mt!r} has no fused path")
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None or not hasattr(model, "lm_head"):
+        raise Unsupported(f"{type(model).__name__} does not have the model.layers / lm_head layout")
+    act_name = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", "silu")
+    if act_name not in ACTS:
+        raise Unsupported(f"activation {act_name!r}")
+    n = cfg.num_hidden_layers
+    types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * n)
+    sw = getattr(cfg, "sliding_window", None)
+    if mt == "mistral" and sw:
+        types = ["sliding_attention"] * n
+    if mt == "qwen2" and not getattr(cfg, "use_sliding_window", False):
+        types = ["full_attention"] * n
+    windows = {"full_attention": None, "sliding_attention": sw}
+    if any(t not in windows for t in types):
+        raise Unsupported(f"layer types {sorted(set(types))}")
+    gemma = mt in GEMMA_LIKE
+    return ArchSpec(
+        model_type=mt, activation=ACTS[act_name], gemma_norm=gemma, sandwich=gemma,
+        qk_norm=mt in ("qwen3", "gemma3_text"),
+        attn_softcap=getattr(cfg, "attn_logit_softcapping", None) if gemma else None,
+        final_softcap=getattr(cfg, "final_logit_softcapping", None) if gemma else None,
+        layer_types=types, windows=windows, rope_per_type=mt == "gemma3_text")
+
+
+def norm(mod, x, gemma: bool, impl: str):
+    from kernels.rms_norm import rms_norm
+
+    eps = getattr(mod, "variance_epsilon", None) or getattr(mod, "eps", 1e-6)
+    return rms_norm(x, mod.weight, eps, gemma=gemma, impl=impl)
+
+
+def _collect(modules):
+    """(projs, [A, B, ...]) for the fused functions, or None when a module's LoRA is not fusable."""
+    projs, ab = [], []
+    try:
+        for m in modules:
+            p, t = make_proj(m)
+            projs.append(p)
+            ab += t
+    except ValueError:
+        return None
+    return tuple(projs), ab
+
+
+def _group(x, modules):
+    """Outputs of several projections of x: fused LoRAProj, or the PEFT modules as a fallback."""
+    got = _collect(modules)
+    if got is None:
+        return tuple(m(x) for m in modules)
+    return LoRAProjFunction.apply(x, got[0], *got[1])
+
+
+def _mlp(x, mlp, activation, impl):
+    mods = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    got = _collect(mods)
+    if got is None:
+        from worker.engine.lora_ops import _glu
+
+        return mods[2](_glu(impl)[0](mods[0](x), mods[1](x), activation))
+    return LoRAMLPFunction.apply(x, got[0], activation, impl, *got[1])
+
+
+@dataclass
+class StepInputs:
+    """Per-forward tables shared by all layers: rope[type] = (cos, sin), mask[type] (bool or None)."""
+
+    rope: dict
+    mask: dict
+
+
+def build_mask(position_ids, attention_mask, S, window, device):
+    """Boolean [B, 1, S, S] (True = attend) or None when plain causal attention is exact.
+
+    Segments start where position_ids do not increase (padding-free packing); keys with
+    attention_mask 0 are masked; window w keeps keys with q - k < w. Each query keeps itself, so a
+    fully padded row never yields NaN (its outputs carry no loss).
+    """
+    packed = position_ids is not None and S > 1 and bool(
+        (position_ids[:, 1:] <= position_ids[:, :-1]).any())
+    padded = attention_mask is not None and not bool(attention_mask.all())
+    windowed = window is not None and S > window
+    if not (packed or padded or windowed):
+        return None
+    i = torch.arange(S, device=device)
+    m = (i[:, None] >= i[None, :])[None]
+    if packed:
+        start = torch.ones_like(position_ids, dtype=torch.bool)
+        start[:, 1:] = position_ids[:, 1:] <= position_ids[:, :-1]
+        seg = start.long().cumsum(-1)
+        m = m & (seg[:, :, None] == seg[:, None, :])
+    if padded:
+        m = m & attention_mask[:, None, :].bool()
+    if windowed:
+        m = m & ((i[:, None] - i[None, :]) < window)[None]
+    m = m | torch.eye(S, dtype=torch.bool, device=device)[None]
+    return m[:, None]
+
+
+def attention(q, k, v, mask, scaling, softcap):
+    """q [B, Hq, S, D], k/v [B, Hk, S, D] -> [B, S, Hq*D]."""
+    B, Hq, S, D = q.shape
+    groups = Hq // k.shape[1]
+    if softcap is not None:
+        if groups > 1:
+            k = k.repeat_interleave(groups, 1)
+            v = v.repeat_interleave(groups, 1)
+        s = (q @ k.transpose(-1, -2)) * scaling
+        s = torch.tanh(s / softcap) * softcap
+        if mask is None:
+            i = torch.arange(S, device=q.device)
+            mask = (i[:, None] >= i[None, :])[None, None]
+        s = s.masked_fill(~mask, torch.finfo(s.dtype).min)
+        p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
+        o = p @ v
+    elif mask is None:
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling,
+                                           enable_gqa=groups > 1)
+    else:
+        if groups > 1:  # the masked (memory-efficient) backend wants equal head counts
+            k = k.repeat_interleave(groups, 1)
+            v = v.repeat_interleave(groups, 1)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
+    return o.transpose(1, 2).reshape(B, S, Hq * D)
+
+
+def run_layer(layer, h, step: StepInputs, arch: ArchSpec, impl: str):
+    """One decoder layer (see the module docstring); h [B, S, H] in the compute dtype."""
+    from kernels.rope import rope
+
+    attn = layer.self_attn
+    ltype = arch.layer_types[attn.layer_idx] if hasattr(attn, "layer_idx") else "full_attention"
+    B, S, _ = h.shape
+    D = attn.head_dim
+    x = norm(layer.input_layernorm, h, arch.gemma_norm, impl)
+    q, k, v = _group(x, (attn.q_proj, attn.k_proj, attn.v_proj))
+    del x
+    q, k, v = q.view(B, S, -1, D), k.view(B, S, -1, D), v.view(B, S, -1, D)
+    if arch.qk_norm:
+        q = norm(attn.q_norm, q, arch.gemma_norm, impl)
+        k = norm(attn.k_norm, k, arch.gemma_norm, impl)
+    cos, sin = step.rope[ltype if arch.rope_per_type else "full_attention"]
+    q, k = rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin, impl=impl)
+    o = attention(q, k, v.transpose(1, 2), step.mask[ltype], attn.scaling, arch.attn_softcap)
+    del q, k, v
+    (o,) = _group(o, (attn.o_proj,))
+    if arch.sandwich:
+        o = norm(layer.post_attention_layernorm, o, True, impl)
+    h = h + o
+    del o
+    pre = layer.pre_feedforward_layernorm if arch.sandwich else layer.post_attention_layernorm
+    x = norm(pre, h, arch.gemma_norm, impl)
+    m = _mlp(x, layer.mlp, arch.activation, impl)
+    del x
+    if arch.sandwich:
+        m = norm(layer.post_feedforward_layernorm, m, True, impl)
+    return h + m
+
+
+def step_inputs(model, arch: ArchSpec, h, position_ids, attention_mask) -> StepInputs:
+    """RoPE tables from the model's own rotary module and the masks, once per forward."""
+    inner = model.model
+    S = h.shape[1]
+    rope = {}
+    if arch.rope_per_type:
+        for t in set(arch.layer_types):
+            rope[t] = inner.rotary_emb(h, position_ids, t)
+    else:
+        rope["full_attention"] = inner.rotary_emb(h, position_ids)
+    masks = {t: build_mask(position_ids, attention_mask, S, arch.windows.get(t), h.device)
+             for t in set(arch.layer_types)}
+    return StepInputs(rope, masks)

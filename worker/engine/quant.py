@@ -1,0 +1,138 @@
+"""Frozen NF4 base weights (bitsandbytes layout) for the LoRA engine.
+
+:class:`NF4Linear` replaces the frozen ``base_layer`` of a PEFT ``lora.Linear`` (or a plain
+``nn.Linear``) and holds only the packed weight:
+
+* ``packed``  uint8 [ceil(out*in/2), 1]  two 4-bit NF4 indices a byte (even element in the high nibble);
+* ``absmax``  uint8 [n_blocks]           double-quantised per-64-block scale indices (``absmax2``
+  fp32 [ceil(n_blocks/256)], ``code2`` fp32 [256], ``offset`` fp32 scalar undo the nesting);
+* ``bias``    frozen, in the compute dtype, or None.
+
+The data are produced by bitsandbytes' own ``quantize_4bit(blocksize=64, compress_statistics=True,
+quant_type="nf4")`` (CPU or CUDA backend), so the layout is bitsandbytes' exactly; a layer of a
+pre-quantised bnb-4bit checkpoint (``bnb.nn.Linear4bit``) is converted without requantising. The
+dense weight is never stored: ``dequant(dtype)`` materialises it in a temporary through
+``kernels.nf4`` (impl "triton" on CUDA, "reference" elsewhere), which the fused LoRA functions call
+in forward and again in backward. Memory: 0.5 byte a weight + 1 byte per 64 (+ 4 bytes per 16384).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+log = logging.getLogger("worker.engine.quant")
+
+
+class NF4Linear(nn.Module):
+    """y = x W^T (+ b) with W [out, in] kept as bitsandbytes NF4; frozen (no parameters train)."""
+
+    def __init__(self, packed, absmax, shape, dtype, blocksize=64, offset=None, absmax2=None,
+                 code2=None, blocksize2=256, bias=None, impl: str = "reference"):
+        super().__init__()
+        self.out_features, self.in_features = int(shape[0]), int(shape[1])
+        self.register_buffer("packed", packed)
+        self.register_buffer("absmax", absmax)
+        self.register_buffer("absmax2", absmax2)
+        self.register_buffer("code2", code2)
+        self.register_buffer("offset", None if offset is None else offset.reshape(()).float())
+        self.shape, self.dtype, self.blocksize, self.blocksize2 = (tuple(shape), dtype, blocksize,
+                                                                  blocksize2)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self.impl = impl
+
+    @property
+    def weight(self):  # PEFT/transformers introspection (device, dtype checks) sees the packed data
+        return self.packed
+
+    def state(self):
+        """The kernels' NF4State (views of this module's buffers)."""
+        from kernels.nf4_ref import NF4State
+
+        return NF4State(absmax=self.absmax, shape=self.shape, dtype=self.dtype,
+                        blocksize=self.blocksize, offset=self.offset, absmax2=self.absmax2,
+                        code2=self.code2, blocksize2=self.blocksize2)
+
+    def dequant(self, dtype=None) -> torch.Tensor:
+        """A temporary dense W [out, in] in ``dtype`` (default: the original dtype)."""
+        from kernels.nf4 import nf4_dequantize
+
+        return nf4_dequantize(self.packed, self.state(), dtype or self.dtype, impl=self.impl)
+
+    def forward(self, x):
+        from kernels.nf4 import nf4_linear
+
+        return nf4_linear(x, self.packed, self.state(), self.bias, impl=self.impl)
+
+    def extra_repr(self):
+        return (f"in_features={self.in_features}, out_features={self.out_features}, nf4, "
+                f"bias={self.bias is not None}, impl={self.impl}")
+
+    @classmethod
+    def from_bnb(cls, packed, quant_state, bias=None, impl="reference") -> "NF4Linear":
+        """Wrap bitsandbytes' packed data + QuantState (from quantize_4bit or a Linear4bit)."""
+        from kernels.nf4_ref import nf4_state_from_bnb
+
+        st = nf4_state_from_bnb(quant_state)
+        return cls(packed, st.absmax, st.shape, st.dtype, st.blocksize, st.offset, st.absmax2,
+                   st.code2, st.blocksize2, bias, impl)
+
+
+def quantize_weight(weight: torch.Tensor, device=None):
+    """bitsandbytes NF4 (blocksize 64, double-quantised) of ``weight`` on ``device``.
+
+    Returns (packed uint8 [n/2, 1], QuantState). The dense copy on ``device`` is freed on return.
+    """
+    import bitsandbytes.functional as bnbf
+
+    w = weight.detach().to(device or weight.device)
+    packed, qs = bnbf.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4")
+    return packed, qs
+
+
+def nf4_from_linear(linear: nn.Module, impl: str, device=None) -> NF4Linear:
+    """An :class:`NF4Linear` from a dense ``nn.Linear`` or a bitsandbytes ``Linear4bit``."""
+    w = linear.weight
+    bias = linear.bias
+    qs = getattr(w, "quant_state", None)
+    if qs is not None:  # already bitsandbytes 4-bit (pre-quantised checkpoint)
+        return NF4Linear.from_bnb(w.data, qs, bias, impl)
+    packed, qs = quantize_weight(w, device)
+    if bias is not None:
+        bias = bias.detach().to(packed.device)
+    return NF4Linear.from_bnb(packed, qs, bias, impl)
+
+
+def is_quantized_base(module: nn.Module) -> bool:
+    return isinstance(module, NF4Linear) or getattr(getattr(module, "weight", None),
+                                                    "quant_state", None) is not None
+
+
+def quantize_lora_bases(model: nn.Module, impl: str, device=None) -> int:
+    """Replace the frozen base layer of every PEFT LoRA linear in ``model`` by an NF4Linear.
+
+    Also converts bitsandbytes Linear4bit bases (pre-quantised checkpoints). Moves each dense weight
+    to ``device`` one at a time, so peak memory there is the quantised model plus one dense layer.
+    Returns how many layers were quantised.
+    """
+    n = 0
+    for _name, mod in list(model.named_modules()):
+        base = getattr(mod, "base_layer", None)
+        if base is None or not hasattr(mod, "lora_A") or isinstance(base, NF4Linear):
+            continue
+        if not (isinstance(base, nn.Linear) or is_quantized_base(base)):
+            continue
+        q = nf4_from_linear(base, impl, device)
+        mod.base_layer = q
+        del base
+        n += 1
+    return n
+
+
+def dense_weight(base: nn.Module, dtype) -> torch.Tensor:
+    """The base weight [out, in] in ``dtype``: dequantised temporary (NF4) or the parameter itself."""
+    if isinstance(base, NF4Linear):
+        return base.dequant(dtype)
+    w = base.weight
+    return w if w.dtype == dtype else w.to(dtype)
