@@ -187,7 +187,7 @@ def graph_ms(timer, step):
         return None
 
 
-def measure(timer, fn, inputs, grad_idx):
+def measure(timer, fn, inputs, grad_idx, use_graph=True):
     """Returns dict: eager fwd / fwd+bwd ms, graph fwd / fwd+bwd ms, peak memory (abs, above baseline)."""
     xs = [x.requires_grad_(i in grad_idx) for i, x in enumerate(inputs)]
     gx = [x for i, x in enumerate(xs) if i in grad_idx]
@@ -211,8 +211,9 @@ def measure(timer, fn, inputs, grad_idx):
         timer.sync()
         r["peak"] = torch.cuda.max_memory_allocated() / GIB
         r["extra"] = (torch.cuda.max_memory_allocated() - base) / GIB
-        r["graph_fwd"] = graph_ms(timer, lambda: fn(*xs))
-        r["graph_fwdbwd"] = graph_ms(timer, step) if gx else None
+        if use_graph:
+            r["graph_fwd"] = graph_ms(timer, lambda: fn(*xs))
+            r["graph_fwdbwd"] = graph_ms(timer, step) if gx else None
     if gx:
         r["fwdbwd"] = timer.ms(step)
     return r
@@ -256,7 +257,10 @@ def main():
                 impls["compile"] = torch.compile(ref)  # per case: the references close over per-size tensors
             for impl, fn in impls.items():
                 try:
-                    r = measure(timer, fn, make(), grad_idx)
+                    # a failed capture leaves the CUDA RNG unusable: only capture what is known to capture.
+                    # The LM head + CE takes 10-80 ms, where launch overhead does not matter: eager.
+                    use_graph = op != "cross_entropy" and impl != "bitsandbytes"
+                    r = measure(timer, fn, make(), grad_idx, use_graph)
                 except Exception as ex:  # one failing baseline must not stop the run
                     print(f"# {op} {impl} failed: {ex!r}"[:300], flush=True)
                     continue
@@ -288,7 +292,7 @@ def main():
             rms_mod = sys.modules["kernels.rms_norm"]
             keep = rms_mod.BWD_PROGS_PER_SM
             for t in tokens:
-                for k in (1, 2, 4, 8, 16):
+                for k in (1, 2, 3, 4, 8):
                     rms_mod.BWD_PROGS_PER_SM = k
                     x = torch.randn(t, 4096, device=dev, dtype=dtype, requires_grad=True)
                     w = (torch.rand(4096, device=dev, dtype=dtype) + 0.5).requires_grad_()

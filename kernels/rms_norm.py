@@ -26,7 +26,7 @@ import triton.language as tl
 from ._common import check_impl, next_pow2, num_sms, warps_for
 from .rms_norm_ref import rms_norm_ref
 
-BWD_PROGS_PER_SM = 4  # backward programs per SM when dW is needed (partial-sum rows = this x SMs)
+BWD_PROGS_PER_SM = 2  # backward programs per SM when dW is needed (partial-sum rows = this x SMs)
 
 
 @triton.jit
