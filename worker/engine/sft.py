@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -40,10 +41,25 @@ def resolve_optim(optim: str, cuda: bool) -> tuple[str, str | None]:
     return optim, None
 
 
+def use_engine(cuda: bool) -> bool:
+    """The kernel engine (worker/engine/engine.py) trains whenever CUDA is present."""
+    return bool(cuda) and os.environ.get("WHETSTONE_ENGINE", "1") != "0"
+
+
 def load_model(model_dir: str, load_in_4bit: bool, cuda: bool):
-    """The base causal LM (fp32 on CPU, bf16/fp16 on CUDA, NF4 with ``load_in_4bit``)."""
+    """The base causal LM (fp32 on CPU, bf16/fp16 on CUDA, NF4 with ``load_in_4bit``).
+
+    On CUDA the engine loads it (dense weights are quantised to NF4 in :func:`add_lora`).
+    """
     import torch
     from transformers import AutoModelForCausalLM
+
+    if use_engine(cuda):
+        if load_in_4bit and not has_bitsandbytes():
+            raise RuntimeError("QLoRA (load_in_4bit) needs the bitsandbytes package")
+        from worker.engine import engine
+
+        return engine.load_model(model_dir, load_in_4bit, "cuda")
 
     kwargs: dict[str, Any] = {}
     if load_in_4bit:
@@ -83,9 +99,23 @@ def load_tokenizer(model_dir: str, template: str | None):
     return tok
 
 
-def add_lora(model, spec) -> Any:
-    """Wrap ``model`` with PEFT LoRA adapters named as PEFT does."""
+def add_lora(model, spec, on_log: Callable[[str], None] | None = None) -> Any:
+    """Wrap ``model`` with PEFT LoRA adapters named as PEFT does.
+
+    On CUDA the engine does it: same PEFT layout, NF4 bases with ``load_in_4bit``, fused kernels,
+    budgeted checkpointing (``spec.vram_budget_gib``); ``on_log`` gets its decisions.
+    """
     from peft import LoraConfig, get_peft_model
+
+    if use_engine(gpu.cuda_available()):
+        from worker.engine import engine
+
+        try:
+            return engine.prepare(model, spec, load_in_4bit=spec.load_in_4bit, device="cuda",
+                                  vram_budget_gib=spec.vram_budget_gib, on_log=on_log)
+        except ValueError as e:
+            raise RuntimeError(f"LoRA target_modules {spec.target_modules} do not match this "
+                               f"model: {e}") from e
 
     cfg = LoraConfig(r=spec.r, lora_alpha=spec.lora_alpha, lora_dropout=spec.lora_dropout,
                      target_modules=list(spec.target_modules), use_rslora=spec.use_rslora,
@@ -140,7 +170,10 @@ def make_trainer(model, tokenizer, train_dataset, args, callbacks=()):
             return Trainer.compute_loss(self, model, inputs, return_outputs=return_outputs,
                                         num_items_in_batch=num_items_in_batch)
 
-    cls = SFTTrainer if args.use_cpu is False and _on_cuda(model) else _CpuSFTTrainer
+    # The engine returns the fused loss and no logits, so Trainer.compute_loss drives it too.
+    engine_on = getattr(getattr(model, "get_base_model", lambda: model)(), "_whetstone", None)
+    cls = SFTTrainer if args.use_cpu is False and _on_cuda(model) and engine_on is None \
+        else _CpuSFTTrainer
     return cls(model=model, args=args, train_dataset=train_dataset, processing_class=tokenizer,
                callbacks=list(callbacks))
 

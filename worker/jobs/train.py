@@ -96,7 +96,7 @@ def run(ctx: JobContext) -> dict[str, Any]:
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     repo.set_run_output(ctx.engine, run_id, str(run_dir))
     ctx.log(f"training on {gpu.device_name()}" + (
-        " with plain transformers + PEFT (the kernel engine is not plugged in yet)" if cuda else ""))
+        " with the kernel engine (fused LoRA, Triton kernels)" if sft.use_engine(cuda) else ""))
 
     # ---- data (same encoding as the web preview) ----------------------------------------
     chosen = edata.choose_template(spec.chat_template, model_row.chat_template)
@@ -126,11 +126,13 @@ def run(ctx: JobContext) -> dict[str, Any]:
     transformers.set_seed(spec.seed)
     try:
         model = sft.load_model(model_row.path, spec.load_in_4bit, cuda)
-        model = sft.add_lora(model, spec)
+        model = sft.add_lora(model, spec, on_log=ctx.log)
     except RuntimeError as e:
         raise JobError(str(e)) from e
     tokenizer = sft.load_tokenizer(model_row.path, chosen.source)
-    args = sft.sft_config(spec, str(ckpt_dir), cuda, optim)
+    # the engine checkpoints its own layers (budgeted, offloaded); HF's would run a second time
+    args = sft.sft_config(spec, str(ckpt_dir), cuda, optim,
+                          **({"gradient_checkpointing": False} if sft.use_engine(cuda) else {}))
     trainable, total = model.get_nb_trainable_parameters()
     ctx.log(f"LoRA r={spec.r} alpha={spec.lora_alpha} on {', '.join(spec.target_modules)}: "
             f"{trainable} trainable of {total} parameters")
