@@ -27,6 +27,9 @@ class Settings(BaseSettings):
         heartbeat_seconds: how often the worker renews its lease (seconds).
         max_upload_mb: largest accepted dataset upload (MiB).
         ollama_url: Ollama server used by "push to Ollama" exports.
+        allow_custom_rewards: who may run custom Python reward functions in GRPO runs
+            (``WHETSTONE_ALLOW_CUSTOM_REWARDS``): empty = nobody, ``*`` = everyone, else a
+            comma-separated list of user names (a run's ``owner``).
     """
 
     model_config = SettingsConfigDict(env_prefix="WHETSTONE_", extra="ignore")
@@ -42,6 +45,12 @@ class Settings(BaseSettings):
     worker_stale_seconds: float = Field(default=30.0, gt=0)
     max_upload_mb: int = Field(default=512, gt=0)
     ollama_url: str = "http://127.0.0.1:11434"
+    allow_custom_rewards: str = ""
+
+    def custom_rewards_allowed(self, user: str | None) -> bool:
+        """Whether ``user`` (None when there is no login) may run custom reward code."""
+        allowed = {u.strip() for u in self.allow_custom_rewards.split(",") if u.strip()}
+        return "*" in allowed or (user is not None and user in allowed)
 
     @property
     def resolved_database_url(self) -> str:

@@ -35,6 +35,7 @@ log = logging.getLogger("worker")
 HANDLERS: dict[str, str] = {
     "import_model": "worker.jobs.import_model:run",
     "train": "worker.jobs.train:run",
+    "grpo": "worker.jobs.grpo:run",
 }
 
 

@@ -68,6 +68,10 @@ class Reporter:
                 else "info")("job %s: %s", self.job_id, message)
         self._add("log", {"level": level, "message": message, **extra}, urgent=level == "error")
 
+    def sample(self, **data: Any) -> None:
+        """A table of recent sample completions with their rewards (GRPO)."""
+        self._add("sample", {k: v for k, v in data.items() if v is not None})
+
     def progress(self, stage: str, done: float, total: float, message: str | None = None) -> None:
         """Progress of a stage (download, convert, tokenize, save, ...)."""
         data: dict[str, Any] = {"stage": stage, "done": done, "total": total}

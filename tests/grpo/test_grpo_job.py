@@ -1,0 +1,122 @@
+"""GRPO through the worker loop (in process, CPU): the toy task learns, errors stop the run.
+
+The toy task: story openings as prompts to stories260K, reward 1 when the completion mentions
+" Lily" (about a third of samples at the start). Mean reward must rise over 30 steps.
+"""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from app.settings import Settings
+from app.store import events, queue, repo
+from app.store.schema import Dataset, JobState
+from app.store.specs import GrpoSpec
+from worker.loop import Worker
+
+OPENINGS = ["Once upon a time", "One day", "Once upon a time, there was", "One sunny day",
+            "There was a", "Once there was"]
+TOY = dict(chat_template="none", num_generations=8, per_device_train_batch_size=16,
+           gradient_accumulation_steps=1, max_completion_length=16, max_prompt_length=32,
+           learning_rate=2e-3, beta=0.04, r=8, lora_alpha=16, seed=1, save_steps=1000,
+           rewards=[{"name": "regex_match", "label": "mentions_Lily",
+                     "params": {"pattern": r"\bLily\b"}}])
+
+
+@pytest.fixture(scope="module")
+def studio(tmp_path_factory):
+    from tests.grpo.conftest import SHARED_DATA, STORIES
+
+    if not (STORIES / "stories260K.bin").exists():
+        pytest.skip("no shared test data")
+    d = tmp_path_factory.mktemp("grpo-data")
+    settings = Settings(data_dir=d, seed_dir=SHARED_DATA, heartbeat_seconds=0.5,
+                        allow_custom_rewards="alice")
+    w = Worker(settings, worker_id="w-grpo", poll_interval=0.05)
+    w.start()
+    w.serve(once=True)  # the demo model import
+    assert repo.get_model(w.engine, "stories260K").status == "ready"
+    toy = d / "openings.jsonl"
+    toy.write_text("".join(json.dumps({"prompt": s, "id": i}) + "\n"
+                           for i, s in enumerate(OPENINGS * 10)))
+    ds = repo.add_dataset(w.engine, Dataset(filename="openings.jsonl", path=str(toy),
+                                            format="prompt"))
+    gsm = repo.add_dataset(w.engine, Dataset(
+        filename="gsm8k.jsonl", path=str(SHARED_DATA / "grpo" / "gsm8k" / "test.jsonl")))
+    yield {"worker": w, "engine": w.engine, "toy": ds.id, "gsm8k": gsm.id}
+    w.stop()
+
+
+def _run(s, owner=None, **spec):
+    run, job = repo.create_run(s["engine"], GrpoSpec(model="stories260K", **spec), kind="grpo",
+                               owner=owner)
+    assert job.kind == "grpo"
+    s["worker"].serve(once=True)
+    return run, queue.get_job(s["engine"], job.id)
+
+
+def _events(s, job_id, type_):
+    return [e.data for e in events.since(s["engine"], job_id, 0, 100000, [type_])]
+
+
+def test_toy_task_reward_rises(studio):
+    run, job = _run(studio, dataset=studio["toy"], max_steps=30, **TOY)
+    assert job.state == JobState.SUCCEEDED, job.error
+    metrics = _events(studio, job.id, "metric")
+    rewards = [m["reward"] for m in metrics]
+    assert len(rewards) == 30
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert last > first + 0.25, rewards
+    for m in metrics:
+        for key in ("reward/mentions_Lily", "reward_std", "kl", "completion_length",
+                    "frac_zero_std_groups", "loss"):
+            assert key in m and math.isfinite(m[key]), (key, m)
+        assert 0.0 <= m["frac_zero_std_groups"] <= 1.0
+    assert max(m["kl"] for m in metrics) > 0  # the adapter moved away from the reference
+    samples = _events(studio, job.id, "sample")
+    assert samples and samples[-1]["rows"]
+    row = samples[-1]["rows"][0]
+    assert set(row) >= {"prompt", "completion", "rewards", "reward", "advantage", "group"}
+    assert row["rewards"]["mentions_Lily"] in (0.0, 1.0)
+    cfg = json.loads((studio["worker"].settings.data_dir / "runs" / run.id / "config.json")
+                     .read_text())
+    assert cfg["kind"] == "grpo" and cfg["dataset"]["prompt_column"] == "prompt"
+    assert cfg["prompt_example"] == "<s>Once upon a time"
+    kinds = {a.kind for a in repo.list_artifacts(studio["engine"], run.id)}
+    assert kinds == {"config", "adapter"}
+    adapter = studio["worker"].settings.data_dir / "runs" / run.id / "adapter"
+    assert (adapter / "adapter_config.json").exists()
+    assert job.result["last_rewards_mean"] > job.result["first_rewards_mean"]
+
+
+def test_gsm8k_builtin_rewards_run(studio):
+    run, job = _run(studio, dataset=studio["gsm8k"], max_steps=2, num_generations=2,
+                    per_device_train_batch_size=4, max_completion_length=8,
+                    max_prompt_length=48, rewards=[
+                        {"name": "numeric_match"}, {"name": "format", "weight": 0.5},
+                        {"name": "length_penalty", "params": {"target_tokens": 4}}])
+    assert job.state == JobState.SUCCEEDED, job.error
+    logs = " ".join(e["message"] for e in _events(studio, job.id, "log"))
+    assert "column 'question'" in logs and "reference column 'answer'" in logs
+    m = _events(studio, job.id, "metric")[-1]
+    assert {"reward/numeric_match", "reward/format", "reward/length_penalty"} <= set(m)
+
+
+def test_reward_returning_none_stops_the_run(studio):
+    src = ("def reward(prompt, completion, item):\n"
+           "    return 1.0 if item['id'] < 0 else None\n")
+    run, job = _run(studio, owner="alice", dataset=studio["toy"], max_steps=3,
+                    **{**TOY, "rewards": [{"name": "custom", "label": "picky",
+                                           "params": {"source": src}}]})
+    assert job.state == JobState.FAILED
+    assert "reward function 'picky' returned None" in job.error
+    assert "offending sample #0: prompt '<s>O" in job.error and "completion '" in job.error
+
+
+def test_custom_rewards_need_permission(studio):
+    src = "def reward(prompt, completion, item):\n    return 1.0\n"
+    run, job = _run(studio, owner="mallory", dataset=studio["toy"], max_steps=1,
+                    **{**TOY, "rewards": [{"name": "custom", "params": {"source": src}}]})
+    assert job.state == JobState.FAILED and "not allowed" in job.error

@@ -1,0 +1,357 @@
+"""GRPO with TRL's GRPOTrainer on our PEFT-wrapped model.
+
+* **Reference policy**: with a PeftModel and ``beta > 0`` TRL keeps no second model; it computes
+  the reference log-probabilities with the adapter disabled (``use_adapter(model, None)``), i.e.
+  the frozen base. Asserted in tests/grpo (``trainer.ref_model is None``).
+* **Prompts** arrive as rendered text (our chat template, see :func:`build_prompts`); they are
+  tokenised without extra special tokens (the template writes BOS where it wants it) and
+  left-truncated to ``max_prompt_length`` (TRL 1.15 has no such argument any more).
+* **Rewards** are ours (:mod:`worker.rewards`): each is a TRL reward function that validates its
+  output and records it; after TRL scores a generation batch we replace its advantages with
+  :func:`worker.rewards.base.group_advantages` computed from the same validated rewards, so a
+  group of equal rewards contributes exactly zero (TRL divides by ``std + 1e-4``) and nothing can
+  be NaN. Per-function means, std, the zero-variance fraction and a few samples are kept for
+  the metric/sample events.
+* **Log-probabilities** are computed chunked from the final hidden states, never as a full
+  ``[tokens, vocab]`` logits tensor. On CUDA that is TRL's fused Triton LM head. Off CUDA that
+  Triton kernel cannot run (it crashes on CPU tensors, as in SFT), so :class:`WhetstoneGRPOTrainer`
+  overrides ``_get_per_token_logps_and_entropies`` with :func:`chunked_logps_entropy`, a PyTorch
+  equivalent that recomputes each chunk's logits in the backward pass (activation
+  checkpointing per chunk). Same inputs, same outputs, same gradient.
+* Generation is ``model.generate`` with the KV cache (TRL's non-vLLM path).
+"""
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from worker import gpu
+from worker.rewards.base import Batch, RewardFunction, group_advantages, validate
+
+#: Dataset columns are passed to TRL under this prefix so that no user column can collide with
+#: TRL's own reward-function keyword arguments (``prompts``, ``completions``, ``trainer_state``).
+COL = "col__"
+#: Rows of the sample table streamed per logged step.
+SAMPLE_ROWS = 8
+
+
+# ---- prompts ------------------------------------------------------------------------------
+@dataclass
+class PromptSet:
+    dataset: object  # datasets.Dataset: prompt + col__<name> columns
+    rows: int
+    skipped: int
+    prompt_column: str
+    answer_column: str | None
+    columns: list[str]
+    examples: list[str] = field(default_factory=list)
+
+
+def _pick(name: str | None, candidates: tuple[str, ...], first: dict, what: str,
+          required: bool) -> str | None:
+    if name:
+        if name not in first:
+            raise ValueError(f"the dataset has no {what} column {name!r} (columns: "
+                             f"{', '.join(first)})")
+        return name
+    for c in candidates:
+        if c in first:
+            return c
+    if required:
+        raise ValueError(f"no {what} column found (looked for {', '.join(candidates)}); name one "
+                         f"in the run's settings (columns: {', '.join(first)})")
+    return None
+
+
+def _scalar(v: Any) -> Any:
+    return v if v is None or isinstance(v, (str, int, float, bool)) else json.dumps(v)
+
+
+def build_prompts(path: str, bundle, template: str | None, prompt_column: str | None,
+                  answer_column: str | None, system_prompt: str | None,
+                  check: Callable[[], None] | None = None) -> PromptSet:
+    """Read the prompt dataset and render each prompt for generation.
+
+    ``template`` None means "no template": the prompt text is used as is, after the BOS token.
+    Otherwise the row becomes ``[system?, user]`` messages rendered with
+    ``add_generation_prompt=True``. Rows without a prompt are skipped (counted). Raises
+    ValueError (missing columns) or DatasetError (unreadable file, template errors).
+    """
+    from datasets import Dataset
+
+    from app.data.chat_template import render_chat
+    from app.data.errors import DatasetError
+    from app.data.loader import iter_records
+    from app.store.specs import ANSWER_COLUMNS, PROMPT_COLUMNS
+
+    rows = []
+    skipped = 0
+    for rec in iter_records(path):
+        if rec.data is None:
+            skipped += 1
+            continue
+        rows.append(rec.data)
+        if check and len(rows) % 256 == 0:
+            check()
+    if not rows:
+        raise DatasetError("the dataset has no readable rows")
+    first = rows[0]
+    pcol = _pick(prompt_column, PROMPT_COLUMNS, first, "prompt", True)
+    acol = _pick(answer_column, ANSWER_COLUMNS, first, "answer", False)
+    columns = sorted({k for r in rows for k in r})
+    prompts, cols = [], {c: [] for c in columns}
+    bos = bundle.bos_token or ""
+    for r in rows:
+        text = r.get(pcol)
+        if not isinstance(text, str) or not text.strip():
+            skipped += 1
+            continue
+        if template is None:
+            rendered = bos + text
+        else:
+            msgs = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + \
+                   [{"role": "user", "content": text}]
+            rendered = render_chat(msgs, template, bos_token=bos, eos_token=bundle.eos_token or "",
+                                   add_generation_prompt=True, special_tokens=bundle.special_tokens)
+        prompts.append(rendered)
+        for c in columns:
+            cols[c].append(_scalar(r.get(c)))
+    if not prompts:
+        raise DatasetError(f"no row has a non-empty {pcol!r}")
+    ds = Dataset.from_dict({"prompt": prompts, **{COL + c: v for c, v in cols.items()}})
+    return PromptSet(ds, len(prompts), skipped, pcol, acol, columns, prompts[:2])
+
+
+# ---- rewards as TRL reward functions ------------------------------------------------------
+class Scorer:
+    """Adapts our reward functions to TRL's reward-function protocol and keeps their results."""
+
+    def __init__(self, functions: list[RewardFunction], num_generations: int, scale: str):
+        self.functions = functions
+        self.num_generations = num_generations
+        self.scale = scale
+        self.current: dict[str, list[float]] = {}
+        self.batch: Batch | None = None
+
+    def trl_functions(self) -> list[Callable]:
+        return [self._adapter(f) for f in self.functions]
+
+    def _adapter(self, f: RewardFunction) -> Callable:
+        def reward(prompts, completions, completion_ids=None, **kwargs):
+            batch = Batch(list(prompts), [str(c) for c in completions],
+                          [len(c) for c in (completion_ids or [[]] * len(completions))],
+                          {k[len(COL):]: list(v) for k, v in kwargs.items() if k.startswith(COL)})
+            values = validate(f.name, f.score(batch), batch)
+            self.batch = batch
+            self.current[f.name] = values
+            return values
+
+        reward.__name__ = f.name
+        return reward
+
+    def advantages(self) -> tuple[list[float], list[float], int]:
+        """(weighted totals, advantages, zero-variance groups) of the last scored batch."""
+        per = [self.current[f.name] for f in self.functions]
+        n = len(per[0])
+        total = [sum(f.weight * per[k][i] for k, f in enumerate(self.functions)) for i in range(n)]
+        adv, zero = group_advantages(total, self.num_generations, self.scale)
+        return total, adv, zero
+
+    def close(self) -> None:
+        for f in self.functions:
+            f.close()
+
+
+# ---- chunked log-probabilities (CPU path) -------------------------------------------------
+def chunked_logps_entropy(hidden, weight, bias, targets, temperature: float = 1.0,
+                          softcap: float | None = None, logit_scale: float = 1.0,
+                          chunk_rows: int = 1024, entropy: bool = True):
+    """Per-token log p(target) and entropy from hidden states ``[N, d]``, ``chunk_rows`` rows at
+    a time; each chunk's logits are recomputed in backward (``torch.utils.checkpoint``), so at
+    most ``[chunk_rows, vocab]`` logits exist at once. Returns (logps [N], entropy [N] or None).
+    """
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    def piece(h, w, b, y):
+        z = torch.nn.functional.linear(h, w, b)
+        z = (z.float() if z.dtype in (torch.float16, torch.bfloat16) else z) * logit_scale
+        if softcap:
+            z = softcap * torch.tanh(z / softcap)
+        z = z / temperature
+        logp_all = torch.log_softmax(z, dim=-1)
+        lp = logp_all.gather(-1, y.unsqueeze(-1)).squeeze(-1)
+        ent = -(logp_all.exp() * logp_all).sum(-1) if entropy else lp.new_zeros(())
+        return lp, ent
+
+    lps, ents = [], []
+    for s in range(0, hidden.shape[0], chunk_rows):
+        args = (hidden[s:s + chunk_rows], weight, bias, targets[s:s + chunk_rows])
+        if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+            lp, ent = checkpoint(piece, *args, use_reentrant=False)
+        else:
+            lp, ent = piece(*args)
+        lps.append(lp)
+        ents.append(ent)
+    logps = torch.cat(lps) if lps else hidden.new_zeros(0)
+    return logps, (torch.cat(ents) if entropy and ents else None)
+
+
+# ---- the trainer --------------------------------------------------------------------------
+def make_trainer(model, tokenizer, train_dataset, args, scorer: Scorer, max_prompt_length: int,
+                 callbacks=()):
+    """A GRPOTrainer subclass wired to our rewards, advantages, prompt handling and CPU path."""
+    import torch
+    from trl import GRPOTrainer
+
+    class WhetstoneGRPOTrainer(GRPOTrainer):
+        stats: list[dict[str, Any]]
+        samples: list[dict[str, Any]]
+
+        def _tokenize_prompts(self, prompts):
+            ids = self.processing_class(text=list(prompts), add_special_tokens=False)["input_ids"]
+            return [x[-max_prompt_length:] for x in ids], None, {}
+
+        def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask,
+                                               logits_to_keep, batch_size=None,
+                                               compute_entropy=False, compute_aux_loss=False,
+                                               **kw):
+            if input_ids.device.type == "cuda" or any(v is not None for v in kw.values()):
+                return super()._get_per_token_logps_and_entropies(
+                    model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
+                    compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **kw)
+            lm = self.accelerator.unwrap_model(model)
+            lm = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
+            backbone, head = lm.base_model, lm.get_output_embeddings()
+            cfg = lm.config.get_text_config()
+            batch_size = batch_size or input_ids.size(0)
+            all_lp, all_ent = [], []
+            for s in range(0, input_ids.size(0), batch_size):
+                ids, mask = input_ids[s:s + batch_size], attention_mask[s:s + batch_size]
+                with self.accelerator.autocast():
+                    h = backbone(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+                h = h[:, -logits_to_keep - 1:-1]
+                y = ids[:, -logits_to_keep:]
+                m = mask[:, -logits_to_keep:].bool()
+                lp, ent = chunked_logps_entropy(
+                    h.reshape(-1, h.shape[-1]), head.weight, head.bias, y.reshape(-1),
+                    self.temperature, getattr(cfg, "final_logit_softcapping", None),
+                    float(getattr(cfg, "logit_scale", None) or 1.0), entropy=compute_entropy)
+                all_lp.append(lp.view_as(y).masked_fill(~m, 0.0))
+                if compute_entropy:
+                    all_ent.append(ent.view_as(y).masked_fill(~m, 0.0))
+            return (torch.cat(all_lp), torch.cat(all_ent) if compute_entropy else None, None)
+
+        def _generate_and_score_completions(self, inputs):
+            out = super()._generate_and_score_completions(inputs)
+            total, adv, zero = scorer.advantages()
+            out["advantages"] = torch.tensor(adv, dtype=out["advantages"].dtype,
+                                             device=out["advantages"].device)
+            groups = len(total) // scorer.num_generations
+            mean = sum(total) / len(total)
+            std = (sum((t - mean) ** 2 for t in total) / max(1, len(total) - 1)) ** 0.5
+            stat = {"reward": mean, "reward_std": std, "frac_zero_std_groups": zero / groups,
+                    "zero_std_groups": zero, "groups": groups}
+            for f in scorer.functions:
+                vals = scorer.current[f.name]
+                stat[f"reward/{f.name}"] = sum(vals) / len(vals)
+            self.stats.append(stat)
+            b = scorer.batch
+            self.samples = [
+                {"prompt": b.prompts[i][-300:], "completion": b.completions[i][:600],
+                 "tokens": b.completion_tokens[i], "group": i // scorer.num_generations,
+                 "rewards": {f.name: scorer.current[f.name][i] for f in scorer.functions},
+                 "reward": total[i], "advantage": adv[i]}
+                for i in range(min(SAMPLE_ROWS, len(total)))]
+            return out
+
+    trainer = WhetstoneGRPOTrainer(model=model, reward_funcs=scorer.trl_functions(), args=args,
+                                   train_dataset=train_dataset, processing_class=tokenizer,
+                                   callbacks=list(callbacks))
+    trainer.stats, trainer.samples = [], []
+    return trainer
+
+
+def grpo_config(spec, output_dir: str, cuda: bool, optim: str, **overrides: Any):
+    """TRL GRPOConfig from a GrpoSpec (TRL's own argument names)."""
+    import torch
+    from trl import GRPOConfig
+
+    bf16 = bool(cuda and torch.cuda.is_bf16_supported())
+    kw: dict[str, Any] = dict(
+        output_dir=output_dir, num_generations=spec.num_generations,
+        max_completion_length=spec.max_completion_length, temperature=spec.temperature,
+        top_p=spec.top_p, beta=spec.beta, epsilon=spec.epsilon, loss_type=spec.loss_type,
+        scale_rewards=spec.scale_rewards, num_iterations=spec.num_iterations,
+        learning_rate=spec.learning_rate, per_device_train_batch_size=spec.per_device_train_batch_size,
+        gradient_accumulation_steps=spec.gradient_accumulation_steps, max_steps=spec.max_steps,
+        warmup_steps=min(spec.warmup_ratio, 0.999), lr_scheduler_type=spec.lr_scheduler_type,
+        weight_decay=spec.weight_decay, max_grad_norm=spec.max_grad_norm, optim=optim,
+        seed=spec.seed, data_seed=spec.seed, logging_steps=spec.logging_steps,
+        save_strategy="steps", save_steps=spec.save_steps, save_total_limit=2,
+        reward_weights=[r.weight for r in spec.rewards], report_to="none", disable_tqdm=True,
+        use_cpu=not cuda, bf16=bf16, fp16=bool(cuda and not bf16),
+        gradient_checkpointing=bool(cuda), dataloader_num_workers=0,
+        dataloader_pin_memory=cuda, log_completions=False, remove_unused_columns=False,
+    )
+    kw.update(overrides)
+    return GRPOConfig(**kw)
+
+
+def progress_callback(metric: Callable[..., None], sample: Callable[..., None],
+                      stop_reason: Callable[[], str | None], trainer_ref: Callable[[], Any],
+                      on_stop: Callable[[str], None] | None = None, sample_every: int = 1):
+    """A TrainerCallback: GRPO metric events (rewards per function, std, KL, length, zero-variance
+    fraction), sample-table events, and stops on cancel / lease loss / shutdown."""
+    from transformers import TrainerCallback
+
+    class _Callback(TrainerCallback):
+        def __init__(self):
+            self.t0 = time.monotonic()
+            self.start_step = 0
+            self.rewards: list[tuple[int, float]] = []
+            self.stopped: str | None = None
+
+        def on_train_begin(self, args, state, control, **kw):
+            self.t0 = time.monotonic()
+            self.start_step = state.global_step
+
+        def on_step_end(self, args, state, control, **kw):
+            reason = stop_reason()
+            if reason and not self.stopped:
+                self.stopped = reason
+                control.should_training_stop = True
+                control.should_save = reason == "shutdown"
+                if on_stop:
+                    on_stop(reason)
+            return control
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            logs = logs or {}
+            if "loss" not in logs:
+                return
+            trainer = trainer_ref()
+            stats, trainer.stats = trainer.stats, []
+            avg = {k: sum(s[k] for s in stats) / len(stats) for k in (stats[0] if stats else {})}
+            done = state.global_step - self.start_step
+            per_step = (time.monotonic() - self.t0) / done if done else None
+            mem, kind = gpu.memory()
+            data = dict(step=state.global_step, total_steps=state.max_steps,
+                        loss=logs.get("loss"), learning_rate=logs.get("learning_rate"),
+                        grad_norm=logs.get("grad_norm"), kl=logs.get("kl"),
+                        entropy=logs.get("entropy"),
+                        completion_length=logs.get("completions/mean_length"),
+                        clipped_ratio=logs.get("completions/clipped_ratio"),
+                        step_seconds=round(per_step, 3) if per_step else None,
+                        eta_seconds=per_step * max(state.max_steps - state.global_step, 0)
+                        if per_step else None, memory_gib=round(mem, 4), memory_kind=kind, **avg)
+            if "reward" in avg:
+                self.rewards.append((state.global_step, avg["reward"]))
+            metric(**data)
+            if trainer.samples and state.global_step % sample_every == 0:
+                sample(step=state.global_step, rows=trainer.samples)
+
+    return _Callback()

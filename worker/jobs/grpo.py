@@ -1,0 +1,187 @@
+"""The ``grpo`` job: GRPO (LoRA/QLoRA) of a registered model on a prompt dataset.
+
+Payload: the fields of :class:`app.store.specs.GrpoSpec` plus ``run_id``. Writes under
+``<data_dir>/runs/<run_id>/`` the same layout as the SFT ``train`` job (``config.json``,
+``checkpoints/``, ``adapter/``, ``adapter.zip``), so export works on either.
+
+Events: ``metric`` per logged step (``reward``, ``reward/<function>``, ``reward_std``, ``kl``,
+``completion_length``, ``frac_zero_std_groups``, ``loss``, ...) and ``sample`` (``{"step",
+"rows": [{"prompt", "completion", "tokens", "group", "rewards", "reward", "advantage"}]}``).
+
+A reward function that fails (raises, returns None, a non-number, NaN, the wrong count, or
+times out in its sandbox) fails the job with its name and the offending sample.
+
+Result: ``{"steps", "first_reward", "final_reward", "train_runtime", "rows", "adapter_dir",
+"adapter_zip", ...}``.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from app.store import repo
+from app.store.specs import GrpoSpec
+from worker import gpu
+from worker.context import JobContext, JobError
+from worker.jobs.train import _artifact, _atomic_write, _versions, _zip_folder
+from worker.rewards.base import RewardError
+
+
+def _mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def run(ctx: JobContext) -> dict[str, Any]:
+    payload = dict(ctx.payload)
+    run_id = payload.pop("run_id", None) or ctx.job.run_id
+    if not run_id:
+        raise JobError("grpo job payload has no run_id")
+    spec = GrpoSpec.model_validate(payload)
+    if spec.has_custom_rewards and not ctx.settings.custom_rewards_allowed(ctx.job.owner):
+        raise JobError("this run has a custom Python reward, and custom rewards are not allowed "
+                       f"for {'user ' + repr(ctx.job.owner) if ctx.job.owner else 'this user'} "
+                       "(an admin sets WHETSTONE_ALLOW_CUSTOM_REWARDS)")
+    model_row = repo.get_model(ctx.engine, spec.model)
+    if model_row.status != "ready" or not model_row.path:
+        raise JobError(f"model {model_row.name} is not ready (status {model_row.status}"
+                       f"{': ' + model_row.error if model_row.error else ''})")
+    ds_row = repo.get_dataset(ctx.engine, spec.dataset)
+
+    from app.data.encode import load_tokenizer_bundle
+    from app.data.errors import DatasetError
+    from worker.engine import data as edata
+    from worker.engine import grpo, sft
+    from worker.rewards.registry import build
+
+    cuda = gpu.cuda_available()
+    if spec.load_in_4bit and not cuda:
+        raise JobError("QLoRA (load_in_4bit) needs a CUDA GPU with bitsandbytes; this worker "
+                       "runs on the CPU. Turn load_in_4bit off to train LoRA in full precision.")
+    run_dir = (ctx.settings.data_dir / "runs" / run_id).resolve()
+    ckpt_dir = run_dir / "checkpoints"
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    repo.set_run_output(ctx.engine, run_id, str(run_dir))
+    ctx.log(f"GRPO on {gpu.device_name()}")
+
+    # ---- prompts ----------------------------------------------------------------------------
+    if (spec.chat_template or "").strip().lower() == "none":
+        chosen = edata.ChosenTemplate("none", None)
+    else:
+        chosen = edata.choose_template(spec.chat_template, model_row.chat_template)
+    if chosen.note:
+        ctx.log(chosen.note, "warning")
+    try:
+        bundle = load_tokenizer_bundle(model_row.path)
+        prompts = grpo.build_prompts(ds_row.path, bundle, chosen.source, spec.prompt_column,
+                                     spec.answer_column, spec.system_prompt, check=ctx.check)
+    except (DatasetError, ValueError) as e:
+        raise JobError(f"dataset {ds_row.filename}: {e}") from e
+    ctx.log(f"{prompts.rows} prompts from column {prompts.prompt_column!r}"
+            + (f", reference column {prompts.answer_column!r}" if prompts.answer_column else "")
+            + (f"; {prompts.skipped} rows skipped (no prompt)" if prompts.skipped else "")
+            + f"; reward columns: {', '.join(prompts.columns)}")
+    ctx.check()
+
+    # ---- model, LoRA, rewards, trainer ----------------------------------------------------
+    optim, warn = sft.resolve_optim(spec.optim, cuda)
+    if warn:
+        ctx.log(warn, "warning")
+    import transformers
+
+    transformers.set_seed(spec.seed)
+    try:
+        model = sft.load_model(model_row.path, spec.load_in_4bit, cuda)
+        model = sft.add_lora(model, spec)
+    except RuntimeError as e:
+        raise JobError(str(e)) from e
+    tokenizer = sft.load_tokenizer(model_row.path, chosen.source)
+    functions = build(spec, prompts.answer_column)
+    scorer = grpo.Scorer(functions, spec.num_generations, spec.scale_rewards)
+    args = grpo.grpo_config(spec, str(ckpt_dir), cuda, optim)
+    trainable, total = model.get_nb_trainable_parameters()
+    ctx.log(f"LoRA r={spec.r} alpha={spec.lora_alpha} on {', '.join(spec.target_modules)}: "
+            f"{trainable} trainable of {total} parameters; rewards: "
+            + ", ".join(f"{f.name}×{f.weight:g}" for f in functions))
+    holder: dict[str, Any] = {}
+    callback = grpo.progress_callback(ctx.metric, ctx.reporter.sample, ctx.stop_reason,
+                                      lambda: holder["trainer"],
+                                      on_stop=lambda r: ctx.log(f"stopping training ({r})"),
+                                      sample_every=spec.sample_every)
+    trainer = grpo.make_trainer(model, tokenizer, prompts.dataset, args, scorer,
+                                spec.max_prompt_length, [callback])
+    holder["trainer"] = trainer
+    if spec.beta > 0:
+        ctx.log(f"KL to the reference policy (beta={spec.beta:g}): the base model with the "
+                f"adapter disabled" + ("" if trainer.ref_model is None else " (separate copy)"))
+
+    config = {
+        "run_id": run_id, "job_id": ctx.job.id, "kind": "grpo",
+        "spec": {**spec.model_dump(mode="json"), "optim": optim},
+        "requested_optim": spec.optim,
+        "model": {"id": model_row.id, "name": model_row.name, "path": model_row.path,
+                  "source": model_row.source, "info": model_row.info},
+        "dataset": {"id": ds_row.id, "filename": ds_row.filename, "path": ds_row.path,
+                    "rows_used": prompts.rows, "rows_skipped": prompts.skipped,
+                    "prompt_column": prompts.prompt_column,
+                    "answer_column": prompts.answer_column, "columns": prompts.columns},
+        "chat_template": {"name": chosen.name, "template": chosen.source},
+        "prompt_example": prompts.examples[0] if prompts.examples else None,
+        "rewards": [{"name": f.name, "weight": f.weight} for f in functions],
+        "device": gpu.device_name(),
+        "trainable_parameters": trainable,
+        "training_arguments": {k: v for k, v in args.to_dict().items()
+                               if isinstance(v, (int, float, str, bool, type(None)))},
+        "versions": _versions(),
+    }
+    _atomic_write(run_dir / "config.json", json.dumps(config, indent=2, default=str))
+    if not repo.list_artifacts(ctx.engine, run_id, kind="config"):
+        _artifact(ctx, run_id, "config", run_dir / "config.json")
+
+    # ---- train --------------------------------------------------------------------------------
+    from transformers.trainer_utils import get_last_checkpoint
+
+    last = get_last_checkpoint(str(ckpt_dir)) if any(ckpt_dir.iterdir()) else None
+    if last:
+        ctx.log(f"resuming from {Path(last).name}")
+    t0 = time.monotonic()
+    try:
+        trainer.train(resume_from_checkpoint=last)
+    except RewardError as e:
+        raise JobError(f"stopped: {e}") from e
+    finally:
+        scorer.close()
+    ctx.check()
+    runtime = time.monotonic() - t0
+
+    # ---- adapter ------------------------------------------------------------------------------
+    ctx.progress("save", 0, 1, "saving the adapter")
+    adapter_dir = run_dir / "adapter"
+    tmp = run_dir / f".adapter.tmp-{ctx.job.id}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    trainer.model.save_pretrained(str(tmp), safe_serialization=True)
+    tokenizer.save_pretrained(str(tmp))
+    if chosen.source and not (tmp / "chat_template.jinja").exists():
+        (tmp / "chat_template.jinja").write_text(chosen.source, encoding="utf-8")
+    shutil.rmtree(adapter_dir, ignore_errors=True)
+    tmp.rename(adapter_dir)
+    zip_path = run_dir / "adapter.zip"
+    _zip_folder(adapter_dir, zip_path)
+    _artifact(ctx, run_id, "adapter", zip_path, folder=str(adapter_dir), format="peft")
+    ctx.progress("save", 1, 1)
+
+    rewards = [r for _, r in callback.rewards]
+    k = max(1, min(5, len(rewards) // 4))
+    result = {
+        "steps": trainer.state.global_step, "train_runtime": round(runtime, 3),
+        "first_reward": rewards[0] if rewards else None,
+        "final_reward": rewards[-1] if rewards else None,
+        "first_rewards_mean": _mean(rewards[:k]), "last_rewards_mean": _mean(rewards[-k:]),
+        "rows": prompts.rows, "adapter_dir": str(adapter_dir), "adapter_zip": str(zip_path),
+        "chat_template": chosen.name,
+    }
+    ctx.log(f"done: {trainer.state.global_step} steps in {runtime:.1f}s, mean reward "
+            f"{result['first_rewards_mean']} -> {result['last_rewards_mean']}")
+    return result
