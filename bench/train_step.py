@@ -1,0 +1,144 @@
+"""Training-step benchmark of the Whetstone engine, protocol of ../shared/BENCHMARKS.md.
+
+Llama-3.1-8B architecture (``BENCH_LAYERS`` overrides the 32 layers for a smoke run) with random bf16
+weights made on the GPU, LoRA r=16 alpha=16 dropout 0 on q,k,v,o,gate,up,down, fp32 LoRA weights,
+torch AdamW (fused) on the LoRA parameters, checkpointing on (budgeted when ``--budget GIB``), random
+token ids; a step is forward with labels + backward + optimizer step, synchronised; median of the
+steps after 2 warm-ups; peak = ``torch.cuda.max_memory_allocated()`` (reset after loading).
+
+    python3 bench/train_step.py qlora 2048 2 8 [--budget 40]    # one configuration, one process
+    python3 bench/train_step.py lora 2048 2 8
+
+Prints ``RESULT {json}`` and appends the row to $OUT/train_step.jsonl with the fields of
+../shared/bench/anchors.py plus bench="train_step", impl="whetstone", config, vram_budget_gib, device,
+date, commit (``WHETSTONE_COMMIT`` or git), call_id (``CALL_ID``).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+ARCH = dict(
+    vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+    num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
+    rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001,
+    rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                     "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192},
+)
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+if os.environ.get("BENCH_LAYERS"):
+    ARCH["num_hidden_layers"] = int(os.environ["BENCH_LAYERS"])
+
+
+def flops_per_token(seq: int) -> float:
+    """Same formula as anchors.py: 4 N_linear + 3 causal attention (no recompute counted)."""
+    h, f, L = ARCH["hidden_size"], ARCH["intermediate_size"], ARCH["num_hidden_layers"]
+    kv = h * ARCH["num_key_value_heads"] // ARCH["num_attention_heads"]
+    n = (h * h * 2 + h * kv * 2 + 3 * h * f) * L + h * ARCH["vocab_size"]
+    return 4 * n + 3 * (2 * 2 * seq * h * L / 2)
+
+
+def _commit() -> str:
+    c = os.environ.get("WHETSTONE_COMMIT")
+    if c:
+        return c
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short=12", "HEAD"], text=True).strip()
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+def build(config: str, budget, offload: bool):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from worker.engine import engine
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(**ARCH)
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(cfg)
+    torch.set_default_dtype(torch.float32)
+    spec = SimpleNamespace(r=16, lora_alpha=16, lora_dropout=0.0, target_modules=TARGETS,
+                           use_rslora=False)
+    pm = engine.prepare(model, spec, load_in_4bit=config == "qlora", impl="triton", device="cuda",
+                        checkpointing=True, vram_budget_gib=budget, offload=offload,
+                        on_log=lambda s: print(s, flush=True))
+    torch.cuda.empty_cache()
+    return pm
+
+
+def run(config: str, seq: int, bs: int, steps: int, budget, offload: bool) -> dict:
+    import torch
+
+    t_load = time.time()
+    pm = build(config, budget, offload)
+    pm.train()
+    t_load = time.time() - t_load
+    params = [p for p in pm.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=2e-4, fused=True)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    batches = [torch.randint(0, 4000, (bs, seq), device="cuda", generator=g) for _ in range(4)]
+    mem_after_load = torch.cuda.memory_allocated() / 2**30
+    torch.cuda.reset_peak_memory_stats()
+    times, losses = [], []
+    for step in range(steps):
+        ids = batches[step % len(batches)]
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = pm(input_ids=ids, labels=ids)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        losses.append(float(out.loss))
+    timed = sorted(times[2:])
+    med = timed[len(timed) // 2]
+    tps = bs * seq / med
+    flops = flops_per_token(seq) * tps
+    kept = pm.get_base_model()._whetstone.kept_layers
+    return dict(
+        cfg=f"whetstone_{config}", seq=seq, bs=bs, steps=steps, step_s=round(med, 4),
+        tokens_per_s=round(tps, 1), tflops=round(flops / 1e12, 1),
+        mfu_vs_790=round(flops / 790e12, 3),
+        peak_alloc_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
+        peak_reserved_gib=round(torch.cuda.max_memory_reserved() / 2**30, 2),
+        mem_after_load_gib=round(mem_after_load, 2), load_s=round(t_load, 1),
+        loss_first=round(losses[0], 4), loss_last=round(losses[-1], 4),
+        trainable=sum(p.numel() for p in params), layers=ARCH["num_hidden_layers"],
+        bench="train_step", impl="whetstone", config=config, vram_budget_gib=budget,
+        kept_layers=kept, offload=offload, step_times=[round(t, 4) for t in times],
+        device=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(),
+        commit=_commit(), call_id=os.environ.get("CALL_ID", ""),
+        torch=torch.__version__)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("config", choices=["qlora", "lora"])
+    ap.add_argument("seq", type=int)
+    ap.add_argument("bs", type=int)
+    ap.add_argument("steps", type=int)
+    ap.add_argument("--budget", type=float, default=None, help="VRAM budget in GiB")
+    ap.add_argument("--no-offload", action="store_true")
+    a = ap.parse_args(argv)
+    res = run(a.config, a.seq, a.bs, a.steps, a.budget, not a.no_offload)
+    print("RESULT", json.dumps(res), flush=True)
+    out = os.environ.get("OUT", "/tmp")
+    with open(os.path.join(out, "train_step.jsonl"), "a") as fh:
+        fh.write(json.dumps(res) + "\n")
+
+
+if __name__ == "__main__":
+    main()
