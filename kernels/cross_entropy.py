@@ -148,5 +148,9 @@ def linear_cross_entropy(hidden, weight, labels, ignore_index: int = -100, softc
     check_impl(impl)
     if impl == "reference":
         return linear_cross_entropy_ref(hidden, weight, labels, ignore_index, softcap, reduction, normaliser)
+    if not torch.is_grad_enabled() or not (hidden.requires_grad or weight.requires_grad):
+        # evaluation: the loss only, no gradient written into the logits chunks
+        return linear_cross_entropy_fwd(hidden, weight, labels, ignore_index, softcap, reduction, normaliser,
+                                        need_dh=False, need_dw=False, chunk_bytes=chunk_bytes)[0]
     return LinearCrossEntropyFunction.apply(hidden, weight, labels, ignore_index, softcap, reduction, normaliser,
                                             chunk_bytes)

@@ -87,3 +87,12 @@ def test_no_weight_grad_and_leading_dims():
     out = linear_cross_entropy_fwd(h.detach(), w, y, need_dh=False)
     assert out[1] is None and out[2] is None
     torch.testing.assert_close(out[0], loss.detach())
+
+
+def test_no_grad_evaluation_returns_the_loss_only():
+    h, w = torch.randn(6, 8, requires_grad=True), torch.randn(19, 8)
+    y = _labels(6, 19, 1)
+    with torch.no_grad():
+        loss = linear_cross_entropy(h, w, y, softcap=4.0)
+    assert not loss.requires_grad
+    torch.testing.assert_close(loss, linear_cross_entropy_ref(h.detach(), w, y, softcap=4.0))
