@@ -37,6 +37,8 @@ COPY app app
 COPY worker worker
 COPY kernels kernels
 COPY migrations migrations
-RUN pip install --no-cache-dir -e ".[worker]"
+# llama-cpp-python is built CPU-only: it quantises and verifies GGUF exports, it never trains.
+RUN CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_CUDA=OFF -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TOOLS=OFF" \
+    pip install --no-cache-dir -e ".[worker]"
 VOLUME /data
 CMD ["python3", "-m", "worker"]

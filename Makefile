@@ -8,6 +8,10 @@ BIN := $(VENV)/bin
 # on a CPU-only box elsewhere: make setup TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 TORCH_INDEX_URL ?=
 TORCH_VERSION := 2.13.0
+# llama-cpp-python compiles llama.cpp (a few minutes, once; pip caches the wheel). CPU only:
+# it quantises GGUF files and verifies exports, it never trains.
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_CUDA=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAVA_BUILD=OFF
 # The demo model stories260K is seeded from ../shared/data when it is there (no download needed).
 ifeq ($(origin WHETSTONE_SEED_DIR), undefined)
   ifneq ($(wildcard ../shared/data/models/stories260K/stories260K.bin),)
@@ -27,7 +31,8 @@ $(BIN)/python:
 $(VENV)/.deps-stamp: pyproject.toml | $(BIN)/python
 	@if [ -n "$(TORCH_INDEX_URL)" ]; then \
 	  $(BIN)/pip install -q torch==$(TORCH_VERSION) --index-url $(TORCH_INDEX_URL); fi
-	$(BIN)/pip install -q -e ".[worker,test]"
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
+	  $(BIN)/pip install -q -e ".[worker,test]"
 	@touch $@
 
 deps: $(VENV)/.deps-stamp

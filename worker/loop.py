@@ -36,6 +36,7 @@ HANDLERS: dict[str, str] = {
     "import_model": "worker.jobs.import_model:run",
     "train": "worker.jobs.train:run",
     "grpo": "worker.jobs.grpo:run",
+    "export": "worker.jobs.export:run",
 }
 
 

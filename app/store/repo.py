@@ -207,3 +207,11 @@ def get_artifact(engine: Engine, artifact_id: str) -> Artifact:
         if art is None:
             raise NotFound(f"no artifact with id {artifact_id!r}")
         return art
+
+
+# ---- exports (jobs of kind "export" attached to a run) ----------------------------------
+def list_run_jobs(engine: Engine, run_id: str, kind: str) -> list[Job]:
+    """Jobs of one kind attached to a run (e.g. its exports), newest first."""
+    with session_scope(engine) as s:
+        q = select(Job).where(Job.run_id == run_id, Job.kind == kind).order_by(Job.id.desc())
+        return list(s.exec(q).all())

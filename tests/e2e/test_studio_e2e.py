@@ -41,7 +41,9 @@ def read_sse(client: httpx.Client, path: str, headers: dict | None = None,
     return out
 
 
-def test_fine_tune_stories260k_through_the_openai_client(studio: Studio):
+@pytest.fixture(scope="module")
+def trained(studio: Studio) -> dict:
+    """Upload real data with the openai client and fine-tune stories260K for 30 steps."""
     client = openai.OpenAI(base_url=f"{studio.url}/v1", api_key="local", max_retries=0)
     with open(SHARED / "sft" / "oasst1_en_100_messages.jsonl", "rb") as fh:
         f = client.files.create(file=fh, purpose="fine-tune")
@@ -55,11 +57,15 @@ def test_fine_tune_stories260k_through_the_openai_client(studio: Studio):
                     "chat_template": "chatml", "seed": 7})
     assert job.id.startswith("ftjob-")
     assert job.status in ("validating_files", "queued", "running")
-    assert client.fine_tuning.jobs.retrieve(job.id).id == job.id
-    assert job.id in [j.id for j in client.fine_tuning.jobs.list(limit=10).data]
-
     with studio.client() as c:
         events = read_sse(c, f"/runs/{job.id}/events")
+    return {"client": client, "job": job, "events": events}
+
+
+def test_fine_tune_stories260k_through_the_openai_client(studio: Studio, trained: dict):
+    client, job, events = trained["client"], trained["job"], trained["events"]
+    assert client.fine_tuning.jobs.retrieve(job.id).id == job.id
+    assert job.id in [j.id for j in client.fine_tuning.jobs.list(limit=10).data]
     assert events[-1]["event"] == "end", events[-5:]
     assert events[-1]["data"]["state"] == "succeeded", studio.tail_logs()
     ids = [int(e["id"]) for e in events if e.get("id")]
@@ -154,3 +160,50 @@ def test_openai_errors_have_the_openai_shape(studio: Studio):
         client.fine_tuning.jobs.create(model="stories260K", training_file="file-nope",
                                        extra_body={"r": 0})
     assert exc.value.body["param"] and "r" in exc.value.body["param"], exc.value.body
+
+
+@pytest.mark.parametrize("body", [
+    {"format": "adapter"},
+    {"format": "merged_16bit", "dtype": "bf16"},
+    {"format": "gguf", "quantization": ["F16", "Q8_0", "Q4_K_M"]},
+    {"format": "ollama", "quantization": "Q8_0"},
+], ids=lambda b: b["format"])
+def test_export_is_verified(studio: Studio, trained: dict, body: dict):
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is installed by make setup")
+    run_id = trained["job"].id
+    with studio.client() as c:
+        r = c.post(f"/api/runs/{run_id}/exports", json=body)
+        assert r.status_code == 201, r.text
+        export_id = r.json()["id"]
+        info = wait_for(lambda: (x := c.get(f"/api/exports/{export_id}").json())["status"]
+                        in ("succeeded", "failed", "cancelled") and x, 600, "the export", studio)
+        assert info["status"] == "succeeded", (info["error"], info["verification"])
+        assert info["verification"]["passed"] is True, info["verification"]
+        assert info["files"], info
+        for f in info["files"]:
+            assert len(f["sha256"]) == 64 and f["size"] > 0
+        names = [f["name"] for f in info["files"]]
+        if body["format"] == "gguf":
+            assert sum(n.endswith(".gguf") for n in names) == 3, names
+            got = c.get(next(f["url"] for f in info["files"] if f["name"].endswith("Q8_0.gguf")))
+            assert got.content[:4] == b"GGUF"
+        if body["format"] == "ollama":
+            assert "Modelfile" in [Path(n).name for n in names], names
+            assert info["ollama"]["created"] is False and "ollama create" in info["ollama"]["command"]
+        if body["format"] == "merged_16bit":
+            assert any(n.endswith(".safetensors") for n in names), names
+        listed = c.get(f"/api/runs/{run_id}/exports").json()["data"]
+        assert export_id in [e["id"] for e in listed]
+        z = c.get(f"/exports/{export_id}/download.zip")
+        assert z.status_code == 200
+        with zipfile.ZipFile(io.BytesIO(z.content)) as zf:
+            assert sorted(zf.namelist()) == sorted(names)
+
+
+def test_export_errors_are_clear(studio: Studio, trained: dict):
+    with studio.client() as c:
+        r = c.post(f"/api/runs/{trained['job'].id}/exports", json={"format": "onnx"})
+        assert r.status_code == 422 and "format" in r.json()["error"]["message"]
+        r = c.post("/api/runs/ftjob-nope/exports", json={"format": "gguf"})
+        assert r.status_code == 404
+        assert c.get("/api/exports/999999").status_code == 404

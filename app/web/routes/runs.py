@@ -13,6 +13,7 @@ from app.store.schema import JobState
 from app.store.specs import ALL_LINEAR, SCHEDULERS, TrainSpec
 from app.web.deps import get_engine, is_htmx
 from app.web.inspect import default_templates
+from app.web.routes.exports import exports_view
 from app.web.render import render
 from app.web.services import field_errors
 from app.web.sse import job_event_stream, start_after
@@ -181,6 +182,10 @@ def create_checked(engine, spec: TrainSpec, name: str | None = None):
     return repo.create_run(engine, spec, name=name)
 
 
+# What the run page lists under "Artifacts"; export files are listed under "Exports".
+RUN_ARTIFACT_KINDS = ("adapter", "config", "metrics")
+
+
 def run_view(engine, run_id: str) -> dict:
     """Everything the run page shows at load time."""
     run, job = repo.run_with_job(engine, run_id)
@@ -203,8 +208,10 @@ def run_view(engine, run_id: str) -> dict:
     return {"run": run, "job": job, "state": state, "metric": m, "progress": progress,
             "error": job.error if job else None,
             "cancel_requested": bool(job and job.cancel_requested),
-            "artifacts": repo.list_artifacts(engine, run.id), "model_name": model_name,
-            "dataset_name": dataset_name, "spec_json": json.dumps(run.spec, indent=2)}
+            "artifacts": [a for a in repo.list_artifacts(engine, run.id)
+                          if a.kind in RUN_ARTIFACT_KINDS],
+            "model_name": model_name, "dataset_name": dataset_name,
+            "spec_json": json.dumps(run.spec, indent=2), **exports_view(engine, run.id)}
 
 
 @router.get("/runs/{run_id}")
