@@ -86,5 +86,13 @@ def test_browser_journey(studio: Studio, tmp_path):
             names = z.namelist()
         assert any(n.endswith("adapter_config.json") for n in names), names
         assert any(n.endswith("adapter_model.safetensors") for n in names), names
+
+        # 5. Export it as GGUF (Q8_0, the form's default) from the page; verification passes.
+        page.select_option("#export_form select[name=format]", value="gguf")
+        page.click("#export_form button[type=submit]")
+        row = page.locator("#exports tbody tr").first
+        expect(row.locator(".state")).to_have_text("succeeded", timeout=300_000)
+        expect(row).to_contain_text("passed")
+        expect(row.locator("a", has_text="Q8_0.gguf")).to_have_count(1)
         assert not errors, errors
         browser.close()
