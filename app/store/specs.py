@@ -110,7 +110,25 @@ class ImportModelSpec(BaseModel):
 
 # ---- GRPO -------------------------------------------------------------------------------
 #: Built-in reward names (worker/rewards/builtin.py) plus ``custom`` (Python from the browser).
-REWARD_NAMES = ("numeric_match", "exact_match", "regex_match", "format", "length_penalty", "custom")
+REWARD_NAMES = ("numeric_match", "exact_match", "regex_match", "format", "length_penalty",
+                "text_similarity", "custom")
+#: One line per reward, for the run form and the API docs.
+REWARD_DESCRIPTIONS = {
+    "numeric_match": "1 when the completion's final number (\\boxed{}, #### n, <answer>, else the "
+                     "last number) equals the reference column's (GSM8K '#### n'), else 0",
+    "exact_match": "1 when the completion equals the column (whitespace/case-insensitive; "
+                   "params contains / negate / case_sensitive), else 0",
+    "regex_match": "1 when params.pattern matches (and its first group equals params.column, "
+                   "if given), else 0",
+    "format": "1 for <think>…</think><answer>…</answer> and nothing else, 0.5 if the tags appear "
+              "in order, else 0",
+    "length_penalty": "−(completion tokens beyond params.target_tokens) / target_tokens, floor −1",
+    "text_similarity": "fuzzy-match ratio of the completion to the column in [0, 1] (or 1/0 at "
+                       "params.pass_threshold)",
+    "custom": "your Python: def reward(prompt: str, completion: str, item: dict) -> float, run "
+              "in a sandbox process (time and memory limits)",
+}
+CUSTOM_REWARD_SIGNATURE = "def reward(prompt: str, completion: str, item: dict) -> float"
 GRPO_LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo")
 SCALE_REWARDS = ("group", "batch", "none")
 #: The prompt column is the first of these a row has, unless the spec names one.
@@ -126,11 +144,13 @@ class RewardSpec(BaseModel):
 
     * numeric_match: ``column`` (default: the run's answer column), ``strict`` (only ``\\boxed{}``,
       ``#### n`` or ``<answer>`` count; otherwise the last number of the completion does too).
-    * exact_match: ``column``, ``case_sensitive`` (False), ``strip`` (True).
+    * exact_match: ``column``, ``case_sensitive`` (False), ``strip`` (True), ``contains``
+      (the column's value anywhere in the completion), ``negate``.
     * regex_match: ``pattern`` (required); with ``column`` the first group (or the whole match)
       must equal that column's value, without it any match scores.
     * format: ``reasoning_tag`` ("think"), ``answer_tag`` ("answer").
     * length_penalty: ``target_tokens`` (required): −(tokens beyond target)/target, floor −1.
+    * text_similarity: ``column``, ``pass_threshold`` (fuzzy-match ratio in [0, 1] otherwise).
     * custom: ``source`` (required, Python defining ``entry``), ``entry`` ("reward"),
       ``timeout_s`` (5), ``memory_mb`` (512).
     """

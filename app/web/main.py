@@ -90,10 +90,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return JSONResponse({"status": status, "database": db, "workers": live},
                             status_code=200)
 
-    from app.web.routes import (api, artifacts, datasets, exports, models, openai_api, pages,
-                                runs)
+    from app.web.routes import (api, artifacts, datasets, exports, grpo, models, openai_api,
+                                pages, runs)
 
-    for mod in (pages, datasets, models, runs, artifacts, exports, api, openai_api):
+    for mod in (pages, datasets, models, runs, grpo, artifacts, exports, api, openai_api):
         app.include_router(mod.router)
     return app
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +16,9 @@ from app.store import events, queue, repo
 from app.store.schema import Dataset, JobState
 from app.store.specs import GrpoSpec
 from worker.loop import Worker
+
+SHARED_DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
+STORIES = SHARED_DATA / "models" / "stories260K"
 
 OPENINGS = ["Once upon a time", "One day", "Once upon a time, there was", "One sunny day",
             "There was a", "Once there was"]
@@ -27,8 +31,6 @@ TOY = dict(chat_template="none", num_generations=8, per_device_train_batch_size=
 
 @pytest.fixture(scope="module")
 def studio(tmp_path_factory):
-    from tests.grpo.conftest import SHARED_DATA, STORIES
-
     if not (STORIES / "stories260K.bin").exists():
         pytest.skip("no shared test data")
     d = tmp_path_factory.mktemp("grpo-data")

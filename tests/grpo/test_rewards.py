@@ -192,3 +192,13 @@ def test_spec_validation_and_registry():
         RewardSpec(name="custom", params={"source": "def reward(:"})
     with pytest.raises(ValidationError, match="target_tokens"):
         RewardSpec(name="length_penalty")
+
+
+def test_contains_negate_and_similarity():
+    b = Batch(["p"] * 3, ["The answer is 72.", "72", "seventy"], [1] * 3, {"answer": ["72"] * 3})
+    assert builtin.make_builtin("exact_match", {"contains": True}, "answer").score(b) == [1, 1, 0]
+    assert builtin.make_builtin("exact_match", {"negate": True}, "answer").score(b) == [1, 0, 1]
+    sim = builtin.make_builtin("text_similarity", {}, "answer").score(b)
+    assert sim[1] == 1.0 and 0 < sim[0] < 1 and sim[2] == 0.0
+    assert builtin.make_builtin("text_similarity", {"pass_threshold": 0.5}, "answer").score(b) \
+        == [0.0, 1.0, 0.0]

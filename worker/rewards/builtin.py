@@ -125,8 +125,31 @@ def exact_match(params: dict, answer_column: str | None):
         x = " ".join(x.split()) if strip else x
         return x if case else x.casefold()
 
+    contains = bool(params.get("contains", False))
+    negate = bool(params.get("negate", False))
+
     def fn(s: Sample) -> float:
-        return 1.0 if norm(s.completion) == norm(_column(s, column, "exact_match")) else 0.0
+        got, ref = norm(s.completion), norm(_column(s, column, "exact_match"))
+        hit = ref in got if contains else got == ref
+        return 1.0 if hit != negate else 0.0
+
+    return fn
+
+
+def text_similarity(params: dict, answer_column: str | None):
+    """``fuzzy_match``: difflib's ratio of the completion to the column, in [0, 1]; with
+    ``pass_threshold`` the reward is 1 at or above it, else 0."""
+    import difflib
+
+    column = params.get("column") or answer_column
+    threshold = params.get("pass_threshold")
+
+    def fn(s: Sample) -> float:
+        ref = str(_column(s, column, "text_similarity")).strip()
+        ratio = difflib.SequenceMatcher(None, s.completion.strip(), ref).ratio()
+        if threshold is None:
+            return ratio
+        return 1.0 if ratio >= float(threshold) else 0.0
 
     return fn
 
@@ -173,7 +196,8 @@ def length_penalty(params: dict, answer_column: str | None):
 
 
 BUILTINS = {"numeric_match": numeric_match, "exact_match": exact_match,
-            "regex_match": regex_match, "format": format_reward, "length_penalty": length_penalty}
+            "regex_match": regex_match, "format": format_reward, "length_penalty": length_penalty,
+            "text_similarity": text_similarity}
 
 def make_builtin(name: str, params: dict, answer_column: str | None, weight: float = 1.0,
                  label: str | None = None) -> PerSample:

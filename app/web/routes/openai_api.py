@@ -21,6 +21,7 @@ from app.store.schema import Dataset, JobState, Run
 from app.store.specs import TrainSpec
 from app.web.deps import get_engine, get_settings
 from app.web.errors import ApiError
+from app.web.routes.grpo import create_reinforcement_job, reinforcement_method
 from app.web.routes.runs import FieldError, create_checked
 from app.web.services import is_under, upload_dataset
 from app.web.uploads import UploadError
@@ -139,7 +140,8 @@ def job_object(engine, run: Run, job=None, model_name: str | None = None) -> dic
         "trained_tokens": (job.result or {}).get("trained_tokens") if job is not None else None,
         "training_file": run.dataset_id, "validation_file": None, "integrations": [],
         "metadata": None, "estimated_finish": None, "user_provided_suffix": run.name,
-        "method": {"type": "supervised", "supervised": {"hyperparameters": hp}},
+        "method": reinforcement_method(spec) if run.kind == "grpo"
+        else {"type": "supervised", "supervised": {"hyperparameters": hp}},
         "whetstone": {"spec": spec, "progress": metric.data if metric else None,
                       "cancel_requested": bool(job and job.cancel_requested)},
     }
@@ -159,7 +161,7 @@ def spec_from_openai(body: dict[str, Any]) -> dict[str, Any]:
     method = body.get("method")
     if method:
         if not isinstance(method, dict) or method.get("type", "supervised") != "supervised":
-            raise ApiError(400, "only method.type 'supervised' is supported", "method.type",
+            raise ApiError(400, "method.type must be 'supervised' or 'reinforcement'", "method.type",
                            "unsupported_parameter")
         hp.update((method.get("supervised") or {}).get("hyperparameters") or {})
     raw: dict[str, Any] = {"model": body["model"], "dataset": body["training_file"]}
@@ -205,6 +207,9 @@ async def create_job(request: Request):
         body = await request.json()
     except ValueError:
         raise ApiError(400, "the request body is not valid JSON") from None
+    if isinstance(body, dict) and isinstance(body.get("method"), dict) \
+            and body["method"].get("type") == "reinforcement":
+        return create_reinforcement_job(request, body)
     raw = spec_from_openai(body)
     try:
         spec = TrainSpec(**raw)

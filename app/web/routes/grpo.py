@@ -1,0 +1,440 @@
+"""GRPO runs from the browser and the APIs: the run form, ``POST /api/runs/grpo`` and the
+OpenAI ``method={"type": "reinforcement", ...}`` mapping of graders onto our rewards.
+
+OpenAI graders map as follows (``{{sample.output_text}}`` is the completion, ``{{item.<col>}}`` a
+dataset column):
+
+* ``string_check`` ``eq`` / ``ne`` / ``like`` / ``ilike`` against ``{{item.col}}`` -> exact_match
+  (case-sensitive / negated / contains / case-insensitive contains); against a literal ->
+  regex_match with the escaped literal.
+* ``text_similarity`` ``fuzzy_match`` -> text_similarity (``pass_threshold`` kept).
+* ``python`` -> a custom reward calling ``grade(sample, item)`` in the sandbox.
+* ``multi`` -> each sub-grader, weighted by ``calculate_output`` when it is a weighted sum of
+  the grader names (``"0.7 * correct + 0.3 * fmt"``).
+"""
+from __future__ import annotations
+
+import ast
+import json
+import re
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, RedirectResponse, Response
+from pydantic import ValidationError
+
+from app.store import repo
+from app.store.specs import (ALL_LINEAR, CUSTOM_REWARD_SIGNATURE, GRPO_LOSS_TYPES, REWARD_DESCRIPTIONS,
+                             REWARD_NAMES, SCALE_REWARDS, SCHEDULERS, GrpoSpec)
+from app.web.deps import get_engine, get_settings, is_htmx
+from app.web.errors import ApiError
+from app.web.render import render
+from app.web.services import field_errors
+
+router = APIRouter()
+
+BUILTIN_FORM = [n for n in REWARD_NAMES if n != "custom"]
+_INT = {"r", "lora_alpha", "max_steps", "per_device_train_batch_size", "num_generations",
+        "gradient_accumulation_steps", "seed", "max_prompt_length", "max_completion_length",
+        "num_iterations"}
+_TEXT = ("prompt_column", "answer_column", "system_prompt", "chat_template", "loss_type",
+         "scale_rewards", "lr_scheduler_type")
+_NUM = _INT | {"learning_rate", "beta", "epsilon", "temperature", "top_p", "lora_dropout"}
+CUSTOM_EXAMPLE = ("def reward(prompt: str, completion: str, item: dict) -> float:\n"
+                  "    # item holds the dataset row, e.g. item['answer']\n"
+                  "    return 1.0 if item['answer'].split('####')[-1].strip() in completion "
+                  "else 0.0\n")
+
+
+class FieldError(Exception):
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field, self.message = field, message
+
+
+def current_user(request: Request) -> str | None:
+    """The signed-in user; None until Whetstone has logins."""
+    return getattr(request.state, "user", None)
+
+
+def create_grpo_run(engine, settings, spec: GrpoSpec, name: str | None, owner: str | None):
+    """Check permission, model and dataset, then create the run and queue its ``grpo`` job."""
+    if spec.has_custom_rewards and not settings.custom_rewards_allowed(owner):
+        raise FieldError("rewards", "custom Python rewards are not allowed for this user; an "
+                                    "admin allows them with WHETSTONE_ALLOW_CUSTOM_REWARDS")
+    try:
+        model = repo.get_model(engine, spec.model)
+    except repo.NotFound as exc:
+        raise FieldError("model", str(exc)) from None
+    if model.status == "failed":
+        raise FieldError("model", f"model {model.name!r} failed to import: {model.error}")
+    try:
+        ds = repo.get_dataset(engine, spec.dataset)
+    except repo.NotFound as exc:
+        raise FieldError("dataset", str(exc)) from None
+    if ds.status != "processed":
+        raise FieldError("dataset", f"dataset {ds.filename!r} is not usable: {ds.error or ds.status}")
+    return repo.create_run(engine, spec, kind="grpo", name=name, owner=owner)
+
+
+# ---- the form ---------------------------------------------------------------------------
+def _defaults() -> dict[str, Any]:
+    vals = {k: f.get_default(call_default_factory=True) for k, f in GrpoSpec.model_fields.items()
+            if k not in ("model", "dataset", "rewards")}
+    vals.update(model="", dataset="", name="", prompt_column="", answer_column="",
+                system_prompt="", chat_template="", rewards_on=["numeric_match", "format"],
+                weights={n: 1.0 for n in REWARD_NAMES}, regex_pattern="", regex_column="",
+                exact_column="", similarity_column="", target_tokens=200,
+                custom_source=CUSTOM_EXAMPLE, custom_timeout_s=5, custom_memory_mb=512)
+    vals["weights"]["format"] = 0.5
+    vals["weights"]["length_penalty"] = 0.1
+    return vals
+
+
+def _form_ctx(request, values, errors=None, general=None) -> dict[str, Any]:
+    engine = get_engine(request)
+    models = repo.list_models(engine)
+    datasets = [d for d in repo.list_datasets(engine) if d.status == "processed"]
+    if not values.get("model") and models:
+        values["model"] = ([m for m in models if m.status == "ready"] or models)[0].id
+    if not values.get("dataset") and datasets:
+        values["dataset"] = datasets[0].id
+    return {"values": values, "errors": errors or {}, "general_errors": general or [],
+            "models": models, "datasets": datasets, "all_modules": ALL_LINEAR,
+            "schedulers": SCHEDULERS, "loss_types": GRPO_LOSS_TYPES, "scales": SCALE_REWARDS,
+            "builtins": BUILTIN_FORM, "descriptions": REWARD_DESCRIPTIONS,
+            "signature": CUSTOM_REWARD_SIGNATURE,
+            "custom_allowed": get_settings(request).custom_rewards_allowed(current_user(request))}
+
+
+def spec_from_form(form) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(raw GrpoSpec input, values to re-show) from the submitted form."""
+    values = _defaults()
+    raw: dict[str, Any] = {}
+    for key in ("model", "dataset", "name", *_TEXT, *_NUM, "regex_pattern", "regex_column",
+                "exact_column", "similarity_column", "target_tokens", "custom_source",
+                "custom_timeout_s", "custom_memory_mb"):
+        v = form.get(key)
+        if v is not None:
+            values[key] = str(v) if key == "custom_source" else str(v).strip()
+    for key in ("model", "dataset", *_TEXT, *_NUM):
+        if values.get(key) not in ("", None) and key in GrpoSpec.model_fields:
+            raw[key] = values[key]
+    values["load_in_4bit"] = raw["load_in_4bit"] = form.get("load_in_4bit") in ("true", "on", "1")
+    values["target_modules"] = raw["target_modules"] = [str(m) for m in form.getlist("target_modules")]
+    values["rewards_on"] = [str(n) for n in form.getlist("rewards")]
+    rewards = []
+    for name in values["rewards_on"]:
+        w = str(form.get(f"weight_{name}") or "1").strip()
+        values["weights"][name] = w
+        params: dict[str, Any] = {}
+        if name == "regex_match":
+            params["pattern"] = values["regex_pattern"]
+            if values["regex_column"]:
+                params["column"] = values["regex_column"]
+        elif name == "exact_match" and values["exact_column"]:
+            params["column"] = values["exact_column"]
+        elif name == "text_similarity" and values["similarity_column"]:
+            params["column"] = values["similarity_column"]
+        elif name == "length_penalty":
+            params["target_tokens"] = _int(values["target_tokens"])
+        elif name == "custom":
+            params = {"source": values["custom_source"],
+                      "timeout_s": _num(values["custom_timeout_s"]),
+                      "memory_mb": _int(values["custom_memory_mb"])}
+        rewards.append({"name": name, "weight": w, "params": params})
+    raw["rewards"] = rewards
+    return raw, values
+
+
+def _int(v):
+    try:
+        return int(str(v))
+    except ValueError:
+        return v
+
+
+def _num(v):
+    try:
+        return float(str(v))
+    except ValueError:
+        return v
+
+
+@router.get("/runs/new/grpo")
+def new_grpo_run(request: Request, dataset: str | None = None, model: str | None = None):
+    values = _defaults()
+    values.update(dataset=dataset or "", model=model or "")
+    return render(request, "run_grpo_new.html", _form_ctx(request, values), block="grpo_form")
+
+
+@router.post("/runs/grpo")
+async def create_grpo_form(request: Request):
+    form = await request.form()
+    raw, values = spec_from_form(form)
+    errors: dict[str, str] = {}
+    general: list[str] = []
+    spec = None
+    try:
+        spec = GrpoSpec(**raw)
+    except ValidationError as exc:
+        errors, general = field_errors(exc)
+    if not raw.get("rewards"):
+        errors["rewards"] = "choose at least one reward function"
+    run = None
+    if spec is not None and not errors:
+        try:
+            run, _ = create_grpo_run(get_engine(request), get_settings(request), spec,
+                                     values.get("name") or None, current_user(request))
+        except FieldError as exc:
+            errors[exc.field] = exc.message
+    if run is None:
+        return render(request, "run_grpo_new.html", _form_ctx(request, values, errors, general),
+                      block="grpo_form", status_code=422)
+    url = f"/runs/{run.id}"
+    if is_htmx(request):
+        return Response(status_code=200, headers={"HX-Redirect": url})
+    return RedirectResponse(url, status_code=303)
+
+
+# ---- JSON API ---------------------------------------------------------------------------
+@router.post("/api/runs/grpo", status_code=201)
+async def create_grpo_api(request: Request):
+    from app.web.routes.api import run_json
+
+    try:
+        body = await request.json()
+    except ValueError:
+        raise ApiError(400, "the request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object (a GrpoSpec)")
+    name = body.pop("name", None)
+    try:
+        spec = GrpoSpec(**body)
+    except ValidationError as exc:
+        errors, general = field_errors(exc)
+        first = next(iter(errors.items()), (None, general[0] if general else "invalid spec"))
+        return JSONResponse({"error": {"message": f"{first[0]}: {first[1]}" if first[0] else first[1],
+                                       "param": first[0], "code": "invalid_value",
+                                       "fields": errors}}, status_code=422)
+    engine = get_engine(request)
+    try:
+        run, _ = create_grpo_run(engine, get_settings(request), spec, name, current_user(request))
+    except FieldError as exc:
+        status = 403 if exc.field == "rewards" else 404 if exc.message.startswith("no ") else 422
+        raise ApiError(status, exc.message, exc.field) from None
+    return run_json(engine, run, full=True)
+
+
+@router.get("/api/grpo/rewards")
+def reward_catalog(request: Request):
+    """The reward functions a run may use, the custom signature, and whether custom is allowed."""
+    return {"rewards": [{"name": n, "description": REWARD_DESCRIPTIONS[n]} for n in REWARD_NAMES],
+            "custom_signature": CUSTOM_REWARD_SIGNATURE,
+            "custom_allowed": get_settings(request).custom_rewards_allowed(current_user(request))}
+
+
+# ---- OpenAI reinforcement method ----------------------------------------------------------
+_SAMPLE = re.compile(r"^\s*\{\{\s*sample\.output_text\s*\}\}\s*$")
+_ITEM = re.compile(r"^\s*\{\{\s*item\.([A-Za-z_][\w]*)\s*\}\}\s*$")
+
+
+def _bad(msg: str, param: str) -> ApiError:
+    return ApiError(400, msg, param, "invalid_value")
+
+
+def _needs_output(grader: dict, param: str) -> None:
+    if not _SAMPLE.match(str(grader.get("input", ""))):
+        raise _bad("only {{sample.output_text}} can be graded (the model's completion)",
+                   f"{param}.input")
+
+
+def grader_rewards(grader: Any, param: str = "method.reinforcement.grader",
+                   weight: float = 1.0) -> list[dict[str, Any]]:
+    """Our reward list (RewardSpec dicts) for an OpenAI grader. Raises ApiError."""
+    if not isinstance(grader, dict):
+        raise _bad("grader must be an object", param)
+    kind = grader.get("type")
+    label = grader.get("name") or None
+    if kind == "string_check":
+        _needs_output(grader, param)
+        op = grader.get("operation", "eq")
+        ref = str(grader.get("reference", ""))
+        col = _ITEM.match(ref)
+        if op not in ("eq", "ne", "like", "ilike"):
+            raise _bad(f"string_check operation {op!r} is not one of eq, ne, like, ilike",
+                       f"{param}.operation")
+        if col:
+            params = {"column": col.group(1), "case_sensitive": op in ("eq", "ne", "like"),
+                      "strip": False, "contains": op in ("like", "ilike"), "negate": op == "ne"}
+            return [{"name": "exact_match", "weight": weight, "label": label, "params": params}]
+        if "{{" in ref:
+            raise _bad("reference must be a literal or {{item.<column>}}", f"{param}.reference")
+        lit = re.escape(ref)
+        pattern = {"eq": f"^{lit}$", "ne": f"^(?!{lit}$)", "like": lit, "ilike": f"(?i){lit}"}[op]
+        return [{"name": "regex_match", "weight": weight, "label": label,
+                 "params": {"pattern": pattern, "dotall": True}}]
+    if kind == "text_similarity":
+        _needs_output(grader, param)
+        metric = grader.get("evaluation_metric", "fuzzy_match")
+        if metric != "fuzzy_match":
+            raise ApiError(400, f"text_similarity evaluation_metric {metric!r} is not supported "
+                                f"(fuzzy_match is)", f"{param}.evaluation_metric",
+                           "unsupported_parameter")
+        col = _ITEM.match(str(grader.get("reference", "")))
+        if not col:
+            raise _bad("reference must be {{item.<column>}}", f"{param}.reference")
+        params: dict[str, Any] = {"column": col.group(1)}
+        if grader.get("pass_threshold") is not None:
+            params["pass_threshold"] = grader["pass_threshold"]
+        return [{"name": "text_similarity", "weight": weight, "label": label, "params": params}]
+    if kind == "python":
+        src = grader.get("source")
+        if not isinstance(src, str) or not src.strip():
+            raise _bad("a python grader needs source defining grade(sample, item)", f"{param}.source")
+        return [{"name": "custom", "weight": weight, "label": label,
+                 "params": {"source": src, "entry": "grade", "style": "openai"}}]
+    if kind == "multi":
+        graders = grader.get("graders")
+        if not isinstance(graders, dict) or not graders:
+            raise _bad("a multi grader needs graders: {name: grader}", f"{param}.graders")
+        weights = _linear_weights(str(grader.get("calculate_output", "")), list(graders),
+                                  f"{param}.calculate_output")
+        out = []
+        for name, sub in graders.items():
+            if weights.get(name, 0.0) == 0.0:
+                continue
+            for r in grader_rewards(sub, f"{param}.graders.{name}", weight * weights[name]):
+                r["label"] = r.get("label") or name
+                out.append(r)
+        return out
+    raise ApiError(400, f"grader type {kind!r} is not supported (string_check, text_similarity, "
+                        f"python, multi are)", f"{param}.type", "unsupported_parameter")
+
+
+def _linear_weights(expr: str, names: list[str], param: str) -> dict[str, float]:
+    """``"0.7 * a + 0.3 * b"`` -> {"a": 0.7, "b": 0.3}; anything but a weighted sum is refused."""
+    try:
+        tree = ast.parse(expr, mode="eval").body
+    except SyntaxError:
+        raise _bad("calculate_output must be a weighted sum of grader names", param) from None
+    weights: dict[str, float] = {}
+
+    def term(node, sign):
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub)):
+            term(node.left, sign)
+            term(node.right, -sign if isinstance(node.op, ast.Sub) else sign)
+            return
+        coef, name = sign, None
+        if isinstance(node, ast.Name):
+            name = node.id
+        elif isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Mult, ast.Div)):
+            a, b = node.left, node.right
+            if isinstance(node.op, ast.Mult) and isinstance(a, ast.Constant):
+                a, b = b, a
+            if isinstance(a, ast.Name) and isinstance(b, ast.Constant) \
+                    and isinstance(b.value, (int, float)) and b.value != 0:
+                name = a.id
+                coef = sign * (b.value if isinstance(node.op, ast.Mult) else 1 / b.value)
+        if name is None or name not in names:
+            raise _bad("calculate_output must be a weighted sum of the grader names "
+                       f"({', '.join(names)}), e.g. '0.5 * {names[0]} + ...'", param)
+        weights[name] = weights.get(name, 0.0) + float(coef)
+
+    term(tree, 1.0)
+    return weights
+
+
+def spec_from_reinforcement(body: dict[str, Any], engine) -> dict[str, Any]:
+    """GrpoSpec input from an OpenAI job-create body with ``method.type == "reinforcement"``.
+
+    ``hyperparameters`` (under ``method.reinforcement`` or top level): ``batch_size`` ->
+    per_device_train_batch_size, ``learning_rate_multiplier`` × our default learning rate,
+    ``n_epochs`` -> max_steps from the dataset's row count; any GrpoSpec field name passes
+    through (num_generations, beta, ...). Raises ApiError.
+    """
+    for key in ("model", "training_file"):
+        if not body.get(key) or not isinstance(body.get(key), str):
+            raise ApiError(400, f"{key} is required", key, "missing_required_parameter")
+    rl = (body.get("method") or {}).get("reinforcement") or {}
+    if not isinstance(rl, dict) or "grader" not in rl:
+        raise ApiError(400, "method.reinforcement.grader is required",
+                       "method.reinforcement.grader", "missing_required_parameter")
+    raw: dict[str, Any] = {"model": body["model"], "dataset": body["training_file"],
+                           "rewards": grader_rewards(rl["grader"])}
+    hp = {**(body.get("hyperparameters") or {}), **(rl.get("hyperparameters") or {})}
+    epochs = None
+    for key, value in hp.items():
+        if value in (None, "auto") or key in ("compute_multiplier", "eval_interval",
+                                              "eval_samples", "reasoning_effort"):
+            continue
+        if key == "batch_size":
+            raw["per_device_train_batch_size"] = value
+        elif key == "learning_rate_multiplier":
+            try:
+                raw["learning_rate"] = float(value) * GrpoSpec.model_fields["learning_rate"].default
+            except (TypeError, ValueError):
+                raise _bad("learning_rate_multiplier must be a number",
+                           "hyperparameters.learning_rate_multiplier") from None
+        elif key == "n_epochs":
+            epochs = value
+        elif key in GrpoSpec.model_fields and key not in ("model", "dataset", "rewards"):
+            raw[key] = value
+        else:
+            raise ApiError(400, f"unknown hyperparameter {key!r}", f"hyperparameters.{key}",
+                           "unknown_parameter")
+    for key, value in body.items():
+        if key in GrpoSpec.model_fields and key not in ("model", "dataset", "rewards",
+                                                        "spec_version"):
+            raw[key] = value
+    if body.get("seed") is not None:
+        raw["seed"] = body["seed"]
+    if epochs is not None:
+        try:
+            rows = repo.get_dataset(engine, body["training_file"]).rows
+        except repo.NotFound:
+            rows = None
+        if rows:
+            d = GrpoSpec.model_fields
+            per = int(raw.get("per_device_train_batch_size", d["per_device_train_batch_size"].default))
+            acc = int(raw.get("gradient_accumulation_steps", d["gradient_accumulation_steps"].default))
+            gen = int(raw.get("num_generations", d["num_generations"].default))
+            raw.setdefault("max_steps", max(1, -(-int(float(epochs) * rows * gen) // (per * acc))))
+    return raw
+
+
+def create_reinforcement_job(request: Request, body: dict[str, Any]) -> dict[str, Any]:
+    """POST /v1/fine_tuning/jobs with ``method.type == "reinforcement"`` (the OpenAI job object)."""
+    from app.web.routes.openai_api import job_object
+
+    engine = get_engine(request)
+    raw = spec_from_reinforcement(body, engine)
+    try:
+        spec = GrpoSpec(**raw)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(x) for x in err.get("loc", ()))
+        msg = err.get("msg", "invalid value").removeprefix("Value error, ")
+        raise ApiError(400, f"{loc}: {msg}" if loc else msg, loc or None, "invalid_value") from None
+    try:
+        run, job = create_grpo_run(engine, get_settings(request), spec, body.get("suffix"),
+                                   current_user(request))
+    except FieldError as exc:
+        if exc.field == "rewards":
+            raise ApiError(403, exc.message, "method.reinforcement.grader", "permission_denied") from None
+        param = {"model": "model", "dataset": "training_file"}.get(exc.field, exc.field)
+        code = "model_not_found" if exc.field == "model" else "file_not_found"
+        raise ApiError(404 if exc.message.startswith("no ") else 400, exc.message, param,
+                       code) from None
+    return job_object(engine, run, job)
+
+
+def reinforcement_method(spec: dict[str, Any]) -> dict[str, Any]:
+    """The ``method`` of a GRPO run's OpenAI job object."""
+    hp = {"batch_size": spec.get("per_device_train_batch_size"),
+          "learning_rate_multiplier": round(spec.get("learning_rate", 0) /
+                                            GrpoSpec.model_fields["learning_rate"].default, 10),
+          "n_epochs": None}
+    return {"type": "reinforcement",
+            "reinforcement": {"hyperparameters": hp,
+                              "whetstone_rewards": json.loads(json.dumps(spec.get("rewards", [])))}}

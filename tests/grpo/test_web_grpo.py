@@ -1,0 +1,201 @@
+"""GRPO from the browser form, the JSON API and the OpenAI client (web process only)."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from app.settings import Settings
+from app.store import queue, repo
+from app.store.db import reset_engines
+from app.store.schema import Dataset
+from app.web.errors import ApiError
+from app.web.routes.grpo import grader_rewards
+
+SHARED = Path(__file__).resolve().parents[3] / "shared" / "data"
+GSM8K = SHARED / "grpo" / "gsm8k" / "train.jsonl"
+pytestmark = pytest.mark.skipif(not GSM8K.exists(), reason="no shared data")
+
+
+def _app(tmp_path, allow=""):
+    from app.web.main import create_app
+
+    return create_app(Settings(data_dir=tmp_path / "data", seed_dir=SHARED,
+                               allow_custom_rewards=allow))
+
+
+@pytest.fixture(params=[""])
+def env(request, tmp_path):
+    app = _app(tmp_path, getattr(request, "param", ""))
+    with TestClient(app) as c:
+        ds = repo.add_dataset(app.state.engine, Dataset(filename="gsm8k_train.jsonl",
+                                                        path=str(GSM8K), rows=7473))
+        yield {"client": c, "engine": app.state.engine, "dataset": ds.id, "app": app}
+    reset_engines()
+
+
+def _form(dataset, **extra):
+    data = {"model": "stories260K", "dataset": dataset, "name": "gsm8k grpo",
+            "num_generations": "4", "max_prompt_length": "256", "max_completion_length": "128",
+            "temperature": "1.0", "top_p": "1.0", "beta": "0.04", "epsilon": "0.2",
+            "loss_type": "dapo", "scale_rewards": "group", "num_iterations": "1",
+            "learning_rate": "5e-6", "per_device_train_batch_size": "8",
+            "gradient_accumulation_steps": "1", "max_steps": "50", "lr_scheduler_type": "constant",
+            "seed": "1", "r": "16", "lora_alpha": "16", "lora_dropout": "0",
+            "target_modules": ["q_proj", "v_proj"], "rewards": ["numeric_match", "format"],
+            "weight_numeric_match": "1", "weight_format": "0.25"}
+    data.update(extra)
+    return data
+
+
+def test_form_page_shows_rewards_and_signature(env):
+    html = env["client"].get("/runs/new/grpo").text
+    for name in ("numeric_match", "exact_match", "regex_match", "format", "length_penalty"):
+        assert f'value="{name}"' in html
+    assert "num_generations" in html and "scale_rewards" in html
+    assert "Custom Python rewards are off" in html
+    assert 'href="/runs/new/grpo"' in env["client"].get("/").text
+
+
+def test_form_creates_a_grpo_run(env):
+    r = env["client"].post("/runs/grpo", data=_form(env["dataset"]), follow_redirects=False)
+    assert r.status_code == 303, r.text[:2000]
+    run_id = r.headers["location"].rsplit("/", 1)[1]
+    run, job = repo.run_with_job(env["engine"], run_id)
+    assert run.kind == "grpo" and job.kind == "grpo" and job.state == "queued"
+    assert run.spec["num_generations"] == 4 and run.spec["target_modules"] == ["q_proj", "v_proj"]
+    assert [(x["name"], x["weight"]) for x in run.spec["rewards"]] == \
+        [("numeric_match", 1.0), ("format", 0.25)]
+    page = env["client"].get(f"/runs/{run_id}").text
+    assert "Recent samples" in page and "/static/grpo.js" in page and "reward-chart" in page
+    assert env["client"].get("/static/grpo.js").status_code == 200
+
+
+def test_form_errors(env):
+    c = env["client"]
+    r = c.post("/runs/grpo", data=_form(env["dataset"], num_generations="3"))
+    assert r.status_code == 422 and "multiple of num_generations" in r.text
+    r = c.post("/runs/grpo", data=_form(env["dataset"], rewards=[]))
+    assert r.status_code == 422 and "choose at least one reward" in r.text
+    r = c.post("/runs/grpo", data=_form(env["dataset"], rewards=["regex_match"],
+                                        regex_pattern="(unclosed"))
+    assert r.status_code == 422 and "does not compile" in r.text
+    r = c.post("/runs/grpo", data=_form(env["dataset"], rewards=["custom"],
+                                        custom_source="def reward(p, c, i):\n    return 1.0\n"))
+    assert r.status_code == 422 and "not allowed" in r.text
+
+
+@pytest.mark.parametrize("env", ["*"], indirect=True)
+def test_custom_reward_when_allowed(env):
+    html = env["client"].get("/runs/new/grpo").text
+    assert "def reward(prompt: str, completion: str, item: dict) -&gt; float" in html
+    r = env["client"].post("/runs/grpo", follow_redirects=False, data=_form(
+        env["dataset"], rewards=["custom"], weight_custom="2", custom_timeout_s="3",
+        custom_memory_mb="256", custom_source="def reward(p, c, item):\n    return 1.0\n"))
+    assert r.status_code == 303, r.text[:1500]
+    run = repo.get_run(env["engine"], r.headers["location"].rsplit("/", 1)[1])
+    assert run.spec["rewards"][0]["params"]["memory_mb"] == 256
+
+
+def test_json_api(env):
+    c = env["client"]
+    body = {"model": "stories260K", "dataset": env["dataset"], "name": "api grpo",
+            "rewards": [{"name": "numeric_match"}], "max_steps": 10}
+    r = c.post("/api/runs/grpo", json=body)
+    assert r.status_code == 201, r.text
+    assert repo.get_run(env["engine"], r.json()["id"]).kind == "grpo"
+    r = c.post("/api/runs/grpo", json={**body, "rewards": []})
+    assert r.status_code == 422
+    r = c.post("/api/runs/grpo", json={**body, "rewards": [{"name": "custom", "params": {
+        "source": "def reward(p, c, i):\n    return 0.0\n"}}]})
+    assert r.status_code == 403 and "not allowed" in r.text
+    cat = c.get("/api/grpo/rewards").json()
+    assert cat["custom_allowed"] is False and "item: dict" in cat["custom_signature"]
+
+
+# ---- OpenAI shapes ------------------------------------------------------------------------
+def test_grader_mapping():
+    assert grader_rewards({"type": "string_check", "name": "ok", "input": "{{sample.output_text}}",
+                           "reference": "{{item.answer}}", "operation": "eq"}) == [
+        {"name": "exact_match", "weight": 1.0, "label": "ok",
+         "params": {"column": "answer", "case_sensitive": True, "strip": False,
+                    "contains": False, "negate": False}}]
+    r = grader_rewards({"type": "string_check", "input": "{{ sample.output_text }}",
+                        "reference": "Lily", "operation": "ilike"})
+    assert r[0]["name"] == "regex_match" and r[0]["params"]["pattern"] == "(?i)Lily"
+    r = grader_rewards({"type": "multi", "calculate_output": "0.75 * right + fmt / 4",
+                        "graders": {
+                            "right": {"type": "text_similarity", "input": "{{sample.output_text}}",
+                                      "reference": "{{item.answer}}",
+                                      "evaluation_metric": "fuzzy_match"},
+                            "fmt": {"type": "python", "source": "def grade(s, i):\n return 1\n"}}})
+    assert [(x["name"], x["weight"], x["label"]) for x in r] == \
+        [("text_similarity", 0.75, "right"), ("custom", 0.25, "fmt")]
+    assert r[1]["params"]["style"] == "openai" and r[1]["params"]["entry"] == "grade"
+    for bad, needle in [
+        ({"type": "score_model"}, "not supported"),
+        ({"type": "string_check", "input": "{{item.question}}", "reference": "x"}, "output_text"),
+        ({"type": "text_similarity", "input": "{{sample.output_text}}", "reference": "{{item.a}}",
+          "evaluation_metric": "bleu"}, "bleu"),
+        ({"type": "multi", "calculate_output": "max(a, b)",
+          "graders": {"a": {"type": "python", "source": "x"}}}, "weighted sum"),
+    ]:
+        with pytest.raises(ApiError, match=needle):
+            grader_rewards(bad)
+
+
+@pytest.fixture
+def server(env):
+    import uvicorn
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(env["app"], host="127.0.0.1", port=port,
+                                        log_level="warning"))
+    th = threading.Thread(target=srv.run, daemon=True)
+    th.start()
+    deadline = time.time() + 20
+    while not srv.started and time.time() < deadline:
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    srv.should_exit = True
+    th.join(timeout=10)
+
+
+def test_openai_client_reinforcement_job(env, server):
+    import openai
+
+    client = openai.OpenAI(base_url=server + "/v1", api_key="local", max_retries=0, timeout=60)
+    grader = {"type": "multi", "calculate_output": "0.9 * correct + 0.1 * tags", "graders": {
+        "correct": {"type": "string_check", "name": "correct", "operation": "like",
+                    "input": "{{sample.output_text}}", "reference": "{{item.answer}}"},
+        "tags": {"type": "string_check", "name": "tags", "operation": "like",
+                 "input": "{{sample.output_text}}", "reference": "</answer>"}}}
+    job = client.fine_tuning.jobs.create(
+        model="stories260K", training_file=env["dataset"], suffix="rl",
+        method={"type": "reinforcement", "reinforcement": {
+            "grader": grader, "hyperparameters": {"batch_size": 8, "learning_rate_multiplier": 2,
+                                                  "n_epochs": 1}}})
+    assert job.method.type == "reinforcement" and job.status == "queued"
+    run = repo.get_run(env["engine"], job.id)
+    assert run.kind == "grpo" and queue.get_job(env["engine"], run.job_id).kind == "grpo"
+    assert [(r["name"], r["weight"]) for r in run.spec["rewards"]] == \
+        [("exact_match", 0.9), ("regex_match", 0.1)]
+    assert run.spec["learning_rate"] == pytest.approx(1e-5)
+    assert run.spec["max_steps"] == 7473 * 4 // 8 + (1 if 7473 * 4 % 8 else 0)
+    again = client.fine_tuning.jobs.retrieve(job.id)
+    assert again.method.type == "reinforcement"
+    with pytest.raises(openai.PermissionDeniedError):
+        client.fine_tuning.jobs.create(
+            model="stories260K", training_file=env["dataset"],
+            method={"type": "reinforcement", "reinforcement": {"grader": {
+                "type": "python", "source": "def grade(sample, item):\n    return 1.0\n"}}})
+    with pytest.raises(openai.BadRequestError, match="label_model"):
+        client.fine_tuning.jobs.create(
+            model="stories260K", training_file=env["dataset"],
+            method={"type": "reinforcement", "reinforcement": {"grader": {"type": "label_model"}}})
