@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-DATA = Path(__file__).resolve().parents[2] / ".." / "shared" / "data"
-STORIES = DATA / "models" / "stories260K"
+from tests.conftest import SHARED_DATA as DATA
+from tests.conftest import STORIES, need_shared_data  # noqa: F401 (re-exported to tests)
+
 #: A small chat template (the stories model has no chat template of its own); ``</s>`` ends a turn.
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}\n"
             "{% elif m['role'] == 'user' %}User: {{ m['content'] }}\n{% else %}Assistant: "
@@ -16,20 +17,7 @@ TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %
             "{% if add_generation_prompt %}Assistant:{% endif %}")
 
 
-def need_data() -> None:
-    if not (STORIES / "stories260K.bin").exists():
-        pytest.skip(f"shared test data not found at {DATA}")
-
-
-@pytest.fixture(scope="session")
-def stories_hf(tmp_path_factory) -> Path:
-    """HF LlamaForCausalLM folder converted from stories260K.bin + tok512.bin."""
-    need_data()
-    from worker.engine.llama2c import convert
-
-    out = tmp_path_factory.mktemp("stories260K_hf")
-    convert(STORIES / "stories260K.bin", STORIES / "tok512.bin", out)
-    return out
+need_data = need_shared_data
 
 
 @pytest.fixture(scope="session")
