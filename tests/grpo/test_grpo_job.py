@@ -91,6 +91,18 @@ def test_toy_task_reward_rises(studio):
     adapter = studio["worker"].settings.data_dir / "runs" / run.id / "adapter"
     assert (adapter / "adapter_config.json").exists()
     assert job.result["last_rewards_mean"] > job.result["first_rewards_mean"]
+    studio["toy_run"] = run.id
+
+
+def test_grpo_adapter_exports(studio):
+    from app.web.routes.exports import queue_export
+
+    if "toy_run" not in studio:
+        pytest.skip("needs the toy run")
+    job = queue_export(studio["engine"], studio["toy_run"], {"format": "adapter"})
+    studio["worker"].serve(once=True)
+    job = queue.get_job(studio["engine"], job.id)
+    assert job.state == JobState.SUCCEEDED, job.error
 
 
 def test_gsm8k_builtin_rewards_run(studio):
