@@ -41,7 +41,7 @@ class TrainSpec(BaseModel):
     max_seq_length: int = Field(default=1024, ge=8, le=1_048_576)
     learning_rate: float = Field(default=2e-4, gt=0.0, le=1.0)
     num_train_epochs: float = Field(default=1.0, gt=0.0, le=1000.0)
-    max_steps: int = Field(default=-1, ge=-1)
+    max_steps: int = Field(default=-1, ge=-1, le=10_000_000)
     per_device_train_batch_size: int = Field(default=2, ge=1, le=4096)
     gradient_accumulation_steps: int = Field(default=4, ge=1, le=4096)
     warmup_ratio: float = Field(default=0.03, ge=0.0, le=1.0)
@@ -259,6 +259,7 @@ class GrpoSpec(BaseModel):
     logging_steps: int = Field(default=1, ge=1)
     save_steps: int = Field(default=50, ge=1)
     sample_every: int = Field(default=1, ge=1, description="steps between sample-table events")
+    vram_budget_gib: float | None = Field(default=None, gt=0)
 
     _scheduler = field_validator("lr_scheduler_type")(TrainSpec._scheduler.__func__)
     _optim = field_validator("optim")(TrainSpec._optim.__func__)
