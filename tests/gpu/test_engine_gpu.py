@@ -50,12 +50,19 @@ def test_triton_bf16_vs_reference_fp32(arch, nf4):
         pm.train()
         out[(impl, dtype)] = _run(pm, *_batch())
     l32, g32 = out[("reference", torch.float32)]
-    for key in (("triton", torch.bfloat16), ("reference", torch.bfloat16)):
-        lo, go = out[key]
-        assert abs(lo - l32) <= 0.02 * abs(l32), (key, lo, l32)
-        for k in g32:
-            scale = g32[k].abs().max().item()
-            assert (go[k].float() - g32[k]).abs().max().item() <= 0.05 * scale + 1e-4, (key, k)
+    lt, gt = out[("triton", torch.bfloat16)]
+    lr, gr = out[("reference", torch.bfloat16)]
+    # tolerance tied to the reference's own bf16 error: |triton - ref32| <= 2 |ref_bf16 - ref32| + atol
+    assert abs(lt - l32) <= 2 * abs(lr - l32) + 1e-2 * abs(l32), (lt, lr, l32)
+    worst = []
+    for k in g32:
+        scale = g32[k].abs().max().item()
+        et = (gt[k].float() - g32[k]).abs().max().item()
+        er = (gr[k].float() - g32[k]).abs().max().item()
+        worst.append((et / (2 * er + 2e-2 * scale + 1e-6), k, et, er, scale))
+    worst.sort(reverse=True)
+    print("worst grads (ratio, name, err_triton, err_ref_bf16, scale):", worst[:3])
+    assert worst[0][0] <= 1.0, worst[:3]
 
 
 def test_eight_step_loss_curve_tracks_hf_peft():
