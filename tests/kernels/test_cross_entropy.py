@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from kernels.cross_entropy import linear_cross_entropy, linear_cross_entropy_fwd
 from kernels.cross_entropy_ref import linear_cross_entropy_ref
 
-from ._util import assert_close_lowp
+from kernel_test_util import assert_close_lowp
 
 
 def _labels(t, v, n_ignore):

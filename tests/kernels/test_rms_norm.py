@@ -4,7 +4,7 @@ import torch
 from kernels.rms_norm import rms_norm, rms_norm_bwd, rms_norm_fwd
 from kernels.rms_norm_ref import rms_norm_ref, rms_norm_ref_bwd
 
-from ._util import assert_close_lowp
+from kernel_test_util import assert_close_lowp
 
 
 @pytest.mark.parametrize("gemma", [False, True])

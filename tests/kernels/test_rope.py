@@ -6,7 +6,7 @@ import torch
 from kernels.rope import rope, rope_bwd, rope_fwd
 from kernels.rope_ref import packed_position_ids, rope_cos_sin, rope_inv_freq, rope_ref
 
-from ._util import assert_close_lowp
+from kernel_test_util import assert_close_lowp
 
 LLAMA31 = {"hidden_size": 4096, "num_attention_heads": 32, "max_position_embeddings": 131072,
            "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,

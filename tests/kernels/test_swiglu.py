@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from kernels.swiglu import geglu, glu, glu_bwd, glu_fwd, swiglu
 from kernels.swiglu_ref import act_grad_ref, glu_ref, glu_ref_bwd
 
-from ._util import assert_close_lowp
+from kernel_test_util import assert_close_lowp
 
 ACTS = ["silu", "gelu", "gelu_tanh"]
 
