@@ -104,3 +104,17 @@ def test_web_process_never_imports_the_ml_stack():
                          timeout=120, env={"PATH": "/usr/bin:/bin", "WHETSTONE_DATA_DIR": "/tmp/ws-boundary"})
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+
+
+def test_every_posting_form_disables_its_submit_button_in_flight():
+    """Double submit must not create two runs/datasets: htmx disables the button meanwhile."""
+    import re
+
+    from app.web.render import TEMPLATES_DIR
+
+    mine = sorted(p for p in TEMPLATES_DIR.glob("*.html") if p.name != "run_grpo_new.html")
+    forms = [(p.name, m.group(0)) for p in mine
+             for m in re.finditer(r"<form\b[^>]*>", p.read_text()) if "hx-post" in m.group(0)]
+    assert len(forms) >= 5
+    for name, tag in forms:
+        assert "hx-disabled-elt=" in tag, (name, tag)
