@@ -94,3 +94,28 @@ def test_report_fragment_adjusts_max_seq_length(client):
     assert "Over max_seq_length (16)" in r.text and "llama3" in r.text
     r = client.get(f"/datasets/{ds_id}/report?max_seq_length=abc", headers=hx)
     assert r.status_code == 422 and "max_seq_length must be" in r.text
+
+
+def test_report_query_params_on_the_page_and_train_link(client):
+    """Enter in the selector without htmx GETs the page with the params: they are honoured, and
+    "Train on this dataset" carries template and length into a pre-filled run form."""
+    path = SHARED / "sft" / "alpaca_en_demo.json"
+    with path.open("rb") as fh:
+        r = client.post("/datasets", files={"file": (path.name, fh)}, follow_redirects=False)
+    ds_id = r.headers["location"].rsplit("/", 1)[1]
+    page = client.get(f"/datasets/{ds_id}")
+    assert 'hx-trigger="change, submit"' in page.text and 'action="/datasets/' in page.text
+    r = client.get(f"/datasets/{ds_id}?chat_template=llama3&max_seq_length=16")
+    assert r.status_code == 200
+    assert "Over max_seq_length (16)" in r.text and 'value="16"' in r.text
+    assert "chat_template=llama3" in r.text and "max_seq_length=16" in r.text
+    # the htmx report fragment updates the link out of band
+    frag = client.get(f"/datasets/{ds_id}/report?chat_template=zephyr&max_seq_length=64",
+                      headers={"HX-Request": "true", "HX-Target": "report"}).text
+    assert 'hx-swap-oob="true"' in frag and "chat_template=zephyr" in frag
+    r = client.get(f"/datasets/{ds_id}?max_seq_length=abc")
+    assert r.status_code == 422 and "at least 8" in r.text
+    form = client.get(f"/runs/new?dataset={ds_id}&chat_template=llama3&max_seq_length=16").text
+    assert 'name="max_seq_length" value="16"' in form
+    assert "<option selected>llama3</option>" in form and "start_header_id" in form
+    assert f'value="{ds_id}" selected' in form

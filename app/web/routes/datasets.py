@@ -1,6 +1,8 @@
 """Datasets: upload (streamed, size-limited), list, and the validation report page."""
 from __future__ import annotations
 
+from urllib.parse import urlencode
+
 from fastapi import APIRouter, Request
 from fastapi.responses import RedirectResponse, Response
 
@@ -45,33 +47,38 @@ async def upload(request: Request):
     return RedirectResponse(url, status_code=303)
 
 
-@router.get("/datasets/{dataset_id}")
-def dataset_page(request: Request, dataset_id: str):
-    engine = get_engine(request)
-    ds = repo.get_dataset(engine, dataset_id)
-    report = ds.report or None
-    selected = None
-    if report and report.get("model"):
-        selected = next((m for m in repo.list_models(engine) if m.name == report["model"]), None)
-    selected = selected or default_model(engine)
-    return render(request, "dataset.html", {
-        "dataset": ds, "report": report, "report_error": ds.error, "models": repo.list_models(engine),
-        "selected_model": selected, "template_names": list(default_templates()),
-        "max_seq_length": (report or {}).get("max_seq_length", DEFAULT_MAX_LEN)}, block="report")
+def train_url(ds, model, report: dict | None, max_seq_length) -> str:
+    """/runs/new pre-filled with this dataset and the model, template and length chosen here."""
+    q = {"dataset": ds.id}
+    if model is not None:
+        q["model"] = model.id
+    name = (report or {}).get("template_name")
+    if name and name != "custom":
+        q["chat_template"] = name
+    if max_seq_length not in (None, ""):
+        q["max_seq_length"] = max_seq_length
+    return "/runs/new?" + urlencode(q)
 
 
-@router.get("/datasets/{dataset_id}/report")
-async def dataset_report(request: Request, dataset_id: str, model: str | None = None,
-                         chat_template: str | None = None, max_seq_length: str | None = None):
-    engine = get_engine(request)
-    ds = repo.get_dataset(engine, dataset_id)
+def _pick_model(engine, model: str | None, report: dict | None = None):
+    """The model a report is computed for: the asked one, else the stored report's, else the
+    default."""
     chosen = None
     if model:
         try:
             chosen = repo.get_model(engine, model)
         except repo.NotFound:
             chosen = None
-    chosen = chosen or default_model(engine)
+    if chosen is None and report and report.get("model"):
+        chosen = next((m for m in repo.list_models(engine) if m.name == report["model"]), None)
+    return chosen or default_model(engine)
+
+
+async def _report_ctx(request: Request, ds, model: str | None, chat_template: str | None,
+                      max_seq_length: str | None) -> tuple[dict, int]:
+    """(page context, status) of the report of ``ds`` for the chosen model/template/length."""
+    engine = get_engine(request)
+    chosen = _pick_model(engine, model)
     ctx = {"dataset": ds, "models": repo.list_models(engine), "selected_model": chosen,
            "template_names": list(default_templates()), "report": None, "report_error": None}
     try:
@@ -82,11 +89,41 @@ async def dataset_report(request: Request, dataset_id: str, model: str | None = 
         ctx["report_error"] = "max_seq_length must be a whole number of at least 8"
         ctx["report"] = ds.report
         ctx["max_seq_length"] = max_seq_length
-        return render(request, "dataset.html", ctx, block="report", status_code=422)
+        return ctx, 422
     ctx["max_seq_length"] = length
     try:
         ctx["report"] = await report_for(ds.path, chosen, chat_template, length,
                                          get_settings(request))
     except DatasetError as exc:
         ctx["report_error"] = str(exc)
-    return render(request, "dataset.html", ctx, block="report")
+    ctx["train_url"] = train_url(ds, chosen, ctx["report"], length)
+    return ctx, 200
+
+
+@router.get("/datasets/{dataset_id}")
+async def dataset_page(request: Request, dataset_id: str, model: str | None = None,
+                       chat_template: str | None = None, max_seq_length: str | None = None):
+    """The dataset's stored report; with ``model``/``chat_template``/``max_seq_length`` in the
+    query (the selector submitted without htmx, or a shared link) the report for those."""
+    engine = get_engine(request)
+    ds = repo.get_dataset(engine, dataset_id)
+    if any(v not in (None, "") for v in (model, chat_template, max_seq_length)):
+        ctx, status = await _report_ctx(request, ds, model, chat_template, max_seq_length)
+        return render(request, "dataset.html", ctx, block="report", status_code=status)
+    report = ds.report or None
+    selected = _pick_model(engine, None, report)
+    length = (report or {}).get("max_seq_length", DEFAULT_MAX_LEN)
+    return render(request, "dataset.html", {
+        "dataset": ds, "report": report, "report_error": ds.error, "models": repo.list_models(engine),
+        "selected_model": selected, "template_names": list(default_templates()),
+        "max_seq_length": length, "train_url": train_url(ds, selected, report, length)},
+        block="report")
+
+
+@router.get("/datasets/{dataset_id}/report")
+async def dataset_report(request: Request, dataset_id: str, model: str | None = None,
+                         chat_template: str | None = None, max_seq_length: str | None = None):
+    ds = repo.get_dataset(get_engine(request), dataset_id)
+    ctx, status = await _report_ctx(request, ds, model, chat_template, max_seq_length)
+    ctx["oob_train_link"] = is_htmx(request)
+    return render(request, "dataset.html", ctx, block="report", status_code=status)

@@ -68,12 +68,20 @@ def _form_ctx(engine, values: dict, errors: dict | None = None, general: list | 
 
 
 @router.get("/runs/new")
-def new_run(request: Request, dataset: str | None = None, model: str | None = None):
+def new_run(request: Request, dataset: str | None = None, model: str | None = None,
+            chat_template: str | None = None, max_seq_length: str | None = None):
+    """The run form, pre-filled from the query (e.g. the dataset page's "Train on this dataset":
+    dataset, model, chat_template name and max_seq_length)."""
     engine = get_engine(request)
     values = _defaults()
     values["dataset"] = dataset or ""
     values["model"] = model or ""
-    return render(request, "run_new.html", _form_ctx(engine, values), block="run_form")
+    if max_seq_length and max_seq_length.strip().isdigit():
+        values["max_seq_length"] = int(max_seq_length)
+    ctx = _form_ctx(engine, values)
+    if chat_template:
+        ctx["tmpl"] = template_ctx(engine, values.get("model"), chat_template)
+    return render(request, "run_new.html", ctx, block="run_form")
 
 
 @router.get("/runs/new/template")
