@@ -218,8 +218,9 @@ def make_trainer(model, tokenizer, train_dataset, args, scorer: Scorer, max_prom
         def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask,
                                                logits_to_keep, batch_size=None,
                                                compute_entropy=False, compute_aux_loss=False,
-                                               **kw):
-            if input_ids.device.type == "cuda" or any(v is not None for v in kw.values()):
+                                               _force_chunked=False, **kw):
+            fused = input_ids.device.type == "cuda" and not _force_chunked
+            if fused or any(v is not None for v in kw.values()):
                 return super()._get_per_token_logps_and_entropies(
                     model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
                     compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **kw)
