@@ -120,6 +120,41 @@ async def upload_dataset(request: Request, settings: Settings, engine: Engine,
     return ds, fields
 
 
+SAMPLE_CHATS = (
+    [{"role": "system", "content": "You are a helpful assistant."},
+     {"role": "user", "content": "What is 2 + 2?"},
+     {"role": "assistant", "content": "2 + 2 = 4."}],
+    [{"role": "user", "content": "What is 2 + 2?"},
+     {"role": "assistant", "content": "2 + 2 = 4."}],
+)
+
+
+def chat_template_problem(requested: str | None, model_template: str | None) -> str | None:
+    """Why the run's chat template cannot be used, else None.
+
+    ``requested`` is a built-in name or Jinja source (else the model's own template is used).
+    The template must parse and render a sample system+user+assistant conversation; a template
+    that refuses a system turn is accepted when it renders the same chat without one. The
+    message is the template's own (its ``raise_exception`` text, or the syntax error and line).
+    """
+    from app.data.chat_template import render_chat, resolve_template
+
+    try:
+        source = resolve_template(requested, model_template)
+    except DatasetError as exc:
+        return str(exc)
+    if not source:
+        return None  # the worker falls back to a built-in default
+    first = None
+    for chat in SAMPLE_CHATS:
+        try:
+            render_chat(chat, source, bos_token="<s>", eos_token="</s>")
+            return None
+        except DatasetError as exc:
+            first = first or str(exc)
+    return first
+
+
 def field_errors(exc: ValidationError) -> tuple[dict[str, str], list[str]]:
     """Map a pydantic ValidationError to ``{field: message}`` plus form-level messages."""
     out: dict[str, str] = {}

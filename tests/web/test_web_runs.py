@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 from app.store import events, queue, repo
 from app.store.schema import Artifact
@@ -158,3 +159,34 @@ def test_cancel_queued_and_running(client, engine):
     with client.stream("GET", f"/runs/{run_id}/events") as r:
         evs = _sse("".join(r.iter_text()))
     assert json.loads(evs[-1]["data"])["state"] == "cancelled"
+
+
+def test_chat_template_is_checked_when_the_run_is_created(client):
+    """A template that raises or does not parse is refused at submit, with its own message."""
+    ds = _upload(client)
+    raising = ("{% for m in messages %}{% if m.role == 'assistant' %}"
+               "{{ raise_exception('Assistant turns are not supported here') }}{% endif %}"
+               "{{ m.content }}{% endfor %}")
+    r = client.post("/runs", data=_form(client, ds, chat_template=raising),
+                    headers={"HX-Request": "true"})
+    assert r.status_code == 422
+    assert re.search(r'<textarea name="chat_template".*?</textarea>\s*<span class="field-error" '
+                     r'role="alert">[^<]*Assistant turns are not supported here', r.text, re.S)
+    broken = "{% for m in messages %}\n{{ m.content }\n{% endfor %}"
+    r = client.post("/runs", data=_form(client, ds, chat_template=broken))
+    assert r.status_code == 422 and "does not parse: line 2" in r.text
+    # a template that only refuses a system turn is fine for chats without one
+    no_system = ("{% if messages[0].role == 'system' %}{{ raise_exception('no system') }}{% endif %}"
+                 "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}")
+    r = client.post("/runs", data=_form(client, ds, chat_template=no_system), follow_redirects=False)
+    assert r.status_code == 303
+    r = client.post("/api/runs", json={"model": "stories260K", "dataset": ds, "chat_template": broken})
+    assert r.status_code == 422 and r.json()["error"]["param"] == "chat_template"
+    assert "line 2" in r.json()["error"]["message"]
+    r = client.post("/v1/fine_tuning/jobs", json={"model": "stories260K", "training_file": ds,
+                                                  "chat_template": raising})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "chat_template" and err["code"] == "invalid_value"
+    assert "Assistant turns are not supported here" in err["message"]
+    r = client.post("/api/runs", json={"model": "stories260K", "dataset": ds, "chat_template": "llama3"})
+    assert r.status_code == 201

@@ -223,7 +223,7 @@ async def create_job(request: Request):
         run, job = create_checked(engine, spec, name=body.get("suffix"))
     except FieldError as exc:
         param = _PARAM_NAMES.get(exc.field, exc.field)
-        code = "model_not_found" if exc.field == "model" else "file_not_found"
+        code = {"model": "model_not_found", "dataset": "file_not_found"}.get(exc.field, "invalid_value")
         raise ApiError(404 if "no " in exc.message[:3] else 400, exc.message, param, code) from None
     return job_object(engine, run, job)
 

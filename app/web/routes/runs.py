@@ -15,7 +15,7 @@ from app.web.deps import get_engine, is_htmx
 from app.web.inspect import default_templates
 from app.web.routes.exports import exports_view
 from app.web.render import render
-from app.web.services import field_errors
+from app.web.services import chat_template_problem, field_errors
 from app.web.sse import job_event_stream, start_after
 
 router = APIRouter()
@@ -173,7 +173,8 @@ def create_checked(engine, spec: TrainSpec, name: str | None = None):
     """Check the model and dataset are usable, then create the run and queue its job.
 
     Raises:
-        FieldError: unknown or failed model, unknown or unusable dataset.
+        FieldError: unknown or failed model, unknown or unusable dataset, a chat template
+            that does not parse or render a sample conversation.
     """
     try:
         model = repo.get_model(engine, spec.model)
@@ -181,6 +182,9 @@ def create_checked(engine, spec: TrainSpec, name: str | None = None):
         raise FieldError("model", str(exc)) from None
     if model.status == "failed":
         raise FieldError("model", f"model {model.name!r} failed to import: {model.error or 'unknown error'}")
+    problem = chat_template_problem(spec.chat_template, model.chat_template)
+    if problem:
+        raise FieldError("chat_template", problem)
     try:
         ds = repo.get_dataset(engine, spec.dataset)
     except repo.NotFound as exc:
