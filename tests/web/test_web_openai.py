@@ -112,3 +112,37 @@ def test_fine_tuning_errors(oai):
     assert "unknown parameter 'rank'" in exc.value.body["message"]
     with pytest.raises(openai.NotFoundError):
         oai.fine_tuning.jobs.retrieve("ftjob-missing")
+
+
+def test_checkpoints_trained_tokens_epochs_and_limits(oai, engine, settings):
+    """Checkpoints come from the run's checkpoints/checkpoint-N folders; a finished job reports
+    its trained tokens; integral n_epochs is an int; list limits are 1..100."""
+    import json
+
+    f = oai.files.create(file=("a.jsonl", b'{"text": "hello world"}\n'), purpose="fine-tune")
+    job = oai.fine_tuning.jobs.create(model="stories260K", training_file=f.id,
+                                      hyperparameters={"n_epochs": 2})
+    assert job.hyperparameters.n_epochs == 2 and isinstance(job.hyperparameters.n_epochs, int)
+    assert job.trained_tokens is None
+    ckpts = settings.data_dir / "runs" / job.id / "checkpoints"
+    for step in (10, 20, 5):
+        (ckpts / f"checkpoint-{step}").mkdir(parents=True)
+    (ckpts / "checkpoint-20" / "trainer_state.json").write_text(json.dumps(
+        {"log_history": [{"step": 10, "loss": 2.5}, {"step": 20, "loss": 1.25, "learning_rate": 1e-4}]}))
+    (ckpts / "not-a-checkpoint").mkdir()
+    listed = oai.fine_tuning.jobs.checkpoints.list(job.id)
+    assert [c.step_number for c in listed.data] == [20, 10, 5]
+    assert listed.data[0].metrics.train_loss == 1.25 and listed.data[0].metrics.step == 20
+    assert listed.data[0].fine_tuned_model_checkpoint.endswith(":ckpt-step-20")
+    page2 = oai.fine_tuning.jobs.checkpoints.list(job.id, after=listed.data[0].id, limit=1)
+    assert [c.step_number for c in page2.data] == [10] and page2.has_more
+
+    claimed = queue.claim(engine, "w", 60, kinds=["train"])
+    assert queue.finish(engine, claimed.id, "w", {"tokens": 1234, "final_loss": 1.0})
+    assert oai.fine_tuning.jobs.retrieve(job.id).trained_tokens == 1234
+
+    for bad in (0, 101):
+        with pytest.raises(openai.BadRequestError) as exc:
+            oai.fine_tuning.jobs.list(limit=bad)
+        assert exc.value.body["param"] == "limit"
+    assert len(oai.fine_tuning.jobs.list(limit=100).data) == 1

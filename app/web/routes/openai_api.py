@@ -8,7 +8,10 @@ the OpenAI shape ``{"error": {"message", "type", "param", "code"}}``.
 """
 from __future__ import annotations
 
+import json
 import os
+import re
+from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -112,6 +115,19 @@ def _status(job) -> str:
             "failed": "failed", "cancelled": "cancelled"}.get(job.state, job.state)
 
 
+def _int_if_whole(x):
+    return int(x) if isinstance(x, float) and x.is_integer() else x
+
+
+def _trained_tokens(job) -> int | None:
+    """Tokens the finished job trained on (the worker's ``trained_tokens``, else ``tokens``)."""
+    if job is None or job.state != JobState.SUCCEEDED:
+        return None
+    result = job.result or {}
+    value = result.get("trained_tokens", result.get("tokens"))
+    return int(value) if isinstance(value, (int, float)) else None
+
+
 def job_object(engine, run: Run, job=None, model_name: str | None = None) -> dict[str, Any]:
     if job is None and run.job_id is not None:
         job = queue.get_job(engine, run.job_id)
@@ -122,7 +138,8 @@ def job_object(engine, run: Run, job=None, model_name: str | None = None) -> dic
             model_name = run.model_id
     spec = run.spec or {}
     status = _status(job)
-    hp = {"n_epochs": spec.get("num_train_epochs"), "batch_size": spec.get("per_device_train_batch_size"),
+    hp = {"n_epochs": _int_if_whole(spec.get("num_train_epochs")),
+          "batch_size": spec.get("per_device_train_batch_size"),
           "learning_rate_multiplier": round(spec.get("learning_rate", BASE_LR) / BASE_LR, 10)}
     error = None
     if job is not None and job.state == JobState.FAILED:
@@ -137,7 +154,7 @@ def job_object(engine, run: Run, job=None, model_name: str | None = None) -> dic
         "hyperparameters": hp, "model": model_name, "organization_id": "whetstone",
         "result_files": [a.id for a in arts if a.kind in ("adapter", "config", "metrics")],
         "seed": spec.get("seed"), "status": status,
-        "trained_tokens": (job.result or {}).get("trained_tokens") if job is not None else None,
+        "trained_tokens": _trained_tokens(job),
         "training_file": run.dataset_id, "validation_file": None, "integrations": [],
         "metadata": None, "estimated_finish": None, "user_provided_suffix": run.name,
         "method": reinforcement_method(spec) if run.kind == "grpo"
@@ -239,7 +256,8 @@ def _run(request: Request, job_id: str) -> Run:
 @router.get("/fine_tuning/jobs")
 def list_jobs(request: Request, after: str | None = None, limit: int = 20):
     engine = get_engine(request)
-    limit = max(1, min(limit, 100))
+    if not 1 <= limit <= 100:
+        raise ApiError(400, f"limit must be between 1 and 100, not {limit}", "limit", "invalid_value")
     runs = repo.list_runs(engine, limit=limit + 1, after=after)
     page = runs[:limit]
     return {"object": "list", "data": [job_object(engine, r) for r in page],
@@ -328,28 +346,62 @@ def list_events(request: Request, job_id: str, after: str | None = None, limit: 
     return {"object": "list", "data": [event_object(e) for e in page], "has_more": len(evs) > limit}
 
 
+def _checkpoint_metrics(folder: Path, step: int) -> dict[str, Any]:
+    """The trainer's logged metrics at ``step`` from the checkpoint's trainer_state.json."""
+    try:
+        state = json.loads((folder / "trainer_state.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    out: dict[str, Any] = {}
+    for entry in state.get("log_history") or []:
+        if isinstance(entry, dict) and entry.get("step") == step:
+            out.update(entry)
+    metrics = {"step": step}
+    if "loss" in out:
+        metrics["train_loss"] = out["loss"]
+    for key in ("learning_rate", "grad_norm", "epoch"):
+        if key in out:
+            metrics[key] = out[key]
+    return metrics
+
+
+def run_checkpoints(settings, run: Run) -> list[dict[str, Any]]:
+    """The trainer checkpoints the worker left in ``<run dir>/checkpoints/checkpoint-<step>``,
+    newest (highest step) first, as ``fine_tuning.job.checkpoint`` objects (without the model)."""
+    run_dir = Path(run.output_dir) if run.output_dir else settings.data_dir / "runs" / run.id
+    root = run_dir / "checkpoints"
+    if not is_under(root, settings.data_dir) or not root.is_dir():
+        return []
+    found = []
+    for folder in root.iterdir():
+        m = re.fullmatch(r"checkpoint-(\d+)", folder.name)
+        if m and folder.is_dir():
+            found.append((int(m.group(1)), folder))
+    out = []
+    for step, folder in sorted(found, reverse=True):
+        out.append({"id": f"ftckpt-{run.id.removeprefix('ftjob-')}-{step}",
+                    "object": "fine_tuning.job.checkpoint",
+                    "created_at": int(folder.stat().st_mtime), "fine_tuning_job_id": run.id,
+                    "step_number": step, "metrics": _checkpoint_metrics(folder, step)})
+    return out
+
+
 @router.get("/fine_tuning/jobs/{job_id}/checkpoints")
 def list_checkpoints(request: Request, job_id: str, after: str | None = None, limit: int = 10):
     engine = get_engine(request)
     run = _run(request, job_id)
+    if not 1 <= limit <= 100:
+        raise ApiError(400, f"limit must be between 1 and 100, not {limit}", "limit", "invalid_value")
     model_name = job_object(engine, run)["model"]
-    arts = [a for a in repo.list_artifacts(engine, run.id, kind="checkpoint")]
-    arts.reverse()
+    items = run_checkpoints(get_settings(request), run)
     if after:
-        ids = [a.id for a in arts]
-        arts = arts[ids.index(after) + 1:] if after in ids else arts
-    page = arts[:max(1, min(limit, 100))]
-    data = []
-    for a in page:
-        meta = a.meta or {}
-        step = meta.get("step")
-        data.append({"id": a.id, "object": "fine_tuning.job.checkpoint", "created_at": int(a.created_at),
-                     "fine_tuned_model_checkpoint": f"{model_name}:ft:{run.id}:ckpt-step-{step}",
-                     "fine_tuning_job_id": run.id, "step_number": step,
-                     "metrics": {"step": step, "train_loss": meta.get("loss"),
-                                 **(meta.get("metrics") or {})}})
-    return {"object": "list", "data": data, "has_more": len(arts) > len(page),
-            "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None}
+        ids = [c["id"] for c in items]
+        items = items[ids.index(after) + 1:] if after in ids else items
+    page = items[:limit]
+    for c in page:
+        c["fine_tuned_model_checkpoint"] = f"{model_name}:ft:{run.id}:ckpt-step-{c['step_number']}"
+    return {"object": "list", "data": page, "has_more": len(items) > len(page),
+            "first_id": page[0]["id"] if page else None, "last_id": page[-1]["id"] if page else None}
 
 
 @router.get("/models")
