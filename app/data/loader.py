@@ -15,6 +15,8 @@ Supported files (chosen by extension, JSON vs JSONL also sniffed from the conten
   if the file contains ``<|endoftext|>`` documents are split on it; otherwise if it has
   blank lines, documents are the blank-line separated paragraphs; otherwise each line is a
   document (e.g. one Wikipedia article per line — lines of any length are fine).
+  A ``.txt`` file whose content is JSON / JSON Lines objects is still read as text, but
+  :func:`txt_json_hint` gives the report a warning suggesting ``.json``/``.jsonl``.
 
 Row numbers are 1-based (see :mod:`app.data.errors`).  Whole-file problems (unreadable
 file, invalid UTF-8, a JSON document that does not parse) raise :class:`DatasetError`;
@@ -273,6 +275,36 @@ def txt_split_mode(path: str | os.PathLike) -> str:
             elif seen_text:
                 has_blank = True
     return "paragraph" if has_blank else "line"
+
+
+def txt_json_hint(path: str | os.PathLike, sample: int = 20) -> str | None:
+    """A warning when a ``.txt`` file really holds JSON or JSON Lines rows, else None.
+
+    Such a file is still read as plain text (its JSON syntax becomes training text), since the
+    extension says so; the warning names the extension that makes its fields count. A file is
+    JSON-like when it starts with ``[`` or ``{`` and its first ``sample`` rows all parse as
+    objects.
+    """
+    first = _first_char(path)
+    if first not in ("[", "{"):
+        return None
+    rows = []
+    try:
+        for rec in _iter_json(path, "json"):
+            if rec.error is not None or not isinstance(rec.data, dict):
+                return None
+            rows.append(rec.data)
+            if len(rows) >= sample:
+                break
+    except DatasetError:
+        return None
+    if not rows:
+        return None
+    ext = ".json" if first == "[" else ".jsonl"
+    keys = ", ".join(list(rows[0])[:6])
+    return (f"this .txt file holds {'JSON' if ext == '.json' else 'JSON Lines'} rows (fields: {keys}) "
+            f"but is read as plain text, JSON syntax and all; rename it to {ext} and upload it "
+            f"again to train on its fields")
 
 
 def _iter_txt(path) -> Iterator[Record]:

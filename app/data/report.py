@@ -16,7 +16,7 @@ from .chat_template import DEFAULT_TEMPLATES, resolve_template
 from .encode import Encoded, TokenizerBundle, encode_with_bundle, load_tokenizer_bundle
 from .errors import DatasetError, RowIssue
 from .formats import canonical_format, detect_format, normalize_row
-from .loader import file_kind, iter_records
+from .loader import file_kind, iter_records, txt_json_hint
 
 DETECT_SAMPLE_ROWS = 100
 
@@ -196,6 +196,10 @@ def inspect_dataset(path: str | os.PathLike, tokenizer: TokenizerBundle | str | 
         if len(preview) < preview_rows:
             preview.append(PreviewRow(row=res.row, segments=enc.segments, num_tokens=enc.num_tokens,
                                       num_trained=enc.num_trained, truncated=enc.truncated))
+    hint = txt_json_hint(path) if file_kind(path) == "txt" else None
+    if hint:
+        warning_count += 1
+        warnings.insert(0, Issue(row=None, field=None, message=hint))
     if valid == 0 and raise_if_empty and first_error is not None:
         raise DatasetError(f"{first_error.message} (no usable rows: all {total} rows are invalid)",
                            row=first_error.row, field=first_error.field)

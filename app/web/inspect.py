@@ -121,7 +121,9 @@ def _untokenized_report(path: Path, max_seq_length: int, dataset_format: str | N
         first = invalid[0]
         raise DatasetError(first["message"], first["row"], first["field"])
     invalid.sort(key=lambda i: i.get("row") or 0)
+    hint = loader.txt_json_hint(path) if loader.file_kind(path) == "txt" else None
     return normalize_report({"format": fmt, "total_rows": len(records), "valid_rows": valid,
                              "invalid_rows": len(invalid), "errors": invalid[:MAX_ISSUES],
+                             "warnings": [{"row": None, "field": None, "message": hint}] if hint else [],
                              "preview": preview, "tokenized": False, "histogram": []},
                             max_seq_length)

@@ -119,3 +119,28 @@ def test_report_query_params_on_the_page_and_train_link(client):
     assert 'name="max_seq_length" value="16"' in form
     assert "<option selected>llama3</option>" in form and "start_header_id" in form
     assert f'value="{ds_id}" selected' in form
+
+
+def test_json_uploaded_as_txt_warns_with_the_right_extension(client, tmp_path):
+    """A .txt file that is really JSON Lines (or a JSON array) is read as text, with a warning."""
+    import json
+
+    rows = [{"instruction": f"say {i}", "output": str(i)} for i in range(3)]
+    cases = {"rows.txt": "\n".join(json.dumps(r) for r in rows) + "\n",
+             "array.txt": json.dumps(rows, indent=2),
+             "plain.txt": "just some text\n{not json}\n"}
+    for name, content in cases.items():
+        path = tmp_path / name
+        path.write_text(content)
+        with path.open("rb") as fh:
+            r = client.post("/datasets", files={"file": (name, fh)}, follow_redirects=False)
+        assert r.status_code == 303, r.text
+        page = client.get(r.headers["location"]).text
+        ds = client.get("/api/datasets/" + r.headers["location"].rsplit("/", 1)[1]).json()
+        warnings = [w["message"] for w in ds["report"]["warnings"]]
+        if name == "plain.txt":
+            assert not any("rename it" in w for w in warnings)
+            continue
+        ext = ".jsonl" if name == "rows.txt" else ".json"
+        assert any(f"rename it to {ext}" in w and "instruction, output" in w for w in warnings), warnings
+        assert 'class="alert warn"' in page and f"rename it to {ext}" in page
