@@ -155,6 +155,39 @@ def chat_template_problem(requested: str | None, model_template: str | None) -> 
     return first
 
 
+def delete_model(engine: Engine, settings: Settings, model_id: str) -> Model:
+    """Delete a registered model (by id or name) that no run uses, and its prepared folder
+    under the data dir; return it.
+
+    Raises:
+        repo.NotFound: no such model.
+        repo.InUse: a run uses it, or it is still being imported (message says which).
+    """
+    import shutil
+
+    from sqlmodel import select
+
+    from app.store.db import session_scope
+    from app.store.schema import Run
+
+    model = repo.get_model(engine, model_id)
+    with session_scope(engine, immediate=True) as s:
+        row = s.get(Model, model.id)
+        if row is None:
+            raise repo.NotFound(f"no model {model_id!r} is registered")
+        if row.status == "pending":
+            raise repo.InUse(f"model {row.name!r} is still being imported; delete it once it is "
+                             "ready or failed")
+        used = s.exec(select(Run.id).where(Run.model_id == row.id).limit(1)).first()
+        if used is not None:
+            raise repo.InUse(f"model {row.name!r} is used by run {used}; it cannot be deleted "
+                             "while runs refer to it")
+        s.delete(row)
+    if model.path and is_under(model.path, settings.data_dir) and os.path.isdir(model.path):
+        shutil.rmtree(model.path, ignore_errors=True)
+    return model
+
+
 def field_errors(exc: ValidationError) -> tuple[dict[str, str], list[str]]:
     """Map a pydantic ValidationError to ``{field: message}`` plus form-level messages."""
     out: dict[str, str] = {}

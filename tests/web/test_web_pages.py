@@ -118,3 +118,39 @@ def test_every_posting_form_disables_its_submit_button_in_flight():
     assert len(forms) >= 5
     for name, tag in forms:
         assert "hx-disabled-elt=" in tag, (name, tag)
+
+
+def test_delete_models_refused_while_runs_use_them(client, engine):
+    from app.store import repo
+    from app.store.schema import Model
+
+    bad = repo.add_model(engine, Model(name="broken", source="hf", source_ref="x/broken",
+                                       status="failed", error="404 Client Error: repo not found"),
+                         import_job=False)
+    form = client.get("/runs/new").text
+    assert "broken" not in form  # a failed model is not offered for training
+    page = client.get("/models").text
+    assert f'hx-post="/models/{bad.id}/delete"' in page and "hx-confirm=" in page
+    r = client.post(f"/models/{bad.id}/delete", headers={"HX-Request": "true"})
+    assert r.status_code == 200 and "Deleted broken." in r.text
+    assert all(m["name"] != "broken" for m in client.get("/api/models").json()["data"])
+
+    from conftest import SHARED
+
+    path = SHARED / "sft" / "alpaca_en_demo.json"
+    with path.open("rb") as fh:
+        ds = client.post("/datasets", files={"file": (path.name, fh)},
+                         follow_redirects=False).headers["location"].rsplit("/", 1)[1]
+    used = repo.add_model(engine, Model(name="used", source="hf", source_ref="x/used",
+                                        status="ready"), import_job=False)
+    assert client.post("/api/runs", json={"model": "used", "dataset": ds}).status_code == 201
+    r = client.delete(f"/api/models/{used.id}")
+    assert r.status_code == 409 and r.json()["error"]["code"] == "model_in_use"
+    assert "used by run ftjob-" in r.json()["error"]["message"]
+    r = client.post(f"/models/{used.id}/delete", headers={"HX-Request": "true"})
+    assert r.status_code == 409 and "used by run" in r.text and 'id="model_list"' in r.text
+    assert client.delete("/api/models/model-nope").status_code == 404
+    spare = repo.add_model(engine, Model(name="spare", source="hf", source_ref="x/spare",
+                                         status="ready"), import_job=False)
+    r = client.delete("/api/models/spare")
+    assert r.status_code == 200 and r.json()["deleted"] is True

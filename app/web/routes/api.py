@@ -9,11 +9,11 @@ from pydantic import ValidationError
 
 from app.store import events, repo
 from app.store.specs import TrainSpec
-from app.web.deps import get_engine
+from app.web.deps import get_engine, get_settings
 from app.web.errors import ApiError
 from app.web.routes.models import ModelFormError, register_model
 from app.web.routes.runs import FieldError, create_checked
-from app.web.services import field_errors
+from app.web.services import delete_model, field_errors
 
 router = APIRouter(prefix="/api")
 
@@ -125,3 +125,13 @@ async def create_model(request: Request):
                                        "code": "invalid_value", "fields": exc.errors}},
                             status_code=422)
     return _dump(model)
+
+
+@router.delete("/models/{model_id}")
+def remove_model(request: Request, model_id: str):
+    """Delete a model no run uses (409 ``model_in_use`` otherwise)."""
+    try:
+        model = delete_model(get_engine(request), get_settings(request), model_id)
+    except repo.InUse as exc:
+        raise ApiError(409, str(exc), "model_id", "model_in_use") from None
+    return {"id": model.id, "name": model.name, "deleted": True}

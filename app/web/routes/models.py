@@ -10,8 +10,9 @@ from sqlalchemy.exc import IntegrityError
 
 from app.store import repo
 from app.store.schema import Model
-from app.web.deps import get_engine, is_htmx
+from app.web.deps import get_engine, get_settings, is_htmx
 from app.web.render import render
+from app.web.services import delete_model
 
 router = APIRouter()
 _HF_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
@@ -104,4 +105,21 @@ async def register(request: Request):
         return render(request, "models.html", {"models": repo.list_models(engine), "form": {},
                                                "errors": {}, "registered": model.name},
                       block="register_form", headers={"HX-Trigger": "model-registered"})
+    return RedirectResponse("/models", status_code=303)
+
+
+@router.post("/models/{model_id}/delete")
+def delete(request: Request, model_id: str):
+    """Delete a model (the page asks first); 409 with the reason when runs use it."""
+    engine = get_engine(request)
+    try:
+        model = delete_model(engine, get_settings(request), model_id)
+    except repo.InUse as exc:
+        return render(request, "models.html", {"models": repo.list_models(engine), "form": {},
+                                               "errors": {}, "list_error": str(exc)},
+                      block="model_list", status_code=409)
+    if is_htmx(request):
+        return render(request, "models.html", {"models": repo.list_models(engine), "form": {},
+                                               "errors": {}, "deleted": model.name},
+                      block="model_list")
     return RedirectResponse("/models", status_code=303)

@@ -54,7 +54,8 @@ def template_ctx(engine, model_ref: str | None, choice: str | None = None,
 
 def _form_ctx(engine, values: dict, errors: dict | None = None, general: list | None = None,
               tmpl: dict | None = None) -> dict:
-    models = repo.list_models(engine)
+    # a failed model cannot train: it is left out (its reason is on the Models page)
+    models = [m for m in repo.list_models(engine) if m.status != "failed"]
     datasets = [d for d in repo.list_datasets(engine) if d.status == "processed"]
     if not values.get("model") and models:
         ready = [m for m in models if m.status == "ready"]
