@@ -106,7 +106,8 @@ def test_grpo_adapter_exports(studio):
 
 
 def test_gsm8k_builtin_rewards_run(studio):
-    run, job = _run(studio, dataset=studio["gsm8k"], max_steps=2, num_generations=2,
+    run, job = _run(studio, dataset=studio["gsm8k"], max_steps=3, num_iterations=2,
+                    num_generations=2,
                     per_device_train_batch_size=4, max_completion_length=8,
                     max_prompt_length=48, rewards=[
                         {"name": "numeric_match"}, {"name": "format", "weight": 0.5},
@@ -114,8 +115,10 @@ def test_gsm8k_builtin_rewards_run(studio):
     assert job.state == JobState.SUCCEEDED, job.error
     logs = " ".join(e["message"] for e in _events(studio, job.id, "log"))
     assert "column 'question'" in logs and "reference column 'answer'" in logs
-    m = _events(studio, job.id, "metric")[-1]
-    assert {"reward/numeric_match", "reward/format", "reward/length_penalty"} <= set(m)
+    metrics = _events(studio, job.id, "metric")
+    assert len(metrics) == 3  # step 2 reuses step 1's generations (num_iterations=2)
+    for m in metrics:
+        assert {"reward", "reward/numeric_match", "reward/format", "reward/length_penalty"} <= set(m)
 
 
 def test_reward_returning_none_stops_the_run(studio):

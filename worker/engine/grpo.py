@@ -315,6 +315,7 @@ def progress_callback(metric: Callable[..., None], sample: Callable[..., None],
             self.start_step = 0
             self.rewards: list[tuple[int, float]] = []
             self.stopped: str | None = None
+            self.last: dict[str, float] = {}
 
         def on_train_begin(self, args, state, control, **kw):
             self.t0 = time.monotonic()
@@ -336,7 +337,9 @@ def progress_callback(metric: Callable[..., None], sample: Callable[..., None],
                 return
             trainer = trainer_ref()
             stats, trainer.stats = trainer.stats, []
-            avg = {k: sum(s[k] for s in stats) / len(stats) for k in (stats[0] if stats else {})}
+            if stats:  # else (num_iterations > 1) this step reused the last generation batch
+                self.last = {k: sum(s[k] for s in stats) / len(stats) for k in stats[0]}
+            avg = self.last
             done = state.global_step - self.start_step
             per_step = (time.monotonic() - self.t0) / done if done else None
             mem, kind = gpu.memory()
