@@ -154,3 +154,18 @@ def test_delete_models_refused_while_runs_use_them(client, engine):
                                          status="ready"), import_job=False)
     r = client.delete("/api/models/spare")
     assert r.status_code == 200 and r.json()["deleted"] is True
+
+
+def test_long_model_paths_and_errors_stay_inside_their_card(client, engine):
+    from app.store import repo
+    from app.store.schema import Model
+
+    ref = "/a/very/long/path/" + "deeper/" * 30 + "model"
+    repo.add_model(engine, Model(name="long", source="local", source_ref=ref, status="failed",
+                                 error="OSError: " + "cannot load " * 40), import_job=False)
+    page = client.get("/models").text
+    assert '<div class="table-scroll"><table>' in page
+    assert f'class="small ellipsis" title="{ref}"' in page
+    assert 'class="error small clamp" title="OSError: cannot load' in page
+    css = client.get("/static/app.css").text
+    assert ".table-scroll { overflow-x: auto;" in css and "text-overflow: ellipsis" in css
