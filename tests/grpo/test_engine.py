@@ -77,3 +77,24 @@ def test_reference_is_the_adapter_disabled_base(stories_hf, tmp_path):
         base_lp = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, -3:, None]).squeeze(-1)
     torch.testing.assert_close(ref_lp, base_lp, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(lora_lp, ref_lp)
+
+
+def test_build_prompts_gsm8k_and_messages(stories_hf, tmp_path):
+    from app.data.chat_template import DEFAULT_TEMPLATES
+    from app.data.encode import load_tokenizer_bundle
+    from worker.engine.grpo import COL, build_prompts
+
+    bundle = load_tokenizer_bundle(stories_hf)
+    gsm = tmp_path / "g.jsonl"
+    gsm.write_text('{"question": "Tom has 3 apples.", "answer": "... #### 3"}\n'
+                   '{"question": "", "answer": "#### 1"}\n')
+    ps = build_prompts(str(gsm), bundle, DEFAULT_TEMPLATES["chatml"], None, None, "Think.")
+    assert ps.rows == 1 and ps.skipped == 1 and ps.answer_column == "answer"
+    assert ps.dataset[0]["prompt"] == ("<|im_start|>system\nThink.<|im_end|>\n<|im_start|>user\n"
+                                       "Tom has 3 apples.<|im_end|>\n<|im_start|>assistant\n")
+    assert ps.dataset[0][COL + "answer"] == "... #### 3"
+    rft = tmp_path / "m.jsonl"
+    rft.write_text('{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", '
+                   '"content": "x"}], "ref": "7"}\n')
+    ps = build_prompts(str(rft), bundle, None, None, "ref", None)
+    assert ps.dataset[0]["prompt"] == "<s>Hi" and ps.prompt_column == "messages"

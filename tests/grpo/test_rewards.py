@@ -202,3 +202,25 @@ def test_contains_negate_and_similarity():
     assert sim[1] == 1.0 and 0 < sim[0] < 1 and sim[2] == 0.0
     assert builtin.make_builtin("text_similarity", {"pass_threshold": 0.5}, "answer").score(b) \
         == [0.0, 1.0, 0.0]
+
+
+def test_prompt_datasets(tmp_path):
+    from app.data.errors import DatasetError
+    from app.data.prompts import inspect_prompts, pick_columns, prompt_messages
+
+    assert pick_columns({"question": "q", "answer": "a"}) == ("question", "answer")
+    assert pick_columns({"messages": [], "reference_answer": "4"}, None, "reference_answer") \
+        == ("messages", "reference_answer")
+    with pytest.raises(DatasetError, match="no prompt column"):
+        pick_columns({"x": 1})
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "2+2?"},
+            {"role": "assistant", "content": "4"}]
+    assert prompt_messages(msgs, "messages", "ignored") == msgs[:2]
+    assert prompt_messages("hi", "q", "sys") == [{"role": "system", "content": "sys"},
+                                                 {"role": "user", "content": "hi"}]
+    assert prompt_messages("  ", "q") is None
+    p = tmp_path / "rft.jsonl"
+    p.write_text('{"messages": [{"role": "user", "content": "2+2?"}], "answer": "4"}\n'
+                 '{"messages": [{"role": "assistant", "content": "no user"}], "answer": "1"}\n')
+    rep = inspect_prompts(p)
+    assert rep["rows"] == 2 and rep["valid_rows"] == 1 and rep["prompt_column"] == "messages"

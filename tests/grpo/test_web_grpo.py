@@ -199,3 +199,24 @@ def test_openai_client_reinforcement_job(env, server):
         client.fine_tuning.jobs.create(
             model="stories260K", training_file=env["dataset"],
             method={"type": "reinforcement", "reinforcement": {"grader": {"type": "label_model"}}})
+
+
+def test_upload_gsm8k_prompts_then_run(env, tmp_path):
+    c = env["client"]
+    subset = tmp_path / "gsm8k_32.jsonl"
+    subset.write_text("".join(GSM8K.read_text().splitlines(keepends=True)[:32]))
+    r = c.post("/api/grpo/datasets", files={"file": ("gsm8k_32.jsonl", subset.read_bytes())})
+    assert r.status_code == 201, r.text
+    ds = r.json()
+    assert ds["rows"] == 32 and ds["format"] == "prompts" and ds["purpose"] == "grpo"
+    assert ds["report"]["prompt_column"] == "question" and ds["report"]["answer_column"] == "answer"
+    assert c.get(f"/datasets/{ds['id']}").status_code == 200
+    r = c.post("/api/runs/grpo", json={"model": "stories260K", "dataset": ds["id"],
+                                       "rewards": [{"name": "numeric_match"}]})
+    assert r.status_code == 201, r.text
+    # the browser form's upload redirects to the run form with the dataset chosen
+    r = c.post("/grpo/datasets", files={"file": ("g.jsonl", subset.read_bytes())},
+               follow_redirects=False)
+    assert r.status_code == 303 and "/runs/new/grpo?dataset=file-" in r.headers["location"]
+    r = c.post("/api/grpo/datasets", files={"file": ("bad.jsonl", b'{"foo": 1}\n')})
+    assert r.status_code == 422 and "no prompt column" in r.json()["error"]["message"]

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from app.data.loader import iter_records
 from worker import gpu
 from worker.rewards.base import Batch, RewardFunction, group_advantages, validate
 
@@ -50,22 +51,6 @@ class PromptSet:
     examples: list[str] = field(default_factory=list)
 
 
-def _pick(name: str | None, candidates: tuple[str, ...], first: dict, what: str,
-          required: bool) -> str | None:
-    if name:
-        if name not in first:
-            raise ValueError(f"the dataset has no {what} column {name!r} (columns: "
-                             f"{', '.join(first)})")
-        return name
-    for c in candidates:
-        if c in first:
-            return c
-    if required:
-        raise ValueError(f"no {what} column found (looked for {', '.join(candidates)}); name one "
-                         f"in the run's settings (columns: {', '.join(first)})")
-    return None
-
-
 def _scalar(v: Any) -> Any:
     return v if v is None or isinstance(v, (str, int, float, bool)) else json.dumps(v)
 
@@ -75,17 +60,17 @@ def build_prompts(path: str, bundle, template: str | None, prompt_column: str | 
                   check: Callable[[], None] | None = None) -> PromptSet:
     """Read the prompt dataset and render each prompt for generation.
 
-    ``template`` None means "no template": the prompt text is used as is, after the BOS token.
-    Otherwise the row becomes ``[system?, user]`` messages rendered with
-    ``add_generation_prompt=True``. Rows without a prompt are skipped (counted). Raises
-    ValueError (missing columns) or DatasetError (unreadable file, template errors).
+    Columns and prompt messages come from :mod:`app.data.prompts` (a text column such as
+    GSM8K's ``question``, or OpenAI-style ``messages``). ``template`` None means "no template":
+    the prompt text (the last user turn) is used as is, after the BOS token; otherwise the
+    messages are rendered with ``add_generation_prompt=True``. Rows without a prompt are skipped
+    (counted). Raises DatasetError.
     """
     from datasets import Dataset
 
     from app.data.chat_template import render_chat
     from app.data.errors import DatasetError
-    from app.data.loader import iter_records
-    from app.store.specs import ANSWER_COLUMNS, PROMPT_COLUMNS
+    from app.data.prompts import pick_columns, prompt_messages
 
     rows = []
     skipped = 0
@@ -98,22 +83,18 @@ def build_prompts(path: str, bundle, template: str | None, prompt_column: str | 
             check()
     if not rows:
         raise DatasetError("the dataset has no readable rows")
-    first = rows[0]
-    pcol = _pick(prompt_column, PROMPT_COLUMNS, first, "prompt", True)
-    acol = _pick(answer_column, ANSWER_COLUMNS, first, "answer", False)
+    pcol, acol = pick_columns(rows[0], prompt_column, answer_column)
     columns = sorted({k for r in rows for k in r})
     prompts, cols = [], {c: [] for c in columns}
     bos = bundle.bos_token or ""
     for r in rows:
-        text = r.get(pcol)
-        if not isinstance(text, str) or not text.strip():
+        msgs = prompt_messages(r.get(pcol), pcol, system_prompt)
+        if msgs is None:
             skipped += 1
             continue
         if template is None:
-            rendered = bos + text
+            rendered = bos + msgs[-1]["content"]
         else:
-            msgs = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + \
-                   [{"role": "user", "content": text}]
             rendered = render_chat(msgs, template, bos_token=bos, eos_token=bundle.eos_token or "",
                                    add_generation_prompt=True, special_tokens=bundle.special_tokens)
         prompts.append(rendered)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import re
 from typing import Any
 
@@ -23,13 +24,19 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, RedirectResponse, Response
 from pydantic import ValidationError
 
+from starlette.concurrency import run_in_threadpool
+
+from app.data.errors import DatasetError
+from app.data.prompts import inspect_prompts
 from app.store import repo
+from app.store.schema import Dataset, new_id
 from app.store.specs import (ALL_LINEAR, CUSTOM_REWARD_SIGNATURE, GRPO_LOSS_TYPES, REWARD_DESCRIPTIONS,
                              REWARD_NAMES, SCALE_REWARDS, SCHEDULERS, GrpoSpec)
 from app.web.deps import get_engine, get_settings, is_htmx
 from app.web.errors import ApiError
 from app.web.render import render
-from app.web.services import field_errors
+from app.web.services import SUPPORTED, field_errors
+from app.web.uploads import UploadError, receive_upload, safe_filename
 
 router = APIRouter()
 
@@ -195,6 +202,59 @@ async def create_grpo_form(request: Request):
     if is_htmx(request):
         return Response(status_code=200, headers={"HX-Redirect": url})
     return RedirectResponse(url, status_code=303)
+
+
+# ---- prompt datasets (GSM8K-style rows are no SFT format) --------------------------------
+async def upload_prompts(request: Request) -> Dataset:
+    """Receive a multipart upload and record it as a GRPO prompt dataset.
+
+    Raises UploadError (transport) or DatasetError (no readable row, no prompt column).
+    """
+    settings = get_settings(request)
+    up = await receive_upload(request, settings.data_dir / "uploads", settings.max_upload_mb)
+    original = up.filename or "prompts.jsonl"
+    if os.path.splitext(original)[1].lower() not in SUPPORTED:
+        up.discard()
+        raise DatasetError(f"unsupported file type; use one of {', '.join(SUPPORTED)}")
+    ds_id = new_id("file")
+    final = settings.data_dir / "uploads" / f"{ds_id}-{safe_filename(original)}"
+    os.replace(up.temp_path, final)
+    up.temp_path = None
+    try:
+        report = await run_in_threadpool(
+            inspect_prompts, str(final), up.fields.get("prompt_column") or None,
+            up.fields.get("answer_column") or None)
+    except Exception:
+        final.unlink(missing_ok=True)
+        raise
+    ds = Dataset(id=ds_id, filename=original, path=str(final.resolve()), bytes=up.bytes,
+                 format="prompts", rows=report["valid_rows"], purpose="grpo",
+                 status="processed", report=report)
+    return repo.add_dataset(get_engine(request), ds)
+
+
+@router.post("/grpo/datasets")
+async def upload_prompts_form(request: Request):
+    try:
+        ds = await upload_prompts(request)
+    except (UploadError, DatasetError) as exc:
+        values = _defaults()
+        return render(request, "run_grpo_new.html",
+                      _form_ctx(request, values, {"upload": str(getattr(exc, "message", exc))}),
+                      status_code=422)
+    return RedirectResponse(f"/runs/new/grpo?dataset={ds.id}", status_code=303)
+
+
+@router.post("/api/grpo/datasets", status_code=201)
+async def upload_prompts_api(request: Request):
+    try:
+        ds = await upload_prompts(request)
+    except UploadError as exc:
+        raise ApiError(exc.status, str(exc), exc.param) from None
+    except DatasetError as exc:
+        raise ApiError(422, str(exc), "file", "invalid_file") from None
+    return {"id": ds.id, "filename": ds.filename, "rows": ds.rows, "format": ds.format,
+            "purpose": ds.purpose, "report": ds.report}
 
 
 # ---- JSON API ---------------------------------------------------------------------------

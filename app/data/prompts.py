@@ -1,0 +1,110 @@
+"""Prompt datasets for GRPO: which column is the prompt, which the reference, and a report.
+
+A GRPO dataset needs no answers to train on, only prompts (and whatever columns the rewards
+read), so it is not one of the SFT formats: GSM8K's ``question`` + ``answer`` rows are a prompt
+dataset. A row's prompt is its ``prompt_column`` (default: the first of
+:data:`app.store.specs.PROMPT_COLUMNS` present) or, in the OpenAI reinforcement fine-tuning
+layout, its ``messages`` (the conversation up to the last user turn). Used by the web upload
+check and by the worker (:mod:`worker.engine.grpo`), so both agree.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from app.data.errors import DatasetError
+from app.data.loader import iter_records
+
+MESSAGES = "messages"
+
+
+def pick_columns(row: dict, prompt_column: str | None = None,
+                 answer_column: str | None = None) -> tuple[str, str | None]:
+    """(prompt column, reference column or None) for rows shaped like ``row``.
+
+    Raises DatasetError naming the columns the row has when a named column is missing or no
+    prompt column can be found.
+    """
+    from app.store.specs import ANSWER_COLUMNS, PROMPT_COLUMNS
+
+    have = ", ".join(row) or "none"
+    if prompt_column:
+        if prompt_column not in row:
+            raise DatasetError(f"the dataset has no prompt column {prompt_column!r} "
+                               f"(columns: {have})")
+        pcol = prompt_column
+    else:
+        pcol = next((c for c in (*PROMPT_COLUMNS, MESSAGES) if c in row), None)
+        if pcol is None:
+            raise DatasetError(f"no prompt column found (looked for "
+                               f"{', '.join((*PROMPT_COLUMNS, MESSAGES))}); name one in the "
+                               f"run's settings (columns: {have})")
+    if answer_column:
+        if answer_column not in row:
+            raise DatasetError(f"the dataset has no reference column {answer_column!r} "
+                               f"(columns: {have})")
+        return pcol, answer_column
+    return pcol, next((c for c in ANSWER_COLUMNS if c in row and c != pcol), None)
+
+
+def prompt_messages(value: Any, column: str, system_prompt: str | None = None) -> list[dict] | None:
+    """The chat messages of one row's prompt cell, or None when it is empty.
+
+    A string becomes ``[system?, user]``; a ``messages`` list is cut after its last user turn
+    (a system prompt is added only when it has none). Raises DatasetError on other shapes.
+    """
+    if isinstance(value, str):
+        if not value.strip():
+            return None
+        msgs = [{"role": "user", "content": value}]
+    elif isinstance(value, list):
+        msgs = [{"role": str(m.get("role", "")), "content": str(m.get("content", ""))}
+                for m in value if isinstance(m, dict)]
+        last_user = max((i for i, m in enumerate(msgs) if m["role"] == "user"), default=None)
+        if last_user is None:
+            return None
+        msgs = msgs[:last_user + 1]
+    elif value is None:
+        return None
+    else:
+        raise DatasetError(f"the prompt column {column!r} holds a {type(value).__name__}; "
+                           f"it must be text or a list of messages")
+    if system_prompt and not any(m["role"] == "system" for m in msgs):
+        msgs = [{"role": "system", "content": system_prompt}, *msgs]
+    return msgs
+
+
+def inspect_prompts(path: str | os.PathLike, prompt_column: str | None = None,
+                    answer_column: str | None = None, preview: int = 3) -> dict[str, Any]:
+    """A report for a prompt dataset: rows, usable rows, columns, the prompt and reference
+    columns and a preview. Raises DatasetError when no row is readable or has a prompt."""
+    rows = bad = usable = 0
+    first: dict | None = None
+    columns: set[str] = set()
+    previews: list[dict] = []
+    pcol = acol = None
+    for rec in iter_records(path):
+        rows += 1
+        if rec.data is None:
+            bad += 1
+            continue
+        if first is None:
+            first = rec.data
+            pcol, acol = pick_columns(first, prompt_column, answer_column)
+        columns.update(rec.data)
+        try:
+            ok = prompt_messages(rec.data.get(pcol), pcol) is not None
+        except DatasetError:
+            ok = False
+        usable += ok
+        if ok and len(previews) < preview:
+            previews.append({k: v[:500] if isinstance(v, str) else v
+                             for k, v in rec.data.items()})
+    if first is None:
+        raise DatasetError("the file has no readable rows")
+    if not usable:
+        raise DatasetError(f"no row has a non-empty prompt in column {pcol!r}")
+    return {"format": "prompts", "rows": rows, "valid_rows": usable, "unreadable_rows": bad,
+            "invalid_rows": rows - usable, "invalid": [], "warnings": [],
+            "columns": sorted(columns), "prompt_column": pcol, "answer_column": acol,
+            "prompt_preview": previews}
