@@ -86,9 +86,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                     for w in workers_store.live(engine, settings.worker_stale_seconds)]
         except Exception as exc:  # noqa: BLE001
             db["error"] = str(exc)
-        status = "ok" if db["ok"] else "degraded"
-        return JSONResponse({"status": status, "database": db, "workers": live},
-                            status_code=200)
+        body = {"status": "ok", "database": db, "workers": live}
+        if not db["ok"]:
+            body.update(status="degraded", reason=f"the database is not reachable: {db.get('error')}")
+        elif not live:
+            body.update(status="degraded", reason="no live worker: queued jobs wait until one "
+                        "starts (python -m worker)")
+        return JSONResponse(body, status_code=200)
 
     from app.web.routes import (api, artifacts, datasets, exports, grpo, models, openai_api,
                                 pages, runs)

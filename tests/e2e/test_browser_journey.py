@@ -72,6 +72,7 @@ def test_browser_journey(studio: Studio, tmp_path):
         # 3. A second run, cancelled from its page.
         start_run(page, studio, dataset_id, max_steps=5000, name="to-cancel")
         expect(page.locator("#m-state")).to_have_text("running", timeout=120_000)
+        page.once("dialog", lambda d: d.accept())  # "Cancel this run?" (hx-confirm)
         page.click("#controls button")
         expect(page.locator("#m-state")).to_have_text("cancelled", timeout=60_000)
 

@@ -15,7 +15,7 @@ def test_healthz(client):
     r = client.get("/healthz")
     assert r.status_code == 200
     body = r.json()
-    assert body["status"] == "ok"
+    assert body["status"] == "degraded" and "no live worker" in body["reason"]
     assert body["database"]["ok"] is True
     assert body["database"]["kind"] == "sqlite"
     assert body["database"]["migration"]
@@ -169,3 +169,39 @@ def test_long_model_paths_and_errors_stay_inside_their_card(client, engine):
     assert 'class="error small clamp" title="OSError: cannot load' in page
     css = client.get("/static/app.css").text
     assert ".table-scroll { overflow-x: auto;" in css and "text-overflow: ellipsis" in css
+
+
+def test_small_things_health_favicon_cancel_confirm_artifacts_workers_and_length(client, engine):
+    from app.store import queue, repo
+    from app.store import workers as workers_store
+
+    from conftest import SHARED
+
+    page = client.get("/").text
+    assert '<link rel="icon" href="data:image/svg+xml,' in page
+    # the form's default length is capped at the model's context length
+    model = repo.get_model(engine, "stories260K")
+    repo.update_model(engine, model.id, status="ready", info={"max_position_embeddings": 512})
+    assert 'name="max_seq_length" value="512"' in client.get("/runs/new").text
+    path = SHARED / "sft" / "alpaca_en_demo.json"
+    with path.open("rb") as fh:
+        ds = client.post("/datasets", files={"file": (path.name, fh)},
+                         follow_redirects=False).headers["location"].rsplit("/", 1)[1]
+    runs = [client.post("/api/runs", json={"model": "stories260K", "dataset": ds}).json()["id"]
+            for _ in range(2)]
+    run_page = client.get(f"/runs/{runs[0]}").text
+    assert 'hx-confirm="Cancel this run?' in run_page
+    assert "appear here when the run finishes" in run_page
+    # a worker busy with the first run: healthz is ok and the dashboard links the run
+    workers_store.register(engine, "w1", "host", 1, "cpu")
+    job = queue.claim(engine, "w1", 60, kinds=["train"])
+    workers_store.touch(engine, "w1", job.id)
+    assert client.get("/healthz").json()["status"] == "ok"
+    assert f'<a href="/runs/{job.run_id}">' in client.get("/").text
+    queue.fail(engine, job.id, "w1", "boom")
+    failed = client.get(f"/runs/{job.run_id}").text
+    assert "The run failed" in failed and "appear here when the run finishes" not in failed
+    other = next(r for r in runs if r != job.run_id)
+    client.post(f"/runs/{other}/cancel")
+    cancelled = client.get(f"/runs/{other}").text
+    assert "was cancelled" in cancelled and "appear here when the run finishes" not in cancelled

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from app.store import events, repo
+from app.store import events, queue, repo
 from app.store import workers as workers_store
 from app.web.deps import get_engine, get_settings
 from app.web.render import render
@@ -30,7 +30,23 @@ def run_rows(engine, limit: int = 100) -> list[dict]:
 def dashboard(request: Request):
     engine = get_engine(request)
     settings = get_settings(request)
+    workers = workers_store.live(engine, settings.worker_stale_seconds)
     return render(request, "dashboard.html",
-                  {"runs": run_rows(engine),
-                   "workers": workers_store.live(engine, settings.worker_stale_seconds)},
+                  {"runs": run_rows(engine), "workers": workers,
+                   "job_runs": _job_runs(engine, [w.current_job_id for w in workers])},
                   block="runs")
+
+
+def _job_runs(engine, job_ids) -> dict[int, str]:
+    """job id → the run it trains (for linking a worker's current job to its run page)."""
+    out = {}
+    for job_id in job_ids:
+        if job_id is None:
+            continue
+        try:
+            job = queue.get_job(engine, job_id)
+        except queue.JobNotFound:
+            continue
+        if job.run_id:
+            out[job_id] = job.run_id
+    return out

@@ -68,6 +68,22 @@ def _form_ctx(engine, values: dict, errors: dict | None = None, general: list | 
             "tmpl": tmpl or template_ctx(engine, values.get("model"))}
 
 
+def default_max_seq_length(engine, model_ref: str | None) -> int:
+    """The form's default length: the spec default, capped at the model's context length
+    (``max_position_embeddings`` from the import; stories260K has 512)."""
+    default = TrainSpec.model_fields["max_seq_length"].default
+    model = None
+    if model_ref:
+        try:
+            model = repo.get_model(engine, model_ref)
+        except repo.NotFound:
+            pass
+    limit = ((model.info or {}) if model else {}).get("max_position_embeddings")
+    if isinstance(limit, int) and limit > 0:
+        return min(default, 1024, limit)
+    return default
+
+
 @router.get("/runs/new")
 def new_run(request: Request, dataset: str | None = None, model: str | None = None,
             chat_template: str | None = None, max_seq_length: str | None = None):
@@ -77,9 +93,11 @@ def new_run(request: Request, dataset: str | None = None, model: str | None = No
     values = _defaults()
     values["dataset"] = dataset or ""
     values["model"] = model or ""
+    ctx = _form_ctx(engine, values)
     if max_seq_length and max_seq_length.strip().isdigit():
         values["max_seq_length"] = int(max_seq_length)
-    ctx = _form_ctx(engine, values)
+    else:
+        values["max_seq_length"] = default_max_seq_length(engine, values.get("model"))
     if chat_template:
         ctx["tmpl"] = template_ctx(engine, values.get("model"), chat_template)
     return render(request, "run_new.html", ctx, block="run_form")
