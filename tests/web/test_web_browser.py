@@ -5,6 +5,7 @@ port and a temporary data dir; skipped when chromium or Playwright is missing.
 """
 from __future__ import annotations
 
+import re
 import shutil
 
 import pytest
@@ -50,6 +51,14 @@ def test_validation_errors_are_visible_in_the_browser(page, client):
     page.set_input_files("#upload_form input[type=file]", str(SHARED / "sft" / "alpaca_en_demo.json"))
     page.click("#upload_form button[type=submit]")
     page.wait_for_url("**/datasets/file-*")
+    dataset_url = page.url
+    # the report selector: Enter in max_seq_length recomputes the report through htmx (the
+    # browser's own min=8 check stops smaller values before any request)
+    page.fill("#report_form input[name=max_seq_length]", "64")
+    page.press("#report_form input[name=max_seq_length]", "Enter")
+    expect(page.locator("#train-link")).to_have_attribute("href", re.compile("max_seq_length=64"))
+    expect(page.locator("#report")).to_contain_text("Over max_seq_length (64)")
+    assert page.url == dataset_url
     page.goto(f"{page.base}/runs/new")
     for box in page.locator("input[name=target_modules]").all():
         box.uncheck()
