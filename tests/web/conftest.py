@@ -4,7 +4,6 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
@@ -12,9 +11,7 @@ from fastapi.testclient import TestClient
 from app.settings import Settings
 from app.store.db import reset_engines
 
-SHARED = Path(__file__).resolve().parents[3] / "shared" / "data"
-if not SHARED.is_dir():
-    SHARED = Path("/work/shared/data")
+from tests.conftest import SHARED_DATA as SHARED
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-from conftest import SHARED
+from tests.conftest import SHARED_DATA as SHARED
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 ARGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-background-networking",

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SHARED
+from tests.conftest import SHARED_DATA as SHARED
 
 FILES = sorted(p for sub in ("sft", "messy") if (SHARED / sub).is_dir()
                for p in (SHARED / sub).iterdir() if p.is_file())

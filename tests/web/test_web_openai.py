@@ -6,7 +6,7 @@ import pytest
 
 from app.store import events, queue
 
-from conftest import SHARED
+from tests.conftest import SHARED_DATA as SHARED
 
 FILES = sorted(p for sub in ("sft", "messy") if (SHARED / sub).is_dir()
                for p in (SHARED / sub).iterdir() if p.is_file())

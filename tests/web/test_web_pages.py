@@ -135,7 +135,7 @@ def test_delete_models_refused_while_runs_use_them(client, engine):
     assert r.status_code == 200 and "Deleted broken." in r.text
     assert all(m["name"] != "broken" for m in client.get("/api/models").json()["data"])
 
-    from conftest import SHARED
+    from tests.conftest import SHARED_DATA as SHARED
 
     path = SHARED / "sft" / "alpaca_en_demo.json"
     with path.open("rb") as fh:
@@ -175,7 +175,7 @@ def test_small_things_health_favicon_cancel_confirm_artifacts_workers_and_length
     from app.store import queue, repo
     from app.store import workers as workers_store
 
-    from conftest import SHARED
+    from tests.conftest import SHARED_DATA as SHARED
 
     page = client.get("/").text
     assert '<link rel="icon" href="data:image/svg+xml,' in page

@@ -7,7 +7,7 @@ import re
 from app.store import events, queue, repo
 from app.store.schema import Artifact
 
-from conftest import SHARED
+from tests.conftest import SHARED_DATA as SHARED
 
 
 def _upload(client, name="alpaca_en_demo.json") -> str:
