@@ -15,15 +15,19 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup", "cosine_with_restarts",
               "polynomial", "inverse_sqrt")
+# GGUF types: written directly with the gguf package, and made by llama.cpp's quantiser.
+GGUF_WRITTEN_TYPES = ("F32", "F16", "BF16", "Q8_0")
+GGUF_QUANTIZER_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q2_K_S", "Q3_K_S", "Q3_K_M",
+                        "Q3_K_L", "Q4_K_S", "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K", "TQ1_0", "TQ2_0")
+GGUF_TYPES = GGUF_WRITTEN_TYPES + GGUF_QUANTIZER_TYPES
 OPTIMIZERS = ("adamw_torch", "paged_adamw_8bit", "adamw_8bit")
 
 
-class TrainSpec(BaseModel):
-    """A LoRA/QLoRA supervised fine-tuning run (spec_version 1).
+class LoraTrainingFields(BaseModel):
+    """The fields and checks every LoRA/QLoRA training spec shares (PEFT + optimizer + trainer).
 
-    ``max_steps > 0`` overrides ``num_train_epochs`` (as in transformers' TrainingArguments).
-    ``chat_template`` is either the name of a built-in default template or a Jinja string; None
-    means the model's own template. Raises pydantic.ValidationError naming the field on bad input.
+    Subclasses redeclare a field only to change its default or bounds (GrpoSpec's optimizer
+    defaults differ from SFT's); the validators apply to whichever declaration is in force.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -31,16 +35,13 @@ class TrainSpec(BaseModel):
     spec_version: Literal[1] = 1
     model: str = Field(description="registered model id or name")
     dataset: str = Field(description="dataset file id")
-    dataset_format: str | None = Field(default=None, description="override format detection")
     r: int = Field(default=16, ge=1, le=1024)
     lora_alpha: int = Field(default=16, ge=1, le=4096)
     lora_dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
     target_modules: list[str] = Field(default_factory=lambda: list(ALL_LINEAR), min_length=1)
     use_rslora: bool = False
     load_in_4bit: bool = False
-    max_seq_length: int = Field(default=1024, ge=8, le=1_048_576)
     learning_rate: float = Field(default=2e-4, gt=0.0, le=1.0)
-    num_train_epochs: float = Field(default=1.0, gt=0.0, le=1000.0)
     max_steps: int = Field(default=-1, ge=-1, le=10_000_000)
     per_device_train_batch_size: int = Field(default=2, ge=1, le=4096)
     gradient_accumulation_steps: int = Field(default=4, ge=1, le=4096)
@@ -50,8 +51,6 @@ class TrainSpec(BaseModel):
     max_grad_norm: float = Field(default=1.0, ge=0.0)
     optim: str = "adamw_torch"
     seed: int = Field(default=3407, ge=0)
-    train_on_responses_only: bool = True
-    packing: bool = False
     chat_template: str | None = None
     system_prompt: str | None = None
     logging_steps: int = Field(default=1, ge=1)
@@ -80,6 +79,21 @@ class TrainSpec(BaseModel):
             raise ValueError("name at least one module, e.g. q_proj")
         return cleaned
 
+
+class TrainSpec(LoraTrainingFields):
+    """A LoRA/QLoRA supervised fine-tuning run (spec_version 1).
+
+    ``max_steps > 0`` overrides ``num_train_epochs`` (as in transformers' TrainingArguments).
+    ``chat_template`` is either the name of a built-in default template or a Jinja string; None
+    means the model's own template. Raises pydantic.ValidationError naming the field on bad input.
+    """
+
+    dataset_format: str | None = Field(default=None, description="override format detection")
+    max_seq_length: int = Field(default=1024, ge=8, le=1_048_576)
+    num_train_epochs: float = Field(default=1.0, gt=0.0, le=1000.0)
+    train_on_responses_only: bool = True
+    packing: bool = False
+
     @model_validator(mode="after")
     def _steps(self) -> "TrainSpec":
         if self.max_steps == 0:
@@ -96,6 +110,15 @@ class ExportSpec(BaseModel):
     run_id: str
     format: Literal["adapter", "merged_16bit", "gguf", "ollama"]
     quantization: list[str] = Field(default_factory=list)
+
+    @field_validator("quantization")
+    @classmethod
+    def _quant(cls, v: list[str]) -> list[str]:
+        out = [q.strip().upper() for q in v if q and q.strip()]
+        for q in out:
+            if q not in GGUF_TYPES:
+                raise ValueError(f"unknown GGUF type {q!r}; use one of {', '.join(GGUF_TYPES)}")
+        return list(dict.fromkeys(out))
     dtype: Literal["bf16", "fp16"] = "bf16"
 
 
@@ -211,7 +234,7 @@ class RewardSpec(BaseModel):
         return self.label or self.name
 
 
-class GrpoSpec(BaseModel):
+class GrpoSpec(LoraTrainingFields):
     """A LoRA/QLoRA GRPO run (spec_version 1), with TRL's GRPOConfig names.
 
     ``per_device_train_batch_size`` counts completions, as in TRL: each optimizer step sees
@@ -220,15 +243,8 @@ class GrpoSpec(BaseModel):
     a longer prompt. ``chat_template`` "none" sends the prompt text as is (base models).
     """
 
-    model_config = ConfigDict(extra="forbid")
-
-    spec_version: Literal[1] = 1
-    model: str = Field(description="registered model id or name")
-    dataset: str = Field(description="dataset file id")
     prompt_column: str | None = None
     answer_column: str | None = None
-    system_prompt: str | None = None
-    chat_template: str | None = None
     rewards: list[RewardSpec] = Field(min_length=1)
     num_generations: int = Field(default=4, ge=2, le=256)
     max_prompt_length: int = Field(default=256, ge=1, le=1_048_576)
@@ -240,30 +256,14 @@ class GrpoSpec(BaseModel):
     loss_type: str = "dapo"
     scale_rewards: str = "group"
     num_iterations: int = Field(default=1, ge=1, le=64)
+    sample_every: int = Field(default=1, ge=1, description="steps between sample-table events")
+    # GRPO's own optimizer defaults (a small learning rate, fixed steps, whole groups per step)
     learning_rate: float = Field(default=5e-6, gt=0.0, le=1.0)
     per_device_train_batch_size: int = Field(default=4, ge=1, le=4096)
     gradient_accumulation_steps: int = Field(default=1, ge=1, le=4096)
     max_steps: int = Field(default=200, ge=1)
     warmup_ratio: float = Field(default=0.0, ge=0.0, le=1.0)
     lr_scheduler_type: str = "constant"
-    weight_decay: float = Field(default=0.0, ge=0.0, le=1.0)
-    max_grad_norm: float = Field(default=1.0, ge=0.0)
-    optim: str = "adamw_torch"
-    r: int = Field(default=16, ge=1, le=1024)
-    lora_alpha: int = Field(default=16, ge=1, le=4096)
-    lora_dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
-    target_modules: list[str] = Field(default_factory=lambda: list(ALL_LINEAR), min_length=1)
-    use_rslora: bool = False
-    load_in_4bit: bool = False
-    seed: int = Field(default=3407, ge=0)
-    logging_steps: int = Field(default=1, ge=1)
-    save_steps: int = Field(default=50, ge=1)
-    sample_every: int = Field(default=1, ge=1, description="steps between sample-table events")
-    vram_budget_gib: float | None = Field(default=None, gt=0)
-
-    _scheduler = field_validator("lr_scheduler_type")(TrainSpec._scheduler.__func__)
-    _optim = field_validator("optim")(TrainSpec._optim.__func__)
-    _targets = field_validator("target_modules")(TrainSpec._targets.__func__)
 
     @field_validator("loss_type")
     @classmethod

@@ -11,10 +11,9 @@ import ctypes
 import os
 from pathlib import Path
 
-from .files import ExportError, atomic_path
+from app.store.specs import GGUF_QUANTIZER_TYPES as LLAMA_TYPES
 
-LLAMA_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q2_K_S", "Q3_K_S", "Q3_K_M", "Q3_K_L",
-               "Q4_K_S", "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K", "TQ1_0", "TQ2_0")
+from .files import ExportError, atomic_path
 
 
 def llama_cpp_available() -> str | None:

@@ -1,0 +1,69 @@
+"""Exports in the web app: validation, queueing, and a failed verification shown with its diff.
+
+The worker is simulated through the store (claim, events, fail), the same channel it uses.
+"""
+from __future__ import annotations
+
+from app.store import events, queue, repo
+from app.store.specs import TrainSpec
+
+from tests.conftest import SHARED_DATA as SHARED
+
+
+def _finished_run(client, engine) -> str:
+    path = SHARED / "sft" / "alpaca_en_demo.json"
+    with path.open("rb") as fh:
+        r = client.post("/datasets", files={"file": (path.name, fh)}, follow_redirects=False)
+    ds = r.headers["location"].rsplit("/", 1)[1]
+    model = client.get("/api/models").json()["data"][0]["id"]
+    run, job = repo.create_run(engine, TrainSpec(model=model, dataset=ds, max_steps=2))
+    while (claimed := queue.claim(engine, "w-test", 30, kinds=["train"])) is not None:
+        assert queue.finish(engine, claimed.id, "w-test", {"steps": 2})
+    return run.id
+
+
+def test_export_needs_a_finished_run_and_a_known_format(client, engine):
+    path = SHARED / "sft" / "alpaca_en_demo.json"
+    with path.open("rb") as fh:
+        r = client.post("/datasets", files={"file": (path.name, fh)}, follow_redirects=False)
+    ds = r.headers["location"].rsplit("/", 1)[1]
+    model = client.get("/api/models").json()["data"][0]["id"]
+    run, _ = repo.create_run(engine, TrainSpec(model=model, dataset=ds, max_steps=2))
+    r = client.post(f"/api/runs/{run.id}/exports", json={"format": "gguf"})
+    assert r.status_code == 409 and "has not finished training" in r.json()["error"]["message"]
+    run_id = _finished_run(client, engine)
+    r = client.post(f"/api/runs/{run_id}/exports", json={"format": "onnx"})
+    assert r.status_code == 422 and r.json()["error"]["param"] == "format"
+    r = client.post(f"/api/runs/{run_id}/exports", json={"format": "gguf", "quantization": "Q9_Z"})
+    assert r.status_code == 422 and "Q9_Z" in r.json()["error"]["message"]
+    r = client.post(f"/api/runs/{run_id}/exports", json={"format": "gguf", "quantization": "q8_0, Q4_K_M"})
+    assert r.status_code == 201 and r.json()["status"] == "queued"
+    job = queue.get_job(engine, r.json()["id"])
+    assert job.kind == "export" and job.payload["quantization"] == ["Q8_0", "Q4_K_M"]
+
+
+def test_failed_verification_is_shown_with_its_diff(client, engine):
+    run_id = _finished_run(client, engine)
+    r = client.post(f"/runs/{run_id}/exports", data={"format": "merged_16bit", "dtype": "fp16"},
+                    headers={"HX-Request": "true"})
+    assert r.status_code == 200 and 'id="exports"' in r.text and "<html" not in r.text
+    export_id = repo.list_run_jobs(engine, run_id, "export")[0].id
+    job = queue.claim(engine, "w-export", 30, kinds=["export"])
+    assert job.id == export_id
+    diff = {"passed": False, "check": "greedy", "prompt": "Once upon a time",
+            "expected_tokens": [5, 6, 7], "got_tokens": [5, 9, 7], "first_mismatch": 1}
+    verification = {"passed": False, "checks": {"merged": {"passed": False, "failures": [diff]}}}
+    events.append_many(engine, job.id, [("log", {"level": "error", "message": "export verification failed",
+                                                 "verification": verification})])
+    assert queue.fail(engine, job.id, "w-export", "export verification failed: merged; first diff: ...")
+
+    info = client.get(f"/api/exports/{export_id}").json()
+    assert info["status"] == "failed" and info["verification"]["passed"] is False
+    assert info["verification"]["checks"]["merged"]["failures"][0]["first_mismatch"] == 1
+    page = client.get(f"/runs/{run_id}").text
+    assert "export verification failed" in page
+    assert "first_mismatch" in page and "got_tokens" in page and "Traceback" not in page
+    frag = client.get(f"/runs/{run_id}/exports", headers={"HX-Request": "true"}).text
+    assert "failed" in frag and "<html" not in frag
+    r = client.get(f"/exports/{export_id}/download.zip")
+    assert r.status_code == 409
