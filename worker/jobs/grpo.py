@@ -16,17 +16,13 @@ Result: ``{"steps", "first_reward", "final_reward", "train_runtime", "rows", "ad
 """
 from __future__ import annotations
 
-import json
-import shutil
 import time
-from pathlib import Path
 from typing import Any
 
-from app.store import repo
 from app.store.specs import GrpoSpec
 from worker import gpu
 from worker.context import JobContext, JobError
-from worker.jobs.train import _artifact, _atomic_write, _versions, _zip_folder
+from worker.jobs import common
 from worker.rewards.base import RewardError
 
 
@@ -35,20 +31,13 @@ def _mean(xs: list[float]) -> float | None:
 
 
 def run(ctx: JobContext) -> dict[str, Any]:
-    payload = dict(ctx.payload)
-    run_id = payload.pop("run_id", None) or ctx.job.run_id
-    if not run_id:
-        raise JobError("grpo job payload has no run_id")
-    spec = GrpoSpec.model_validate(payload)
+    """Train a LoRA adapter with GRPO for the run in ``ctx.payload`` (see the module docstring)."""
+    run_id, spec = common.job_spec(ctx, GrpoSpec, "grpo")
     if spec.has_custom_rewards and not ctx.settings.custom_rewards_allowed(ctx.job.owner):
         raise JobError("this run has a custom Python reward, and custom rewards are not allowed "
                        f"for {'user ' + repr(ctx.job.owner) if ctx.job.owner else 'this user'} "
                        "(an admin sets WHETSTONE_ALLOW_CUSTOM_REWARDS)")
-    model_row = repo.get_model(ctx.engine, spec.model)
-    if model_row.status != "ready" or not model_row.path:
-        raise JobError(f"model {model_row.name} is not ready (status {model_row.status}"
-                       f"{': ' + model_row.error if model_row.error else ''})")
-    ds_row = repo.get_dataset(ctx.engine, spec.dataset)
+    model_row, ds_row = common.job_inputs(ctx, spec)
 
     from app.data.encode import load_tokenizer_bundle
     from app.data.errors import DatasetError
@@ -56,14 +45,8 @@ def run(ctx: JobContext) -> dict[str, Any]:
     from worker.engine import grpo, sft
     from worker.rewards.registry import build
 
-    cuda = gpu.cuda_available()
-    if spec.load_in_4bit and not cuda:
-        raise JobError("QLoRA (load_in_4bit) needs a CUDA GPU with bitsandbytes; this worker "
-                       "runs on the CPU. Turn load_in_4bit off to train LoRA in full precision.")
-    run_dir = (ctx.settings.data_dir / "runs" / run_id).resolve()
-    ckpt_dir = run_dir / "checkpoints"
-    ckpt_dir.mkdir(parents=True, exist_ok=True)
-    repo.set_run_output(ctx.engine, run_id, str(run_dir))
+    cuda = common.check_device(spec)
+    run_dir, ckpt_dir = common.open_run_dir(ctx, run_id)
     ctx.log(f"GRPO on {gpu.device_name()}")
 
     # ---- prompts ----------------------------------------------------------------------------
@@ -86,25 +69,13 @@ def run(ctx: JobContext) -> dict[str, Any]:
     ctx.check()
 
     # ---- model, LoRA, rewards, trainer ----------------------------------------------------
-    optim, warn = sft.resolve_optim(spec.optim, cuda)
-    if warn:
-        ctx.log(warn, "warning")
-    import transformers
-
-    transformers.set_seed(spec.seed)
-    try:
-        model = sft.load_model(model_row.path, spec.load_in_4bit, cuda)
-        model = sft.add_lora(model, spec)
-    except RuntimeError as e:
-        raise JobError(str(e)) from e
+    model, optim = common.lora_model(ctx, spec, model_row, cuda)
     tokenizer = sft.load_tokenizer(model_row.path, chosen.source)
     functions = build(spec, prompts.answer_column)
     scorer = grpo.Scorer(functions, spec.num_generations, spec.scale_rewards)
     args = grpo.grpo_config(spec, str(ckpt_dir), cuda, optim)
-    trainable, total = model.get_nb_trainable_parameters()
-    ctx.log(f"LoRA r={spec.r} alpha={spec.lora_alpha} on {', '.join(spec.target_modules)}: "
-            f"{trainable} trainable of {total} parameters; rewards: "
-            + ", ".join(f"{f.name}×{f.weight:g}" for f in functions))
+    trainable = common.log_lora(ctx, spec, model, "; rewards: " + ", ".join(
+        f"{f.name}×{f.weight:g}" for f in functions))
     holder: dict[str, Any] = {}
     callback = grpo.progress_callback(ctx.metric, ctx.reporter.sample, ctx.stop_reason,
                                       lambda: holder["trainer"],
@@ -117,12 +88,11 @@ def run(ctx: JobContext) -> dict[str, Any]:
         ctx.log(f"KL to the reference policy (beta={spec.beta:g}): the base model with the "
                 f"adapter disabled" + ("" if trainer.ref_model is None else " (separate copy)"))
 
-    config = {
+    common.write_config(ctx, run_id, run_dir, {
         "run_id": run_id, "job_id": ctx.job.id, "kind": "grpo",
         "spec": {**spec.model_dump(mode="json"), "optim": optim},
         "requested_optim": spec.optim,
-        "model": {"id": model_row.id, "name": model_row.name, "path": model_row.path,
-                  "source": model_row.source, "info": model_row.info},
+        "model": common.model_config_entry(model_row),
         "dataset": {"id": ds_row.id, "filename": ds_row.filename, "path": ds_row.path,
                     "rows_used": prompts.rows, "rows_skipped": prompts.skipped,
                     "prompt_column": prompts.prompt_column,
@@ -132,20 +102,11 @@ def run(ctx: JobContext) -> dict[str, Any]:
         "rewards": [{"name": f.name, "weight": f.weight} for f in functions],
         "device": gpu.device_name(),
         "trainable_parameters": trainable,
-        "training_arguments": {k: v for k, v in args.to_dict().items()
-                               if isinstance(v, (int, float, str, bool, type(None)))},
-        "versions": _versions(),
-    }
-    _atomic_write(run_dir / "config.json", json.dumps(config, indent=2, default=str))
-    if not repo.list_artifacts(ctx.engine, run_id, kind="config"):
-        _artifact(ctx, run_id, "config", run_dir / "config.json")
+        "training_arguments": common.training_arguments(args),
+    })
 
     # ---- train --------------------------------------------------------------------------------
-    from transformers.trainer_utils import get_last_checkpoint
-
-    last = get_last_checkpoint(str(ckpt_dir)) if any(ckpt_dir.iterdir()) else None
-    if last:
-        ctx.log(f"resuming from {Path(last).name}")
+    last = common.last_checkpoint(ctx, ckpt_dir)
     t0 = time.monotonic()
     try:
         trainer.train(resume_from_checkpoint=last)
@@ -157,20 +118,8 @@ def run(ctx: JobContext) -> dict[str, Any]:
     runtime = time.monotonic() - t0
 
     # ---- adapter ------------------------------------------------------------------------------
-    ctx.progress("save", 0, 1, "saving the adapter")
-    adapter_dir = run_dir / "adapter"
-    tmp = run_dir / f".adapter.tmp-{ctx.job.id}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    trainer.model.save_pretrained(str(tmp), safe_serialization=True)
-    tokenizer.save_pretrained(str(tmp))
-    if chosen.source and not (tmp / "chat_template.jinja").exists():
-        (tmp / "chat_template.jinja").write_text(chosen.source, encoding="utf-8")
-    shutil.rmtree(adapter_dir, ignore_errors=True)
-    tmp.rename(adapter_dir)
-    zip_path = run_dir / "adapter.zip"
-    _zip_folder(adapter_dir, zip_path)
-    _artifact(ctx, run_id, "adapter", zip_path, folder=str(adapter_dir), format="peft")
-    ctx.progress("save", 1, 1)
+    adapter_dir, zip_path = common.save_adapter(ctx, run_id, run_dir, trainer, tokenizer,
+                                                 chosen.source)
 
     rewards = [r for _, r in callback.rewards]
     k = max(1, min(5, len(rewards) // 4))

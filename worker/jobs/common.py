@@ -1,0 +1,191 @@
+"""What the training jobs (``train`` SFT and ``grpo``) share: the job prelude (payload -> spec,
+ready model and dataset rows, device checks, the run folder), the LoRA model, ``config.json``,
+resuming from a checkpoint and saving + zipping the final adapter as an artifact.
+
+Both jobs write the same run-folder layout (see :mod:`worker.jobs.train`), so export works on
+either.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from app.store import repo
+from app.store.schema import Artifact, Dataset, Model
+from worker import gpu
+from worker.context import JobContext, JobError
+
+
+def sha256(path: Path) -> str:
+    """Hex SHA-256 of a file, read in 1 MiB chunks."""
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def atomic_write(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temp file and a rename (never half-written)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def zip_folder(folder: Path, dest: Path) -> None:
+    """Zip ``folder`` (entries under its own name) to ``dest`` through a temp file."""
+    tmp = dest.with_name(f".{dest.name}.tmp")
+    with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as zf:
+        for f in sorted(folder.rglob("*")):
+            if f.is_file():
+                zf.write(f, Path(folder.name) / f.relative_to(folder))
+    os.replace(tmp, dest)
+
+
+def versions() -> dict[str, str]:
+    """Versions of the training libraries that are importable."""
+    out = {}
+    for name in ("torch", "transformers", "peft", "trl", "datasets"):
+        try:
+            out[name] = __import__(name).__version__
+        except Exception:  # noqa: BLE001
+            pass
+    return out
+
+
+def add_artifact(ctx: JobContext, run_id: str, kind: str, path: Path, **meta: Any) -> None:
+    """Record ``path`` as an artifact of the run (size, SHA-256, optional meta)."""
+    repo.add_artifact(ctx.engine, Artifact(run_id=run_id, job_id=ctx.job.id, kind=kind,
+                                           name=path.name, path=str(path),
+                                           bytes=path.stat().st_size, sha256=sha256(path),
+                                           meta=meta or None))
+
+
+# ---- the job prelude ------------------------------------------------------------------------
+def job_spec(ctx: JobContext, spec_cls, job_name: str) -> tuple[str, Any]:
+    """(run id, validated spec) from the job payload (the spec's fields plus ``run_id``).
+
+    Raises JobError when there is no run id; pydantic.ValidationError on a bad spec.
+    """
+    payload = dict(ctx.payload)
+    run_id = payload.pop("run_id", None) or ctx.job.run_id
+    if not run_id:
+        raise JobError(f"{job_name} job payload has no run_id")
+    return run_id, spec_cls.model_validate(payload)
+
+
+def job_inputs(ctx: JobContext, spec) -> tuple[Model, Dataset]:
+    """The spec's model row (which must be ready) and dataset row. Raises JobError/NotFound."""
+    model_row = repo.get_model(ctx.engine, spec.model)
+    if model_row.status != "ready" or not model_row.path:
+        raise JobError(f"model {model_row.name} is not ready (status {model_row.status}"
+                       f"{': ' + model_row.error if model_row.error else ''})")
+    return model_row, repo.get_dataset(ctx.engine, spec.dataset)
+
+
+def check_device(spec) -> bool:
+    """Whether CUDA is available; raises JobError for QLoRA (load_in_4bit) without it."""
+    cuda = gpu.cuda_available()
+    if spec.load_in_4bit and not cuda:
+        raise JobError("QLoRA (load_in_4bit) needs a CUDA GPU with bitsandbytes; this worker "
+                       "runs on the CPU. Turn load_in_4bit off to train LoRA in full precision.")
+    return cuda
+
+
+def open_run_dir(ctx: JobContext, run_id: str) -> tuple[Path, Path]:
+    """(run folder, its checkpoints folder), created and recorded as the run's output."""
+    run_dir = (ctx.settings.data_dir / "runs" / run_id).resolve()
+    ckpt_dir = run_dir / "checkpoints"
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    repo.set_run_output(ctx.engine, run_id, str(run_dir))
+    return run_dir, ckpt_dir
+
+
+def lora_model(ctx: JobContext, spec, model_row: Model, cuda: bool,
+               on_log: Callable[[str], None] | None = None):
+    """(model with LoRA, resolved optimizer name): seeds, loads the base model, adds the adapter.
+
+    An optimizer the device cannot run is replaced (with a warning). ``on_log`` goes to
+    :func:`worker.engine.sft.add_lora`. Raises JobError when loading fails.
+    """
+    from worker.engine import sft
+
+    optim, warn = sft.resolve_optim(spec.optim, cuda)
+    if warn:
+        ctx.log(warn, "warning")
+    import transformers
+
+    transformers.set_seed(spec.seed)
+    try:
+        model = sft.load_model(model_row.path, spec.load_in_4bit, cuda)
+        model = sft.add_lora(model, spec, on_log=on_log)
+    except RuntimeError as e:
+        raise JobError(str(e)) from e
+    return model, optim
+
+
+def log_lora(ctx: JobContext, spec, model, suffix: str = "") -> int:
+    """Log the LoRA shape and trainable parameter count; returns the trainable count."""
+    trainable, total = model.get_nb_trainable_parameters()
+    ctx.log(f"LoRA r={spec.r} alpha={spec.lora_alpha} on {', '.join(spec.target_modules)}: "
+            f"{trainable} trainable of {total} parameters" + suffix)
+    return trainable
+
+
+# ---- config.json, resume, adapter -----------------------------------------------------------
+def model_config_entry(model_row: Model) -> dict[str, Any]:
+    """The ``model`` entry of config.json."""
+    return {"id": model_row.id, "name": model_row.name, "path": model_row.path,
+            "source": model_row.source, "info": model_row.info}
+
+
+def training_arguments(args) -> dict[str, Any]:
+    """The scalar entries of a TrainingArguments (for config.json)."""
+    return {k: v for k, v in args.to_dict().items()
+            if isinstance(v, (int, float, str, bool, type(None)))}
+
+
+def write_config(ctx: JobContext, run_id: str, run_dir: Path, config: dict[str, Any]) -> None:
+    """Write ``config.json`` (plus library versions) and record it once as the ``config``
+    artifact."""
+    config = {**config, "versions": versions()}
+    atomic_write(run_dir / "config.json", json.dumps(config, indent=2, default=str))
+    if not repo.list_artifacts(ctx.engine, run_id, kind="config"):
+        add_artifact(ctx, run_id, "config", run_dir / "config.json")
+
+
+def last_checkpoint(ctx: JobContext, ckpt_dir: Path) -> str | None:
+    """The newest checkpoint of an earlier attempt (logged), or None."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    last = get_last_checkpoint(str(ckpt_dir)) if any(ckpt_dir.iterdir()) else None
+    if last:
+        ctx.log(f"resuming from {Path(last).name}")
+    return last
+
+
+def save_adapter(ctx: JobContext, run_id: str, run_dir: Path, trainer, tokenizer,
+                 template: str | None) -> tuple[Path, Path]:
+    """Save the final adapter (+ tokenizer, chat template) to ``adapter/`` through a temp folder,
+    zip it to ``adapter.zip`` and record the ``adapter`` artifact. Returns (folder, zip)."""
+    ctx.progress("save", 0, 1, "saving the adapter")
+    adapter_dir = run_dir / "adapter"
+    tmp = run_dir / f".adapter.tmp-{ctx.job.id}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    trainer.model.save_pretrained(str(tmp), safe_serialization=True)
+    tokenizer.save_pretrained(str(tmp))
+    if template and not (tmp / "chat_template.jinja").exists():
+        (tmp / "chat_template.jinja").write_text(template, encoding="utf-8")
+    shutil.rmtree(adapter_dir, ignore_errors=True)
+    tmp.rename(adapter_dir)
+    zip_path = run_dir / "adapter.zip"
+    zip_folder(adapter_dir, zip_path)
+    add_artifact(ctx, run_id, "adapter", zip_path, folder=str(adapter_dir), format="peft")
+    ctx.progress("save", 1, 1)
+    return adapter_dir, zip_path
