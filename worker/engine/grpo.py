@@ -23,7 +23,6 @@
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -288,29 +287,13 @@ def progress_callback(metric: Callable[..., None], sample: Callable[..., None],
                       on_stop: Callable[[str], None] | None = None, sample_every: int = 1):
     """A TrainerCallback: GRPO metric events (rewards per function, std, KL, length, zero-variance
     fraction), sample-table events, and stops on cancel / lease loss / shutdown."""
-    from transformers import TrainerCallback
+    from worker.engine.callbacks import stopping_callback
 
-    class _Callback(TrainerCallback):
+    class _Callback(stopping_callback()):
         def __init__(self):
-            self.t0 = time.monotonic()
-            self.start_step = 0
+            super().__init__(stop_reason, on_stop)
             self.rewards: list[tuple[int, float]] = []
-            self.stopped: str | None = None
             self.last: dict[str, float] = {}
-
-        def on_train_begin(self, args, state, control, **kw):
-            self.t0 = time.monotonic()
-            self.start_step = state.global_step
-
-        def on_step_end(self, args, state, control, **kw):
-            reason = stop_reason()
-            if reason and not self.stopped:
-                self.stopped = reason
-                control.should_training_stop = True
-                control.should_save = reason == "shutdown"
-                if on_stop:
-                    on_stop(reason)
-            return control
 
         def on_log(self, args, state, control, logs=None, **kw):
             logs = logs or {}
@@ -321,8 +304,7 @@ def progress_callback(metric: Callable[..., None], sample: Callable[..., None],
             if stats:  # else (num_iterations > 1) this step reused the last generation batch
                 self.last = {k: sum(s[k] for s in stats) / len(stats) for k in stats[0]}
             avg = self.last
-            done = state.global_step - self.start_step
-            per_step = (time.monotonic() - self.t0) / done if done else None
+            per_step, eta = self.step_timing(state)
             mem, kind = gpu.memory()
             data = dict(step=state.global_step, total_steps=state.max_steps,
                         loss=logs.get("loss"), learning_rate=logs.get("learning_rate"),
@@ -331,8 +313,7 @@ def progress_callback(metric: Callable[..., None], sample: Callable[..., None],
                         completion_length=logs.get("completions/mean_length"),
                         clipped_ratio=logs.get("completions/clipped_ratio"),
                         step_seconds=round(per_step, 3) if per_step else None,
-                        eta_seconds=per_step * max(state.max_steps - state.global_step, 0)
-                        if per_step else None, memory_gib=round(mem, 4), memory_kind=kind, **avg)
+                        eta_seconds=eta, memory_gib=round(mem, 4), memory_kind=kind, **avg)
             if "reward" in avg:
                 self.rewards.append((state.global_step, avg["reward"]))
             metric(**data)

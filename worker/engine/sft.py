@@ -192,34 +192,19 @@ def progress_callback(metric: Callable[..., None], stop_reason: Callable[[], str
     ``stop_reason()`` returns ``cancelled`` | ``lost`` | ``shutdown`` | None; on ``shutdown``
     the trainer also saves a checkpoint before it stops (so a requeued job resumes).
     """
-    from transformers import TrainerCallback
+    from worker.engine.callbacks import stopping_callback
 
-    class _Callback(TrainerCallback):
+    class _Callback(stopping_callback()):
         def __init__(self):
-            self.t0 = time.monotonic()
+            super().__init__(stop_reason, on_stop)
             self.last_t = self.t0
             self.last_tokens = 0
-            self.start_step = 0
             self.losses: list[tuple[int, float]] = []
-            self.stopped: str | None = None
 
         def on_train_begin(self, args, state, control, **kw):
-            self.t0 = self.last_t = time.monotonic()
-            self.start_step = state.global_step
+            super().on_train_begin(args, state, control, **kw)
+            self.last_t = self.t0
             self.last_tokens = int(getattr(state, "num_input_tokens_seen", 0) or 0)
-
-        def _maybe_stop(self, control):
-            reason = stop_reason()
-            if reason and not self.stopped:
-                self.stopped = reason
-                control.should_training_stop = True
-                control.should_save = reason == "shutdown"
-                if on_stop:
-                    on_stop(reason)
-            return control
-
-        def on_step_end(self, args, state, control, **kw):
-            return self._maybe_stop(control)
 
         def on_log(self, args, state, control, logs=None, **kw):
             logs = logs or {}
@@ -229,9 +214,7 @@ def progress_callback(metric: Callable[..., None], stop_reason: Callable[[], str
             tokens = int(getattr(state, "num_input_tokens_seen", 0) or 0)
             dt = max(now - self.last_t, 1e-9)
             tps = (tokens - self.last_tokens) / dt
-            done = state.global_step - self.start_step
-            per_step = (now - self.t0) / done if done else None
-            eta = per_step * max(state.max_steps - state.global_step, 0) if per_step else None
+            _, eta = self.step_timing(state, now)
             self.last_t, self.last_tokens = now, tokens
             mem, kind = gpu.memory()
             loss = float(logs["loss"])

@@ -1,0 +1,54 @@
+"""The TrainerCallback base both trainers (SFT and GRPO) report through: it stops training on
+cancel / lease loss / shutdown and times steps for the ETA of metric events."""
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+@functools.cache
+def stopping_callback() -> type:
+    """The base TrainerCallback class (built on first use, so importing this needs no
+    transformers).
+
+    ``StoppingCallback(stop_reason, on_stop)``: ``stop_reason()`` returns ``cancelled`` |
+    ``lost`` | ``shutdown`` | None, checked after every step; on ``shutdown`` the trainer also
+    saves a checkpoint before it stops (so a requeued job resumes). ``on_stop(reason)`` is told
+    once. :meth:`step_timing` gives (seconds per step, ETA seconds) since training began.
+    """
+    from transformers import TrainerCallback
+
+    class StoppingCallback(TrainerCallback):
+        def __init__(self, stop_reason: Callable[[], str | None],
+                     on_stop: Callable[[str], None] | None = None):
+            self._stop_reason, self._on_stop = stop_reason, on_stop
+            self.t0 = time.monotonic()
+            self.start_step = 0
+            self.stopped: str | None = None
+
+        def on_train_begin(self, args, state, control, **kw):
+            self.t0 = time.monotonic()
+            self.start_step = state.global_step
+
+        def on_step_end(self, args, state, control, **kw):
+            reason = self._stop_reason()
+            if reason and not self.stopped:
+                self.stopped = reason
+                control.should_training_stop = True
+                control.should_save = reason == "shutdown"
+                if self._on_stop:
+                    self._on_stop(reason)
+            return control
+
+        def step_timing(self, state, now: float | None = None) -> tuple[Any, Any]:
+            """(seconds per step, seconds left) over the steps done since training began;
+            (None, None) before the first."""
+            done = state.global_step - self.start_step
+            now = time.monotonic() if now is None else now
+            per_step = (now - self.t0) / done if done else None
+            eta = per_step * max(state.max_steps - state.global_step, 0) if per_step else None
+            return per_step, eta
+
+    return StoppingCallback
