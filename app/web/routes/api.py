@@ -42,6 +42,7 @@ def metrics_summary(engine, job_id: int | None) -> dict[str, Any]:
 
 
 def run_json(engine, run, full: bool = False) -> dict[str, Any]:
+    """A run as the JSON API shows it (job state, timestamps; metrics and artifacts if full)."""
     _, job = repo.run_with_job(engine, run.id)
     out = {**_dump(run), "state": job.state if job else None,
            "error": job.error if job else None,
@@ -68,24 +69,36 @@ def get_run(request: Request, run_id: str):
     return run_json(engine, repo.get_run(engine, run_id), full=True)
 
 
-@router.post("/runs", status_code=201)
-async def create_run(request: Request):
-    engine = get_engine(request)
+async def json_object(request: Request, what: str = "a JSON object") -> dict[str, Any]:
+    """The request body, which must be a JSON object. Raises ApiError 400."""
     try:
         body = await request.json()
     except ValueError:
         raise ApiError(400, "the request body is not valid JSON") from None
     if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object (a TrainSpec)")
+        raise ApiError(400, f"the request body must be {what}")
+    return body
+
+
+def invalid_spec(exc: ValidationError) -> JSONResponse:
+    """The 422 answer to a spec that fails validation: the first field in ``message`` and
+    ``param``, every field under ``fields``."""
+    errors, general = field_errors(exc)
+    first = next(iter(errors.items()), (None, general[0] if general else "invalid spec"))
+    return JSONResponse({"error": {"message": f"{first[0]}: {first[1]}" if first[0] else first[1],
+                                   "param": first[0], "code": "invalid_value",
+                                   "fields": errors}}, status_code=422)
+
+
+@router.post("/runs", status_code=201)
+async def create_run(request: Request):
+    engine = get_engine(request)
+    body = await json_object(request, "a JSON object (a TrainSpec)")
     name = body.pop("name", None)
     try:
         spec = TrainSpec(**body)
     except ValidationError as exc:
-        errors, general = field_errors(exc)
-        first = next(iter(errors.items()), (None, general[0] if general else "invalid spec"))
-        return JSONResponse({"error": {"message": f"{first[0]}: {first[1]}" if first[0] else first[1],
-                                       "param": first[0], "code": "invalid_value",
-                                       "fields": errors}}, status_code=422)
+        return invalid_spec(exc)
     try:
         run, _ = create_checked(engine, spec, name)
     except FieldError as exc:
@@ -110,12 +123,7 @@ def list_models(request: Request):
 
 @router.post("/models", status_code=201)
 async def create_model(request: Request):
-    try:
-        body = await request.json()
-    except ValueError:
-        raise ApiError(400, "the request body is not valid JSON") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
+    body = await json_object(request)
     data = {k: str(v) for k, v in body.items() if v is not None}
     try:
         model = register_model(get_engine(request), data)

@@ -1,27 +1,16 @@
 """GRPO runs from the browser and the APIs: the run form, ``POST /api/runs/grpo`` and the
 OpenAI ``method={"type": "reinforcement", ...}`` mapping of graders onto our rewards.
 
-OpenAI graders map as follows (``{{sample.output_text}}`` is the completion, ``{{item.<col>}}`` a
-dataset column):
-
-* ``string_check`` ``eq`` / ``ne`` / ``like`` / ``ilike`` against ``{{item.col}}`` -> exact_match
-  (case-sensitive / negated / contains / case-insensitive contains); against a literal ->
-  regex_match with the escaped literal.
-* ``text_similarity`` ``fuzzy_match`` -> text_similarity (``pass_threshold`` kept).
-* ``python`` -> a custom reward calling ``grade(sample, item)`` in the sandbox.
-* ``multi`` -> each sub-grader, weighted by ``calculate_output`` when it is a weighted sum of
-  the grader names (``"0.7 * correct + 0.3 * fmt"``).
+The mapping of OpenAI graders onto rewards is in :mod:`app.web.graders`.
 """
 from __future__ import annotations
 
-import ast
 import json
 import os
-import re
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, RedirectResponse, Response
+from fastapi.responses import RedirectResponse
 from pydantic import ValidationError
 
 from starlette.concurrency import run_in_threadpool
@@ -32,9 +21,12 @@ from app.store import repo
 from app.store.schema import Dataset, new_id
 from app.store.specs import (ALL_LINEAR, CUSTOM_REWARD_SIGNATURE, GRPO_LOSS_TYPES, REWARD_DESCRIPTIONS,
                              REWARD_NAMES, SCALE_REWARDS, SCHEDULERS, GrpoSpec)
-from app.web.deps import get_engine, get_settings, is_htmx
+from app.web.deps import get_engine, get_settings
 from app.web.errors import ApiError
+from app.web.graders import bad_value, grader_rewards
 from app.web.render import render
+from app.web.routes.api import invalid_spec, json_object, run_json
+from app.web.routes.runs import FieldError, redirect_to_run, usable_dataset, usable_model
 from app.web.services import SUPPORTED, field_errors
 from app.web.uploads import UploadError, receive_upload, safe_filename
 
@@ -53,12 +45,6 @@ CUSTOM_EXAMPLE = ("def reward(prompt: str, completion: str, item: dict) -> float
                   "else 0.0\n")
 
 
-class FieldError(Exception):
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field, self.message = field, message
-
-
 def current_user(request: Request) -> str | None:
     """The signed-in user; None until Whetstone has logins."""
     return getattr(request.state, "user", None)
@@ -69,18 +55,8 @@ def create_grpo_run(engine, settings, spec: GrpoSpec, name: str | None, owner: s
     if spec.has_custom_rewards and not settings.custom_rewards_allowed(owner):
         raise FieldError("rewards", "custom Python rewards are not allowed for this user; an "
                                     "admin allows them with WHETSTONE_ALLOW_CUSTOM_REWARDS")
-    try:
-        model = repo.get_model(engine, spec.model)
-    except repo.NotFound as exc:
-        raise FieldError("model", str(exc)) from None
-    if model.status == "failed":
-        raise FieldError("model", f"model {model.name!r} failed to import: {model.error}")
-    try:
-        ds = repo.get_dataset(engine, spec.dataset)
-    except repo.NotFound as exc:
-        raise FieldError("dataset", str(exc)) from None
-    if ds.status != "processed":
-        raise FieldError("dataset", f"dataset {ds.filename!r} is not usable: {ds.error or ds.status}")
+    usable_model(engine, spec)
+    usable_dataset(engine, spec)
     return repo.create_run(engine, spec, kind="grpo", name=name, owner=owner)
 
 
@@ -198,10 +174,7 @@ async def create_grpo_form(request: Request):
     if run is None:
         return render(request, "run_grpo_new.html", _form_ctx(request, values, errors, general),
                       block="grpo_form", status_code=422)
-    url = f"/runs/{run.id}"
-    if is_htmx(request):
-        return Response(status_code=200, headers={"HX-Redirect": url})
-    return RedirectResponse(url, status_code=303)
+    return redirect_to_run(request, run)
 
 
 # ---- prompt datasets (GSM8K-style rows are no SFT format) --------------------------------
@@ -260,23 +233,12 @@ async def upload_prompts_api(request: Request):
 # ---- JSON API ---------------------------------------------------------------------------
 @router.post("/api/runs/grpo", status_code=201)
 async def create_grpo_api(request: Request):
-    from app.web.routes.api import run_json
-
-    try:
-        body = await request.json()
-    except ValueError:
-        raise ApiError(400, "the request body is not valid JSON") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object (a GrpoSpec)")
+    body = await json_object(request, "a JSON object (a GrpoSpec)")
     name = body.pop("name", None)
     try:
         spec = GrpoSpec(**body)
     except ValidationError as exc:
-        errors, general = field_errors(exc)
-        first = next(iter(errors.items()), (None, general[0] if general else "invalid spec"))
-        return JSONResponse({"error": {"message": f"{first[0]}: {first[1]}" if first[0] else first[1],
-                                       "param": first[0], "code": "invalid_value",
-                                       "fields": errors}}, status_code=422)
+        return invalid_spec(exc)
     engine = get_engine(request)
     try:
         run, _ = create_grpo_run(engine, get_settings(request), spec, name, current_user(request))
@@ -295,116 +257,6 @@ def reward_catalog(request: Request):
 
 
 # ---- OpenAI reinforcement method ----------------------------------------------------------
-_SAMPLE = re.compile(r"^\s*\{\{\s*sample\.output_text\s*\}\}\s*$")
-_ITEM = re.compile(r"^\s*\{\{\s*item\.([A-Za-z_][\w]*)\s*\}\}\s*$")
-
-
-def _bad(msg: str, param: str) -> ApiError:
-    return ApiError(400, msg, param, "invalid_value")
-
-
-def _needs_output(grader: dict, param: str) -> None:
-    if not _SAMPLE.match(str(grader.get("input", ""))):
-        raise _bad("only {{sample.output_text}} can be graded (the model's completion)",
-                   f"{param}.input")
-
-
-def grader_rewards(grader: Any, param: str = "method.reinforcement.grader",
-                   weight: float = 1.0) -> list[dict[str, Any]]:
-    """Our reward list (RewardSpec dicts) for an OpenAI grader. Raises ApiError."""
-    if not isinstance(grader, dict):
-        raise _bad("grader must be an object", param)
-    kind = grader.get("type")
-    label = grader.get("name") or None
-    if kind == "string_check":
-        _needs_output(grader, param)
-        op = grader.get("operation", "eq")
-        ref = str(grader.get("reference", ""))
-        col = _ITEM.match(ref)
-        if op not in ("eq", "ne", "like", "ilike"):
-            raise _bad(f"string_check operation {op!r} is not one of eq, ne, like, ilike",
-                       f"{param}.operation")
-        if col:
-            params = {"column": col.group(1), "case_sensitive": op in ("eq", "ne", "like"),
-                      "strip": False, "contains": op in ("like", "ilike"), "negate": op == "ne"}
-            return [{"name": "exact_match", "weight": weight, "label": label, "params": params}]
-        if "{{" in ref:
-            raise _bad("reference must be a literal or {{item.<column>}}", f"{param}.reference")
-        lit = re.escape(ref)
-        pattern = {"eq": f"^{lit}$", "ne": f"^(?!{lit}$)", "like": lit, "ilike": f"(?i){lit}"}[op]
-        return [{"name": "regex_match", "weight": weight, "label": label,
-                 "params": {"pattern": pattern, "dotall": True}}]
-    if kind == "text_similarity":
-        _needs_output(grader, param)
-        metric = grader.get("evaluation_metric", "fuzzy_match")
-        if metric != "fuzzy_match":
-            raise ApiError(400, f"text_similarity evaluation_metric {metric!r} is not supported "
-                                f"(fuzzy_match is)", f"{param}.evaluation_metric",
-                           "unsupported_parameter")
-        col = _ITEM.match(str(grader.get("reference", "")))
-        if not col:
-            raise _bad("reference must be {{item.<column>}}", f"{param}.reference")
-        params: dict[str, Any] = {"column": col.group(1)}
-        if grader.get("pass_threshold") is not None:
-            params["pass_threshold"] = grader["pass_threshold"]
-        return [{"name": "text_similarity", "weight": weight, "label": label, "params": params}]
-    if kind == "python":
-        src = grader.get("source")
-        if not isinstance(src, str) or not src.strip():
-            raise _bad("a python grader needs source defining grade(sample, item)", f"{param}.source")
-        return [{"name": "custom", "weight": weight, "label": label,
-                 "params": {"source": src, "entry": "grade", "style": "openai"}}]
-    if kind == "multi":
-        graders = grader.get("graders")
-        if not isinstance(graders, dict) or not graders:
-            raise _bad("a multi grader needs graders: {name: grader}", f"{param}.graders")
-        weights = _linear_weights(str(grader.get("calculate_output", "")), list(graders),
-                                  f"{param}.calculate_output")
-        out = []
-        for name, sub in graders.items():
-            if weights.get(name, 0.0) == 0.0:
-                continue
-            for r in grader_rewards(sub, f"{param}.graders.{name}", weight * weights[name]):
-                r["label"] = r.get("label") or name
-                out.append(r)
-        return out
-    raise ApiError(400, f"grader type {kind!r} is not supported (string_check, text_similarity, "
-                        f"python, multi are)", f"{param}.type", "unsupported_parameter")
-
-
-def _linear_weights(expr: str, names: list[str], param: str) -> dict[str, float]:
-    """``"0.7 * a + 0.3 * b"`` -> {"a": 0.7, "b": 0.3}; anything but a weighted sum is refused."""
-    try:
-        tree = ast.parse(expr, mode="eval").body
-    except SyntaxError:
-        raise _bad("calculate_output must be a weighted sum of grader names", param) from None
-    weights: dict[str, float] = {}
-
-    def term(node, sign):
-        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub)):
-            term(node.left, sign)
-            term(node.right, -sign if isinstance(node.op, ast.Sub) else sign)
-            return
-        coef, name = sign, None
-        if isinstance(node, ast.Name):
-            name = node.id
-        elif isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Mult, ast.Div)):
-            a, b = node.left, node.right
-            if isinstance(node.op, ast.Mult) and isinstance(a, ast.Constant):
-                a, b = b, a
-            if isinstance(a, ast.Name) and isinstance(b, ast.Constant) \
-                    and isinstance(b.value, (int, float)) and b.value != 0:
-                name = a.id
-                coef = sign * (b.value if isinstance(node.op, ast.Mult) else 1 / b.value)
-        if name is None or name not in names:
-            raise _bad("calculate_output must be a weighted sum of the grader names "
-                       f"({', '.join(names)}), e.g. '0.5 * {names[0]} + ...'", param)
-        weights[name] = weights.get(name, 0.0) + float(coef)
-
-    term(tree, 1.0)
-    return weights
-
-
 def spec_from_reinforcement(body: dict[str, Any], engine) -> dict[str, Any]:
     """GrpoSpec input from an OpenAI job-create body with ``method.type == "reinforcement"``.
 
@@ -434,7 +286,7 @@ def spec_from_reinforcement(body: dict[str, Any], engine) -> dict[str, Any]:
             try:
                 raw["learning_rate"] = float(value) * GrpoSpec.model_fields["learning_rate"].default
             except (TypeError, ValueError):
-                raise _bad("learning_rate_multiplier must be a number",
+                raise bad_value("learning_rate_multiplier must be a number",
                            "hyperparameters.learning_rate_multiplier") from None
         elif key == "n_epochs":
             epochs = value

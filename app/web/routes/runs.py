@@ -174,10 +174,7 @@ async def create_run(request: Request):
                             values.get("chat_template") or None)
         return render(request, "run_new.html", _form_ctx(engine, values, errors, general, tmpl),
                       block="run_form", status_code=422)
-    url = f"/runs/{run.id}"
-    if is_htmx(request):
-        return Response(status_code=200, headers={"HX-Redirect": url})
-    return RedirectResponse(url, status_code=303)
+    return redirect_to_run(request, run)
 
 
 class FieldError(Exception):
@@ -188,6 +185,28 @@ class FieldError(Exception):
         self.field, self.message = field, message
 
 
+def usable_model(engine, spec):
+    """The spec's model row. Raises FieldError("model") when it is unknown or failed to import."""
+    try:
+        model = repo.get_model(engine, spec.model)
+    except repo.NotFound as exc:
+        raise FieldError("model", str(exc)) from None
+    if model.status == "failed":
+        raise FieldError("model", f"model {model.name!r} failed to import: {model.error or 'unknown error'}")
+    return model
+
+
+def usable_dataset(engine, spec):
+    """The spec's dataset row. Raises FieldError("dataset") when it is unknown or unprocessed."""
+    try:
+        ds = repo.get_dataset(engine, spec.dataset)
+    except repo.NotFound as exc:
+        raise FieldError("dataset", str(exc)) from None
+    if ds.status != "processed":
+        raise FieldError("dataset", f"dataset {ds.filename!r} is not usable: {ds.error or ds.status}")
+    return ds
+
+
 def create_checked(engine, spec: TrainSpec, name: str | None = None):
     """Check the model and dataset are usable, then create the run and queue its job.
 
@@ -195,22 +214,20 @@ def create_checked(engine, spec: TrainSpec, name: str | None = None):
         FieldError: unknown or failed model, unknown or unusable dataset, a chat template
             that does not parse or render a sample conversation.
     """
-    try:
-        model = repo.get_model(engine, spec.model)
-    except repo.NotFound as exc:
-        raise FieldError("model", str(exc)) from None
-    if model.status == "failed":
-        raise FieldError("model", f"model {model.name!r} failed to import: {model.error or 'unknown error'}")
+    model = usable_model(engine, spec)
     problem = chat_template_problem(spec.chat_template, model.chat_template)
     if problem:
         raise FieldError("chat_template", problem)
-    try:
-        ds = repo.get_dataset(engine, spec.dataset)
-    except repo.NotFound as exc:
-        raise FieldError("dataset", str(exc)) from None
-    if ds.status != "processed":
-        raise FieldError("dataset", f"dataset {ds.filename!r} is not usable: {ds.error or ds.status}")
+    usable_dataset(engine, spec)
     return repo.create_run(engine, spec, name=name)
+
+
+def redirect_to_run(request: Request, run) -> Response:
+    """After a form created a run: go to its page (HX-Redirect for htmx, else 303)."""
+    url = f"/runs/{run.id}"
+    if is_htmx(request):
+        return Response(status_code=200, headers={"HX-Redirect": url})
+    return RedirectResponse(url, status_code=303)
 
 
 # What the run page lists under "Artifacts"; export files are listed under "Exports".
