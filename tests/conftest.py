@@ -1,9 +1,17 @@
 """Fixtures shared by every suite: where ../shared/data lives and stories260K as a HF folder."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+import torch
+
+# Without CUDA the Triton kernels run under the interpreter. Triton decides interpreter-or-compile
+# when a kernel is decorated (module import), and other suites (engine, worker) import kernels/
+# before tests/kernels runs, so the switch must be set here, before any test module is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = (REPO.parent / "shared" / "data").resolve()
