@@ -12,8 +12,13 @@ and evaluation loss): embeddings -> per layer :func:`~worker.engine.patch.run_la
 activations -> final norm -> fused LM head + cross-entropy (kernels.cross_entropy; logits never
 materialised; ``num_items_in_batch`` normalises per token across gradient accumulation exactly as
 transformers' loss does). It returns ``CausalLMOutputWithPast(loss=..., logits=None)``. Without labels
-(generation, GRPO log-probs, a KV cache) it calls the model's original forward, which runs PEFT's
-modules (and NF4Linear bases) unchanged.
+(generation, a KV cache) it calls the model's original forward, which runs PEFT's modules (and
+NF4Linear bases) unchanged; :mod:`worker.engine.gencache` keeps those bases dequantised once per
+generation phase.
+
+:func:`hidden_states` is the same fused stack without the head: final-normed h [B, S, H] in the
+compute dtype. GRPO's policy and reference log-probs (:mod:`worker.engine.logps`) run through it.
+``EngineState.fused_calls`` counts fused stack runs (tests assert the path is taken).
 """
 from __future__ import annotations
 
@@ -41,6 +46,7 @@ class EngineState:
     orig_forward: Callable
     preserve_rng: bool
     kept_layers: int = 0
+    fused_calls: int = 0
     notes: list[str] = field(default_factory=list)
 
 
@@ -166,24 +172,44 @@ def engine_forward(self, input_ids=None, attention_mask=None, position_ids=None,
                                position_ids=position_ids, labels=labels,
                                inputs_embeds=inputs_embeds, past_key_values=past_key_values,
                                use_cache=use_cache, **kwargs)
-    inner = self.model
+    h = hidden_states(self, input_ids, attention_mask, position_ids, inputs_embeds)
+    loss = causal_lm_loss(self, h, labels, num_items_in_batch, st)
+    return CausalLMOutputWithPast(loss=loss, logits=None)
+
+
+def engine_state(model) -> EngineState | None:
+    """The EngineState of a patched HF model or of the PeftModel around it; None if unpatched."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return getattr(base, "_whetstone", None)
+
+
+def hidden_states(model, input_ids=None, attention_mask=None, position_ids=None,
+                  inputs_embeds=None) -> torch.Tensor:
+    """Final-normed hidden states [B, S, H] of the patched HF model ``model`` via the fused layers.
+
+    input_ids [B, S] int64 (or inputs_embeds [B, S, H]); attention_mask [B, S] 0/1 (left or right
+    padding; padded keys are masked); position_ids [B, S] default arange(S) as HF's forward does.
+    Layers are checkpointed (budget / offload as for SFT) when grad is on and the model trains.
+    Active LoRA adapters are fused; with adapters disabled each projection is the frozen base only.
+    """
+    st: EngineState = model._whetstone
+    inner = model.model
     h = inputs_embeds if inputs_embeds is not None else inner.embed_tokens(input_ids)
     B, S, H = h.shape
     if position_ids is None:
         position_ids = torch.arange(S, device=h.device).expand(B, S)
-    step = step_inputs(self, st.arch, h, position_ids, attention_mask)
-    kept = _kept_layers(self, st, B * S, h.dtype)
+    step = step_inputs(model, st.arch, h, position_ids, attention_mask)
+    kept = _kept_layers(model, st, B * S, h.dtype)
     st.kept_layers = kept
-    use_ckpt = st.checkpointing and torch.is_grad_enabled() and self.training
+    st.fused_calls += 1
+    use_ckpt = st.checkpointing and torch.is_grad_enabled() and model.training
     for i, layer in enumerate(inner.layers):
         fn = partial(run_layer, layer, step=step, arch=st.arch, impl=st.impl)
         if use_ckpt and i >= kept:
             h = ckpt.checkpoint_layer(fn, h, st.offloader, i, st.preserve_rng)
         else:
             h = fn(h)
-    h = norm(inner.norm, h, st.arch.gemma_norm, st.impl)
-    loss = causal_lm_loss(self, h, labels, num_items_in_batch, st)
-    return CausalLMOutputWithPast(loss=loss, logits=None)
+    return norm(inner.norm, h, st.arch.gemma_norm, st.impl)
 
 
 def causal_lm_loss(model, h, labels, num_items_in_batch, st: EngineState):

@@ -198,14 +198,16 @@ class LoRAMLPFunction(torch.autograd.Function):
 def lora_params(module: nn.Module):
     """(A weight, B weight, scale) of the active PEFT adapter of ``module``, or None.
 
-    None when the module has no LoRA; raises ValueError when it has a variant the fused path
-    cannot run (dropout > 0, DoRA, several active adapters, merged).
+    None when the module has no LoRA, or when its adapters are disabled (``disable_adapter()``:
+    GRPO's reference pass), so the projection runs as its frozen base alone, as PEFT does then.
+    Raises ValueError when it has a variant the fused path cannot run (dropout > 0, DoRA, several
+    active adapters, merged).
     """
-    if not hasattr(module, "lora_A"):
+    if not hasattr(module, "lora_A") or getattr(module, "disable_adapters", False):
         return None
     active = list(getattr(module, "active_adapters", ["default"]))
-    if len(active) != 1 or getattr(module, "merged", False) or getattr(module, "disable_adapters", False):
-        raise ValueError("several active adapters, merged or disabled adapters")
+    if len(active) != 1 or getattr(module, "merged", False):
+        raise ValueError("several active adapters or merged adapters")
     name = active[0]
     if name not in module.lora_A:
         return None
