@@ -14,6 +14,11 @@ pre-quantised bnb-4bit checkpoint (``bnb.nn.Linear4bit``) is converted without r
 dense weight is never stored: ``dequant(dtype)`` materialises it in a temporary through
 ``kernels.nf4`` (impl "triton" on CUDA, "reference" elsewhere), which the fused LoRA functions call
 in forward and again in backward. Memory: 0.5 byte a weight + 1 byte per 64 (+ 4 bytes per 16384).
+
+Generation cache (:mod:`worker.engine.gencache`): ``cache_dense()`` keeps one dense W [out, in] in
+the original dtype (bf16 on GPU: 2 bytes a weight) until ``drop_dense()``; while it is held,
+``forward`` and ``dequant`` use it instead of dequantising. ``dequants`` counts the dequantisations
+this module ran (tests assert decode does not re-dequantise per token).
 """
 from __future__ import annotations
 
@@ -41,6 +46,8 @@ class NF4Linear(nn.Module):
                                                                   blocksize2)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.impl = impl
+        self._dense: torch.Tensor | None = None
+        self.dequants = 0
 
     @property
     def weight(self):  # PEFT/transformers introspection (device, dtype checks) sees the packed data
@@ -55,14 +62,37 @@ class NF4Linear(nn.Module):
                         code2=self.code2, blocksize2=self.blocksize2)
 
     def dequant(self, dtype=None) -> torch.Tensor:
-        """A temporary dense W [out, in] in ``dtype`` (default: the original dtype)."""
+        """A dense W [out, in] in ``dtype`` (default: the original dtype): a temporary, or the
+        cached one (see :meth:`cache_dense`)."""
         from kernels.nf4 import nf4_dequantize
 
-        return nf4_dequantize(self.packed, self.state(), dtype or self.dtype, impl=self.impl)
+        dtype = dtype or self.dtype
+        if self._dense is not None:
+            return self._dense if self._dense.dtype == dtype else self._dense.to(dtype)
+        self.dequants += 1
+        return nf4_dequantize(self.packed, self.state(), dtype, impl=self.impl)
+
+    def cache_dense(self) -> int:
+        """Dequantise once and keep W (original dtype) until :meth:`drop_dense`; returns bytes."""
+        if self._dense is None:
+            self._dense = self.dequant(self.dtype)
+        return self._dense.numel() * self._dense.element_size()
+
+    def drop_dense(self) -> None:
+        self._dense = None
+
+    def dense_bytes(self) -> int:
+        """Bytes :meth:`cache_dense` holds: out * in * itemsize(original dtype)."""
+        return self.out_features * self.in_features * torch.finfo(self.dtype).bits // 8
 
     def forward(self, x):
+        if self._dense is not None:  # the same maths as nf4_linear_ref, without the dequant
+            w = self._dense if self._dense.dtype == x.dtype else self._dense.to(x.dtype)
+            y = x @ w.t()
+            return y + self.bias if self.bias is not None else y
         from kernels.nf4 import nf4_linear
 
+        self.dequants += 1
         return nf4_linear(x, self.packed, self.state(), self.bias, impl=self.impl)
 
     def extra_repr(self):
