@@ -98,3 +98,45 @@ def test_build_prompts_gsm8k_and_messages(stories_hf, tmp_path):
                    '"content": "x"}], "ref": "7"}\n')
     ps = build_prompts(str(rft), bundle, None, None, "ref", None)
     assert ps.dataset[0]["prompt"] == "<s>Hi" and ps.prompt_column == "messages"
+
+
+def test_trainer_runs_policy_reference_and_generation_through_the_engine(stories_hf, tmp_path):
+    """One GRPO step of the trainer on an engine-prepared NF4 stories260K (CPU, reference impl):
+    every log-prob pass runs the fused layers (no PEFT LoRA module forward), generation runs with
+    the NF4 weights held dense, and the dense copies are gone after the step."""
+    from datasets import Dataset
+    from peft.tuners.lora import LoraLayer
+    from transformers import AutoModelForCausalLM
+
+    from app.store.specs import GrpoSpec
+    from worker.engine import engine, grpo, sft
+    from worker.engine.gencache import nf4_modules
+    from worker.rewards.registry import build
+
+    spec = GrpoSpec(model="m", dataset="d", beta=0.1, r=4, num_generations=2,
+                    per_device_train_batch_size=2, max_steps=1, max_completion_length=5,
+                    rewards=[{"name": "regex_match", "params": {"pattern": "a"}}])
+    base = AutoModelForCausalLM.from_pretrained(str(stories_hf), dtype=torch.float32)
+    model = engine.prepare(base, spec, load_in_4bit=True, impl="reference", device="cpu",
+                           vram_budget_gib=4.0)
+    st = engine.engine_state(model)
+    tok = sft.load_tokenizer(str(stories_hf), None)
+    unfused, held = [0], []
+    for m in model.modules():
+        if isinstance(m, LoraLayer):
+            m.register_forward_hook(lambda *a: unfused.__setitem__(0, unfused[0] + 1))
+    mods = nf4_modules(model)
+    mods[0].register_forward_hook(lambda m, *a: held.append(m._dense is not None))
+    scorer = Scorer(build(spec, None), 2, "group")
+    trainer = grpo.make_trainer(model, tok, Dataset.from_dict({"prompt": ["<s>One day"] * 4}),
+                                grpo.grpo_config(spec, str(tmp_path), False, "adamw_torch",
+                                                 save_strategy="no"),
+                                scorer, 8)
+    trainer.train()
+    assert st.fused_calls >= 2  # the policy loss pass and the beta > 0 reference pass
+    assert held and all(held)  # every generation-time NF4 forward used the dense copy
+    assert all(m._dense is None for m in mods)
+    # PEFT's own LoRA modules ran only in generation: one call each per generation forward
+    assert unfused[0] == len(held) * len(mods)
+    assert all(p.grad is None or torch.isfinite(p.grad).all()
+               for n, p in model.named_parameters() if "lora_" in n)

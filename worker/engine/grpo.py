@@ -12,13 +12,16 @@
   group of equal rewards contributes exactly zero (TRL divides by ``std + 1e-4``) and nothing can
   be NaN. Per-function means, std, the zero-variance fraction and a few samples are kept for
   the metric/sample events.
-* **Log-probabilities** are computed chunked from the final hidden states, never as a full
-  ``[tokens, vocab]`` logits tensor. On CUDA that is TRL's fused Triton LM head. Off CUDA that
-  Triton kernel cannot run (it crashes on CPU tensors, as in SFT), so :class:`WhetstoneGRPOTrainer`
-  overrides ``_get_per_token_logps_and_entropies`` with :func:`chunked_logps_entropy`, a PyTorch
-  equivalent that recomputes each chunk's logits in the backward pass (activation
-  checkpointing per chunk). Same inputs, same outputs, same gradient.
-* Generation is ``model.generate`` with the KV cache (TRL's non-vLLM path).
+* **Log-probabilities** (policy, old policy and the adapter-disabled reference) are computed
+  chunked from the final hidden states, never as a full ``[tokens, vocab]`` logits tensor, by
+  :func:`worker.engine.logps.policy_logps`: with the kernel engine patched on the model the
+  hidden states come from the engine's fused decoder layers (TRL's own fused head would call the
+  HF backbone and bypass them), then :func:`~worker.engine.logps.chunked_logps_entropy` (each
+  chunk's logits recomputed in backward). Without the engine: TRL's fused Triton LM head on
+  CUDA, the same PyTorch chunked head on the HF backbone elsewhere.
+* Generation is ``model.generate`` with the KV cache (TRL's non-vLLM path), inside
+  :func:`worker.engine.gencache.dense_generation`: NF4 bases are dequantised once for the phase
+  (within the VRAM budget) instead of once per generated token, and freed before training.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ from typing import Any
 
 from app.data.loader import iter_records
 from worker import gpu
+from worker.engine.logps import chunked_logps_entropy  # noqa: F401  (re-exported)
 from worker.rewards.base import Batch, RewardFunction, group_advantages, validate
 
 #: Dataset columns are passed to TRL under this prefix so that no user column can collide with
@@ -145,47 +149,16 @@ class Scorer:
             f.close()
 
 
-# ---- chunked log-probabilities (CPU path) -------------------------------------------------
-def chunked_logps_entropy(hidden, weight, bias, targets, temperature: float = 1.0,
-                          softcap: float | None = None, logit_scale: float = 1.0,
-                          chunk_rows: int = 1024, entropy: bool = True):
-    """Per-token log p(target) and entropy from hidden states ``[N, d]``, ``chunk_rows`` rows at
-    a time; each chunk's logits are recomputed in backward (``torch.utils.checkpoint``), so at
-    most ``[chunk_rows, vocab]`` logits exist at once. Returns (logps [N], entropy [N] or None).
-    """
-    import torch
-    from torch.utils.checkpoint import checkpoint
-
-    def piece(h, w, b, y):
-        z = torch.nn.functional.linear(h, w, b)
-        z = (z.float() if z.dtype in (torch.float16, torch.bfloat16) else z) * logit_scale
-        if softcap:
-            z = softcap * torch.tanh(z / softcap)
-        z = z / temperature
-        logp_all = torch.log_softmax(z, dim=-1)
-        lp = logp_all.gather(-1, y.unsqueeze(-1)).squeeze(-1)
-        ent = -(logp_all.exp() * logp_all).sum(-1) if entropy else lp.new_zeros(())
-        return lp, ent
-
-    lps, ents = [], []
-    for s in range(0, hidden.shape[0], chunk_rows):
-        args = (hidden[s:s + chunk_rows], weight, bias, targets[s:s + chunk_rows])
-        if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-            lp, ent = checkpoint(piece, *args, use_reentrant=False)
-        else:
-            lp, ent = piece(*args)
-        lps.append(lp)
-        ents.append(ent)
-    logps = torch.cat(lps) if lps else hidden.new_zeros(0)
-    return logps, (torch.cat(ents) if entropy and ents else None)
-
-
 # ---- the trainer --------------------------------------------------------------------------
 def make_trainer(model, tokenizer, train_dataset, args, scorer: Scorer, max_prompt_length: int,
                  callbacks=()):
     """A GRPOTrainer subclass wired to our rewards, advantages, prompt handling and CPU path."""
     import torch
     from trl import GRPOTrainer
+
+    from worker.engine.engine import engine_state
+    from worker.engine.gencache import dense_generation, generation_reserve
+    from worker.engine.logps import policy_logps
 
     class WhetstoneGRPOTrainer(GRPOTrainer):
         stats: list[dict[str, Any]]
@@ -199,32 +172,29 @@ def make_trainer(model, tokenizer, train_dataset, args, scorer: Scorer, max_prom
                                                logits_to_keep, batch_size=None,
                                                compute_entropy=False, compute_aux_loss=False,
                                                _force_chunked=False, **kw):
-            fused = input_ids.device.type == "cuda" and not _force_chunked
-            if fused or any(v is not None for v in kw.values()):
+            engine_on = engine_state(self.accelerator.unwrap_model(model)) is not None
+            trl_fused = input_ids.device.type == "cuda" and not _force_chunked and not engine_on
+            if trl_fused or any(v is not None for v in kw.values()):
                 return super()._get_per_token_logps_and_entropies(
                     model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
                     compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **kw)
-            lm = self.accelerator.unwrap_model(model)
-            lm = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
-            backbone, head = lm.base_model, lm.get_output_embeddings()
+            lp, ent = policy_logps(self.accelerator.unwrap_model(model), input_ids,
+                                   attention_mask, logits_to_keep, self.temperature, batch_size,
+                                   compute_entropy, self.accelerator.autocast)
+            return lp, ent, None
+
+        def _generate(self, prompts):
+            lm = self.accelerator.unwrap_model(self.model)
+            st = engine_state(lm)
+            if st is None:
+                return super()._generate(prompts)
             cfg = lm.config.get_text_config()
-            batch_size = batch_size or input_ids.size(0)
-            all_lp, all_ent = [], []
-            for s in range(0, input_ids.size(0), batch_size):
-                ids, mask = input_ids[s:s + batch_size], attention_mask[s:s + batch_size]
-                with self.accelerator.autocast():
-                    h = backbone(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
-                h = h[:, -logits_to_keep - 1:-1]
-                y = ids[:, -logits_to_keep:]
-                m = mask[:, -logits_to_keep:].bool()
-                lp, ent = chunked_logps_entropy(
-                    h.reshape(-1, h.shape[-1]), head.weight, head.bias, y.reshape(-1),
-                    self.temperature, getattr(cfg, "final_logit_softcapping", None),
-                    float(getattr(cfg, "logit_scale", None) or 1.0), entropy=compute_entropy)
-                all_lp.append(lp.view_as(y).masked_fill(~m, 0.0))
-                if compute_entropy:
-                    all_ent.append(ent.view_as(y).masked_fill(~m, 0.0))
-            return (torch.cat(all_lp), torch.cat(all_ent) if compute_entropy else None, None)
+            dtype_bytes = torch.finfo(lm.get_input_embeddings().weight.dtype).bits // 8
+            reserve = generation_reserve(cfg, len(prompts),
+                                         max_prompt_length + self.max_completion_length,
+                                         dtype_bytes)
+            with dense_generation(lm, st.vram_budget_gib, reserve=reserve):
+                return super()._generate(prompts)
 
         def _generate_and_score_completions(self, inputs):
             out = super()._generate_and_score_completions(inputs)
