@@ -121,7 +121,7 @@ def test_trainer_runs_policy_reference_and_generation_through_the_engine(stories
                            vram_budget_gib=4.0)
     st = engine.engine_state(model)
     tok = sft.load_tokenizer(str(stories_hf), None)
-    unfused, held = [0], []
+    unfused, held, lines = [0], [], []
     for m in model.modules():
         if isinstance(m, LoraLayer):
             m.register_forward_hook(lambda *a: unfused.__setitem__(0, unfused[0] + 1))
@@ -131,10 +131,11 @@ def test_trainer_runs_policy_reference_and_generation_through_the_engine(stories
     trainer = grpo.make_trainer(model, tok, Dataset.from_dict({"prompt": ["<s>One day"] * 4}),
                                 grpo.grpo_config(spec, str(tmp_path), False, "adamw_torch",
                                                  save_strategy="no"),
-                                scorer, 8)
+                                scorer, 8, on_log=lines.append)
     trainer.train()
     assert st.fused_calls >= 2  # the policy loss pass and the beta > 0 reference pass
     assert held and all(held)  # every generation-time NF4 forward used the dense copy
+    assert len(lines) == 1 and f"{len(mods)}/{len(mods)} NF4 weights held dense" in lines[0]
     assert all(m._dense is None for m in mods)
     # PEFT's own LoRA modules ran only in generation: one call each per generation forward
     assert unfused[0] == len(held) * len(mods)

@@ -151,14 +151,19 @@ class Scorer:
 
 # ---- the trainer --------------------------------------------------------------------------
 def make_trainer(model, tokenizer, train_dataset, args, scorer: Scorer, max_prompt_length: int,
-                 callbacks=()):
-    """A GRPOTrainer subclass wired to our rewards, advantages, prompt handling and CPU path."""
+                 callbacks=(), on_log: Callable[[str], None] | None = None):
+    """A GRPOTrainer subclass wired to our rewards, advantages, prompt handling and the engine.
+
+    ``on_log`` is told once what the first generation phase held dense (NF4 cache, see
+    :mod:`worker.engine.gencache`)."""
     import torch
     from trl import GRPOTrainer
 
     from worker.engine.engine import engine_state
     from worker.engine.gencache import dense_generation, generation_reserve
     from worker.engine.logps import policy_logps
+
+    told = [on_log] if on_log else []
 
     class WhetstoneGRPOTrainer(GRPOTrainer):
         stats: list[dict[str, Any]]
@@ -193,7 +198,8 @@ def make_trainer(model, tokenizer, train_dataset, args, scorer: Scorer, max_prom
             reserve = generation_reserve(cfg, len(prompts),
                                          max_prompt_length + self.max_completion_length,
                                          dtype_bytes)
-            with dense_generation(lm, st.vram_budget_gib, reserve=reserve):
+            say = told.pop() if told else None
+            with dense_generation(lm, st.vram_budget_gib, reserve=reserve, on_log=say):
                 return super()._generate(prompts)
 
         def _generate_and_score_completions(self, inputs):

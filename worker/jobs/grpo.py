@@ -82,7 +82,7 @@ def run(ctx: JobContext) -> dict[str, Any]:
                                       on_stop=lambda r: ctx.log(f"stopping training ({r})"),
                                       sample_every=spec.sample_every)
     trainer = grpo.make_trainer(model, tokenizer, prompts.dataset, args, scorer,
-                                spec.max_prompt_length, [callback])
+                                spec.max_prompt_length, [callback], on_log=ctx.log)
     holder["trainer"] = trainer
     if spec.beta > 0:
         ctx.log(f"KL to the reference policy (beta={spec.beta:g}): the base model with the "
