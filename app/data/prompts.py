@@ -37,8 +37,8 @@ def pick_columns(row: dict, prompt_column: str | None = None,
         pcol = next((c for c in (*PROMPT_COLUMNS, MESSAGES) if c in row), None)
         if pcol is None:
             raise DatasetError(f"no prompt column found (looked for "
-                               f"{', '.join((*PROMPT_COLUMNS, MESSAGES))}); name one in the "
-                               f"run's settings (columns: {have})")
+                               f"{', '.join((*PROMPT_COLUMNS, MESSAGES))}); name it with "
+                               f"prompt_column (columns: {have})")
     if answer_column:
         if answer_column not in row:
             raise DatasetError(f"the dataset has no reference column {answer_column!r} "

@@ -220,3 +220,29 @@ def test_upload_gsm8k_prompts_then_run(env, tmp_path):
     assert r.status_code == 303 and "/runs/new/grpo?dataset=file-" in r.headers["location"]
     r = c.post("/api/grpo/datasets", files={"file": ("bad.jsonl", b'{"foo": 1}\n')})
     assert r.status_code == 422 and "no prompt column" in r.json()["error"]["message"]
+
+
+def test_upload_form_names_the_prompt_column(env):
+    """Rows without a recognisable prompt column: the upload form takes prompt_column and
+    answer_column, and a refused upload shows its error without the "fields below" banner."""
+    c = env["client"]
+    page = c.get("/runs/new/grpo").text
+    upload = page.split('action="/grpo/datasets"', 1)[1].split("</form>", 1)[0]
+    assert 'name="prompt_column"' in upload and 'name="answer_column"' in upload
+    assert 'hx-disabled-elt="find button[type=\'submit\']"' in page.split('id="grpo_form"', 1)[1]
+    rows = b'{"task": "What is 2+2?", "gold": "4"}\n{"task": "What is 3+3?", "gold": "6"}\n'
+    r = c.post("/grpo/datasets", files={"file": ("q.jsonl", rows)})
+    assert r.status_code == 422 and "no prompt column" in r.text and "prompt_column" in r.text
+    assert "Please fix the fields marked below." not in r.text
+    r = c.post("/grpo/datasets", files={"file": ("q.jsonl", rows)},
+               data={"prompt_column": "task", "answer_column": "gold"}, follow_redirects=False)
+    assert r.status_code == 303, r.text[:2000]
+    ds_id = r.headers["location"].split("dataset=", 1)[1]
+    ds = repo.get_dataset(env["engine"], ds_id)
+    assert ds.report["prompt_column"] == "task" and ds.report["answer_column"] == "gold"
+    # a run on it that names no column uses the columns chosen at upload
+    r = c.post("/api/runs/grpo", json={"model": "stories260K", "dataset": ds_id,
+                                       "rewards": [{"name": "numeric_match"}]})
+    assert r.status_code == 201, r.text
+    run = repo.run_with_job(env["engine"], r.json()["id"])[0]
+    assert run.spec["prompt_column"] == "task" and run.spec["answer_column"] == "gold"

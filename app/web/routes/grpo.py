@@ -56,8 +56,24 @@ def create_grpo_run(engine, settings, spec: GrpoSpec, name: str | None, owner: s
         raise FieldError("rewards", "custom Python rewards are not allowed for this user; an "
                                     "admin allows them with WHETSTONE_ALLOW_CUSTOM_REWARDS")
     usable_model(engine, spec)
-    usable_dataset(engine, spec)
+    ds = usable_dataset(engine, spec)
+    spec = with_dataset_columns(spec, ds)
     return repo.create_run(engine, spec, kind="grpo", name=name, owner=owner)
+
+
+def with_dataset_columns(spec: GrpoSpec, ds: Dataset) -> GrpoSpec:
+    """``spec`` with the prompt/answer columns chosen when the prompt dataset was uploaded
+    filled in where the run names none (an upload may name a column auto-detection misses)."""
+    report = ds.report or {}
+    if ds.format != "prompts" or not report.get("prompt_column"):
+        return spec
+    update = {}
+    if not spec.prompt_column:
+        update["prompt_column"] = report["prompt_column"]
+    if not spec.answer_column and report.get("answer_column") \
+            and spec.prompt_column in (None, report["prompt_column"]):
+        update["answer_column"] = report["answer_column"]
+    return spec.model_copy(update=update) if update else spec
 
 
 # ---- the form ---------------------------------------------------------------------------
@@ -185,6 +201,7 @@ async def upload_prompts(request: Request) -> Dataset:
     """
     settings = get_settings(request)
     up = await receive_upload(request, settings.data_dir / "uploads", settings.max_upload_mb)
+    request.state.upload_fields = dict(up.fields)
     original = up.filename or "prompts.jsonl"
     if os.path.splitext(original)[1].lower() not in SUPPORTED:
         up.discard()
@@ -212,6 +229,9 @@ async def upload_prompts_form(request: Request):
         ds = await upload_prompts(request)
     except (UploadError, DatasetError) as exc:
         values = _defaults()
+        sent = getattr(request.state, "upload_fields", {}) or {}
+        values.update(upload_prompt_column=str(sent.get("prompt_column") or ""),
+                      upload_answer_column=str(sent.get("answer_column") or ""))
         return render(request, "run_grpo_new.html",
                       _form_ctx(request, values, {"upload": str(getattr(exc, "message", exc))}),
                       status_code=422)
