@@ -9,7 +9,8 @@ dataset column):
 * ``text_similarity`` ``fuzzy_match`` -> text_similarity (``pass_threshold`` kept).
 * ``python`` -> a custom reward calling ``grade(sample, item)`` in the sandbox.
 * ``multi`` -> each sub-grader, weighted by ``calculate_output`` when it is a weighted sum of
-  the grader names (``"0.7 * correct + 0.3 * fmt"``).
+  the grader names (``"0.7 * correct + 0.3 * fmt"``, ``"0 * exact"``, ``"fmt - 0.5 * long"``:
+  zero, negative and decimal weights; a zero-weight grader is still scored and charted).
 """
 from __future__ import annotations
 
@@ -87,7 +88,7 @@ def grader_rewards(grader: Any, param: str = "method.reinforcement.grader",
                                   f"{param}.calculate_output")
         out = []
         for name, sub in graders.items():
-            if weights.get(name, 0.0) == 0.0:
+            if name not in weights:  # not in calculate_output; a 0 weight is still charted
                 continue
             for r in grader_rewards(sub, f"{param}.graders.{name}", weight * weights[name]):
                 r["label"] = r.get("label") or name
@@ -110,17 +111,22 @@ def _linear_weights(expr: str, names: list[str], param: str) -> dict[str, float]
             term(node.left, sign)
             term(node.right, -sign if isinstance(node.op, ast.Sub) else sign)
             return
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)) \
+                and _number(node) is None:
+            term(node.operand, -sign if isinstance(node.op, ast.USub) else sign)
+            return
         coef, name = sign, None
         if isinstance(node, ast.Name):
             name = node.id
         elif isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Mult, ast.Div)):
             a, b = node.left, node.right
-            if isinstance(node.op, ast.Mult) and isinstance(a, ast.Constant):
+            if isinstance(node.op, ast.Mult) and _number(a) is not None:
                 a, b = b, a
-            if isinstance(a, ast.Name) and isinstance(b, ast.Constant) \
-                    and isinstance(b.value, (int, float)) and b.value != 0:
+            k = _number(b)
+            if isinstance(a, ast.Name) and k is not None \
+                    and (isinstance(node.op, ast.Mult) or k != 0):
                 name = a.id
-                coef = sign * (b.value if isinstance(node.op, ast.Mult) else 1 / b.value)
+                coef = sign * (k if isinstance(node.op, ast.Mult) else 1 / k)
         if name is None or name not in names:
             raise bad_value("calculate_output must be a weighted sum of the grader names "
                        f"({', '.join(names)}), e.g. '0.5 * {names[0]} + ...'", param)
@@ -128,3 +134,14 @@ def _linear_weights(expr: str, names: list[str], param: str) -> dict[str, float]
 
     term(tree, 1.0)
     return weights
+
+
+def _number(node) -> float | None:
+    """The value of a numeric literal (``2``, ``0.5``, ``-1e-3``), else None."""
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)):
+        v = _number(node.operand)
+        return None if v is None else (-v if isinstance(node.op, ast.USub) else v)
+    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) \
+            and not isinstance(node.value, bool):
+        return float(node.value)
+    return None

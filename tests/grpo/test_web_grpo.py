@@ -148,6 +148,22 @@ def test_grader_mapping():
             grader_rewards(bad)
 
 
+
+def test_multi_grader_accepts_zero_negative_and_decimal_weights():
+    sub = {"type": "string_check", "input": "{{sample.output_text}}",
+           "reference": "{{item.answer}}", "operation": "eq"}
+    graders = {"exact": sub, "fmt": {"type": "python", "source": "def grade(s, i):\n return 1\n"}}
+    for expr, want in [("0 * exact", [("exact", 0.0)]),
+                       ("exact * 0 + fmt", [("exact", 0.0), ("fmt", 1.0)]),
+                       ("-0.5 * exact + 1.5e0 * fmt", [("exact", -0.5), ("fmt", 1.5)]),
+                       ("fmt - exact / 4", [("exact", -0.25), ("fmt", 1.0)]),
+                       ("-exact", [("exact", -1.0)])]:
+        r = grader_rewards({"type": "multi", "calculate_output": expr, "graders": graders})
+        assert sorted((x["label"], x["weight"]) for x in r) == want, expr
+    for expr in ("exact / 0", "exact * fmt", "2", "exact ** 2"):
+        with pytest.raises(ApiError, match="weighted sum"):
+            grader_rewards({"type": "multi", "calculate_output": expr, "graders": graders})
+
 @pytest.fixture
 def server(env):
     import uvicorn
