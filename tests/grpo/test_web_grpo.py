@@ -164,6 +164,46 @@ def test_multi_grader_accepts_zero_negative_and_decimal_weights():
         with pytest.raises(ApiError, match="weighted sum"):
             grader_rewards({"type": "multi", "calculate_output": expr, "graders": graders})
 
+
+def test_reward_columns_are_checked_at_creation(env):
+    """A reward reading a column the dataset lacks is refused when the run is created, naming
+    the reward/grader and listing the dataset's columns (GSM8K: question, answer)."""
+    c, ds = env["client"], env["dataset"]
+    r = c.post("/api/runs/grpo", json={"model": "stories260K", "dataset": ds, "rewards": [
+        {"name": "format"}, {"name": "exact_match", "params": {"column": "nope"}}]})
+    assert r.status_code == 422, r.text
+    err = r.json()["error"]
+    assert err["param"] == "rewards[1].params.column"
+    assert "'exact_match'" in err["message"] and "'nope'" in err["message"]
+    assert "question, answer" in err["message"] or "answer, question" in err["message"]
+    r = c.post("/api/runs/grpo", json={"model": "stories260K", "dataset": ds,
+                                       "prompt_column": "prompt",
+                                       "rewards": [{"name": "format"}]})
+    assert r.status_code == 422 and r.json()["error"]["param"] == "prompt_column"
+    r = c.post("/runs/grpo", data=_form(ds, rewards=["exact_match"], exact_column="nope"))
+    assert r.status_code == 422 and "&#39;nope&#39;" in r.text and "Please fix" in r.text
+    graders = [
+        {"type": "string_check", "name": "chk", "input": "{{sample.output_text}}",
+         "reference": "{{item.nope}}", "operation": "eq"},
+        {"type": "text_similarity", "name": "sim", "input": "{{sample.output_text}}",
+         "reference": "{{item.nope}}", "evaluation_metric": "fuzzy_match"},
+        {"type": "multi", "calculate_output": "a + b", "graders": {
+            "a": {"type": "string_check", "input": "{{sample.output_text}}",
+                  "reference": "{{item.answer}}", "operation": "like"},
+            "b": {"type": "string_check", "input": "{{sample.output_text}}",
+                  "reference": "{{item.nope}}", "operation": "like"}}}]
+    for grader, label in zip(graders, ("chk", "sim", "b")):
+        r = c.post("/v1/fine_tuning/jobs", json={
+            "model": "stories260K", "training_file": ds,
+            "method": {"type": "reinforcement", "reinforcement": {"grader": grader}}})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "method.reinforcement.grader"
+        assert f"{label!r}" in err["message"] and "'nope'" in err["message"]
+        assert "answer" in err["message"] and "question" in err["message"]
+    assert not repo.list_runs(env["engine"])
+
+
 @pytest.fixture
 def server(env):
     import uvicorn

@@ -58,7 +58,68 @@ def create_grpo_run(engine, settings, spec: GrpoSpec, name: str | None, owner: s
     usable_model(engine, spec)
     ds = usable_dataset(engine, spec)
     spec = with_dataset_columns(spec, ds)
+    check_columns(spec, ds)
     return repo.create_run(engine, spec, kind="grpo", name=name, owner=owner)
+
+
+#: Rewards that read a reference column (``params.column``, else the run's answer column).
+_NEEDS_REFERENCE = ("numeric_match", "exact_match", "text_similarity")
+
+
+def dataset_columns(ds: Dataset) -> list[str] | None:
+    """The dataset's columns: from its prompt report, else the first readable rows of its file;
+    None when the file cannot be read (the worker then reports the problem)."""
+    cols = (ds.report or {}).get("columns") if ds.format == "prompts" else None
+    if cols:
+        return list(cols)
+    from app.data.loader import iter_records
+
+    seen: dict[str, None] = {}
+    try:
+        for i, rec in enumerate(iter_records(ds.path)):
+            if isinstance(rec.data, dict):
+                seen.update(dict.fromkeys(rec.data))
+            if i >= 50:
+                break
+    except Exception:  # noqa: BLE001 - unreadable here is reported by the job
+        return None
+    return list(seen) or None
+
+
+def check_columns(spec: GrpoSpec, ds: Dataset) -> None:
+    """Refuse a run whose prompt/answer column or reward columns the dataset lacks.
+
+    Raises FieldError (``prompt_column``, ``answer_column`` or ``rewards[i].params.column``)
+    naming the reward and listing the dataset's columns.
+    """
+    cols = dataset_columns(ds)
+    if not cols:
+        return
+    have = f"dataset {ds.filename!r} has columns: {', '.join(cols)}"
+    for field in ("prompt_column", "answer_column"):
+        col = getattr(spec, field)
+        if col and col not in cols:
+            raise FieldError(field, f"column {col!r} is not in the dataset ({have})")
+    answer = spec.answer_column
+    if not answer:
+        from app.data.prompts import pick_columns
+
+        try:
+            answer = pick_columns(dict.fromkeys(cols), spec.prompt_column)[1]
+        except DatasetError as exc:
+            raise FieldError("prompt_column", str(exc)) from None
+    for i, r in enumerate(spec.rewards):
+        col = (r.params or {}).get("column")
+        label = r.label or r.name
+        if col and col not in cols:
+            raise FieldError(f"rewards[{i}].params.column",
+                             f"reward {label!r} reads column {col!r}, which is not in the "
+                             f"dataset ({have})")
+        if not col and r.name in _NEEDS_REFERENCE and not answer:
+            raise FieldError(f"rewards[{i}].params.column",
+                             f"reward {label!r} needs a reference column: the dataset has no "
+                             f"answer column; name one with answer_column or the reward's "
+                             f"column ({have})")
 
 
 def with_dataset_columns(spec: GrpoSpec, ds: Dataset) -> GrpoSpec:
@@ -186,7 +247,7 @@ async def create_grpo_form(request: Request):
             run, _ = create_grpo_run(get_engine(request), get_settings(request), spec,
                                      values.get("name") or None, current_user(request))
         except FieldError as exc:
-            errors[exc.field] = exc.message
+            errors["rewards" if exc.field.startswith("rewards") else exc.field] = exc.message
     if run is None:
         return render(request, "run_grpo_new.html", _form_ctx(request, values, errors, general),
                       block="grpo_form", status_code=422)
@@ -263,7 +324,8 @@ async def create_grpo_api(request: Request):
     try:
         run, _ = create_grpo_run(engine, get_settings(request), spec, name, current_user(request))
     except FieldError as exc:
-        status = 403 if exc.field == "rewards" else 404 if exc.message.startswith("no ") else 422
+        status = 403 if exc.field == "rewards" else 404 if exc.field in ("model", "dataset") \
+            and exc.message.startswith("no ") else 422
         raise ApiError(status, exc.message, exc.field) from None
     return run_json(engine, run, full=True)
 
@@ -354,6 +416,10 @@ def create_reinforcement_job(request: Request, body: dict[str, Any]) -> dict[str
     except FieldError as exc:
         if exc.field == "rewards":
             raise ApiError(403, exc.message, "method.reinforcement.grader", "permission_denied") from None
+        if exc.field.startswith("rewards") or exc.field.endswith("_column"):
+            param = ("method.reinforcement.grader" if exc.field.startswith("rewards")
+                     else exc.field)
+            raise ApiError(400, exc.message, param, "invalid_value") from None
         param = {"model": "model", "dataset": "training_file"}.get(exc.field, exc.field)
         code = "model_not_found" if exc.field == "model" else "file_not_found"
         raise ApiError(404 if exc.message.startswith("no ") else 400, exc.message, param,
