@@ -57,18 +57,21 @@ def _trainer(stories_hf, tmp_path, **kw):
     return t, model, rewards
 
 
-def test_fused_head_matches_chunked_path(stories_hf, tmp_path):
+def test_engine_logps_match_full_logits(stories_hf, tmp_path):
+    """The trainer's log-probs (engine layers + chunked head) against full logits from the
+    model's plain forward (no labels: HF's own path), softmax at the sampling temperature."""
     t, model, _ = _trainer(stories_hf, tmp_path)
     ids = torch.tensor([[1, 403, 407, 261, 378, 30, 31, 40, 41]], device="cuda")
     mask = torch.ones_like(ids)
     with torch.no_grad():
-        fused, fent, _ = t._get_per_token_logps_and_entropies(model, ids, mask, 5,
-                                                              compute_entropy=True)
-        ours, oent, _ = t._get_per_token_logps_and_entropies(model, ids.cpu().cuda(), mask, 5,
-                                                             compute_entropy=True,
-                                                             _force_chunked=True)
-    torch.testing.assert_close(fused.float(), ours.float(), rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(fent.float(), oent.float(), rtol=2e-2, atol=2e-2)
+        ours, oent, _ = t._get_per_token_logps_and_entropies(model, ids, mask, 5,
+                                                             compute_entropy=True)
+        logits = model(input_ids=ids, attention_mask=mask).logits[:, -6:-1].float()
+        logp = torch.log_softmax(logits / t.temperature, dim=-1)
+        want = logp.gather(-1, ids[:, -5:, None]).squeeze(-1)
+        went = -(logp.exp() * logp).sum(-1)
+    torch.testing.assert_close(ours.float(), want, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(oent.float(), went, rtol=2e-2, atol=2e-2)
 
 
 def test_toy_task_learns_on_cuda(stories_hf, tmp_path):

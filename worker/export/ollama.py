@@ -70,9 +70,10 @@ def check_template(lay: ChatLayout, jinja: str, special: dict, bos_text: str,
     return {"passed": True, "check": "template", "conversations": len(conversations)}
 
 
-def create_command(model_name: str, folder: Path) -> str:
-    """The shell command that creates the model from the downloaded files."""
-    return f"cd {shlex.quote(str(folder))} && ollama create {shlex.quote(model_name)} -f Modelfile"
+def create_command(model_name: str, folder: Path | None = None) -> str:
+    """The shell command that creates the model, run in the folder holding the downloaded GGUF
+    and Modelfile (``folder`` is accepted for compatibility and not used: it is a server path)."""
+    return f"ollama create {shlex.quote(model_name)} -f Modelfile"
 
 
 def _conn(url: str, timeout: float):

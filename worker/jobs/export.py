@@ -15,7 +15,6 @@ Result: ``{"format", "files": [{"name","path","size","sha256"}], "verification":
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Callable
 
@@ -52,7 +51,7 @@ def export_run(run_dir: str | Path, spec, out_dir: str | Path,
     import torch
 
     from worker.export import verify as V
-    from worker.export.merged import chat_layout, end_of_turn_tokens, special_strings
+    from worker.export.merged import end_of_turn_tokens
     from worker.export.run import load_run, load_tokenizer, load_trained_model
 
     s = _spec(spec)
@@ -143,7 +142,6 @@ def export_run(run_dir: str | Path, spec, out_dir: str | Path,
 
 
 def _ollama(info, tok, gguf_path: Path, out: Path, checks: dict, url, model_name, progress):
-    from worker.export.chat import reference_messages  # noqa: F401 - documents the semantics
     from worker.export.gotemplate import go_template
     from worker.export.merged import chat_layout
     from worker.export.ollama import build_modelfile, check_template, create_command, push
@@ -213,10 +211,11 @@ def run(ctx) -> dict:
         res = export_run(run_dir, spec, out, progress, ollama_url=url if spec.format == "ollama"
                          else None, model_name=model_name, name=spec.run_id)
     except VerificationFailed as e:
+        from worker.export.verify import summarize
+
         ctx.log("export verification failed", "error", verification=e.result["verification"])
-        first = next((f for c in e.result["verification"]["checks"].values()
-                      for f in c.get("failures", [])), {})
-        raise JobError(f"{e}; first diff: {json.dumps(first)[:1500]}") from e
+        raise JobError(f"export verification failed: {summarize(e.result['verification'])} "
+                       "(the diff is under Verification → details)") from e
     except ExportError as e:
         raise JobError(str(e)) from e
     for f in res["files"]:

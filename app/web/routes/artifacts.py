@@ -1,6 +1,8 @@
 """Artifact downloads: files a job produced, served only from under the data dir."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import os
 
 from fastapi import APIRouter, Request
@@ -23,4 +25,4 @@ def download(request: Request, artifact_id: str):
         raise ApiError(404, f"the file of artifact {artifact_id} is missing")
     media = "application/zip" if art.path.endswith(".zip") else (
         "application/json" if art.path.endswith(".json") else "application/octet-stream")
-    return FileResponse(art.path, filename=art.name, media_type=media)
+    return FileResponse(art.path, filename=Path(art.name).name, media_type=media)

@@ -87,6 +87,10 @@ def queue_export(engine, run_id: str, body: dict[str, Any]) -> Job:
         state = job.state if job else "unknown"
         raise ApiError(409, f"run {run_id} has not finished training (state: {state}); "
                             "export it once it has succeeded")
+    unknown = sorted(set(body) - {"format", "quantization", "dtype"})
+    if unknown:
+        raise ApiError(422, f"unknown field {unknown[0]!r}; an export takes format, quantization "
+                            "and dtype", param=unknown[0])
     quant = body.get("quantization") or []
     if isinstance(quant, str):
         quant = [q.strip() for q in quant.replace(",", " ").split() if q.strip()]
@@ -95,8 +99,12 @@ def queue_export(engine, run_id: str, body: dict[str, Any]) -> Job:
                           quantization=quant, dtype=body.get("dtype") or "bf16")
     except ValidationError as exc:
         err = exc.errors()[0]
-        field = ".".join(str(p) for p in err["loc"]) or None
-        raise ApiError(422, f"{field}: {err['msg']}", param=field) from None
+        field = ".".join(str(p) for p in err["loc"][:1]) or None
+        msg = err["msg"].removeprefix("Value error, ")
+        raise ApiError(422, f"{field}: {msg}", param=field) from None
+    if spec.quantization and spec.format not in ("gguf", "ollama"):
+        raise ApiError(422, f"quantization: applies to gguf and ollama exports, not {spec.format}",
+                       param="quantization")
     payload = spec.model_dump(mode="json")
     if spec.format == "ollama":
         model = repo.get_model(engine, run.model_id)
@@ -161,6 +169,8 @@ async def exports_submit(request: Request, run_id: str):
     form = await request.form()
     values = {"format": form.get("format"), "quantization": form.getlist("quantization"),
               "dtype": form.get("dtype") or "bf16"}
+    if values["format"] not in ("gguf", "ollama"):
+        values["quantization"] = []  # the form always posts its checkboxes
     error = None
     try:
         queue_export(engine, run_id, values)
@@ -176,7 +186,9 @@ def export_zip(request: Request, export_id: int):
     engine, settings = get_engine(request), get_settings(request)
     info = export_json(engine, _export_job(engine, export_id))
     if info["status"] != JobState.SUCCEEDED or not info["files"]:
-        raise ApiError(409, f"export {export_id} has no files yet (status: {info['status']})")
+        why = "is still running" if info["status"] in (JobState.QUEUED, JobState.RUNNING) else \
+            f"{info['status']}; a failed export offers no files"
+        raise ApiError(409, f"export {export_id} has no files: it {why}")
     arts = {a.name: a for a in repo.list_artifacts(engine, info["run_id"], kind=info["format"])}
     tmp = tempfile.NamedTemporaryFile(prefix="whetstone-export-", suffix=".zip", delete=False)
     tmp.close()

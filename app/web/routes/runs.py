@@ -257,7 +257,7 @@ def run_view(engine, run_id: str) -> dict:
             "error": job.error if job else None,
             "cancel_requested": bool(job and job.cancel_requested),
             "artifacts": [a for a in repo.list_artifacts(engine, run.id)
-                          if a.kind in RUN_ARTIFACT_KINDS],
+                          if a.kind in RUN_ARTIFACT_KINDS and not (a.meta or {}).get("export_id")],
             "model_name": model_name, "dataset_name": dataset_name,
             "spec_json": json.dumps(run.spec, indent=2), **exports_view(engine, run.id)}
 
