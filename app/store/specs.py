@@ -261,7 +261,11 @@ class GrpoSpec(LoraTrainingFields):
     learning_rate: float = Field(default=5e-6, gt=0.0, le=1.0)
     per_device_train_batch_size: int = Field(default=4, ge=1, le=4096)
     gradient_accumulation_steps: int = Field(default=1, ge=1, le=4096)
-    max_steps: int = Field(default=200, ge=1)
+    max_steps: int = Field(default=200, ge=1, le=10_000_000)
+    n_epochs: float | None = Field(
+        default=None, gt=0,
+        description="informational: max_steps was resolved from this many passes over the "
+                    "prompts (OpenAI hyperparameters.n_epochs); training runs max_steps")
     warmup_ratio: float = Field(default=0.0, ge=0.0, le=1.0)
     lr_scheduler_type: str = "constant"
 

@@ -204,6 +204,32 @@ def test_reward_columns_are_checked_at_creation(env):
     assert not repo.list_runs(env["engine"])
 
 
+
+def test_n_epochs_resolves_to_a_shown_and_capped_max_steps(env):
+    from pydantic import ValidationError
+
+    from app.store.specs import GrpoSpec
+
+    c, ds = env["client"], env["dataset"]
+    body = {"model": "stories260K", "training_file": ds, "method": {
+        "type": "reinforcement", "reinforcement": {
+            "grader": {"type": "string_check", "input": "{{sample.output_text}}",
+                       "reference": "{{item.answer}}", "operation": "like"},
+            "hyperparameters": {"n_epochs": 1}}}}
+    r = c.post("/v1/fine_tuning/jobs", json=body)
+    assert r.status_code == 200, r.text
+    spec = r.json()["whetstone"]["spec"]
+    assert spec["max_steps"] == 7473 * 4 // 4 and spec["n_epochs"] == 1  # batch 4, G 4
+    page = c.get(f"/runs/{r.json()['id']}").text
+    assert "max_steps = 7473" in page and "n_epochs = 1" in page
+    body["method"]["reinforcement"]["hyperparameters"]["n_epochs"] = 5000
+    r = c.post("/v1/fine_tuning/jobs", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "hyperparameters.n_epochs"
+    assert "10,000,000" in r.json()["error"]["message"]
+    with pytest.raises(ValidationError, match="max_steps"):
+        GrpoSpec(model="m", dataset="d", rewards=[{"name": "format"}], max_steps=10_000_001)
+
+
 @pytest.fixture
 def server(env):
     import uvicorn

@@ -379,7 +379,7 @@ def spec_from_reinforcement(body: dict[str, Any], engine) -> dict[str, Any]:
                            "unknown_parameter")
     for key, value in body.items():
         if key in GrpoSpec.model_fields and key not in ("model", "dataset", "rewards",
-                                                        "spec_version"):
+                                                        "spec_version", "n_epochs"):
             raw[key] = value
     if body.get("seed") is not None:
         raw["seed"] = body["seed"]
@@ -393,7 +393,18 @@ def spec_from_reinforcement(body: dict[str, Any], engine) -> dict[str, Any]:
             per = int(raw.get("per_device_train_batch_size", d["per_device_train_batch_size"].default))
             acc = int(raw.get("gradient_accumulation_steps", d["gradient_accumulation_steps"].default))
             gen = int(raw.get("num_generations", d["num_generations"].default))
-            raw.setdefault("max_steps", max(1, -(-int(float(epochs) * rows * gen) // (per * acc))))
+            try:
+                steps = max(1, -(-int(float(epochs) * rows * gen) // (per * acc)))
+            except (TypeError, ValueError):
+                raise bad_value("n_epochs must be a number", "hyperparameters.n_epochs") from None
+            cap = GrpoSpec.model_fields["max_steps"].metadata
+            top = next((m.le for m in cap if getattr(m, "le", None) is not None), None)
+            if "max_steps" not in raw and top is not None and steps > top:
+                raise bad_value(f"n_epochs={epochs} over {rows} prompts × {gen} generations at "
+                                f"{per * acc} completions per step is {steps} steps, above the "
+                                f"{top:,} cap", "hyperparameters.n_epochs")
+            if "max_steps" not in raw:
+                raw["max_steps"], raw["n_epochs"] = steps, epochs
     return raw
 
 
