@@ -8,7 +8,7 @@ Field names are the ones users know from PEFT (``r``, ``lora_alpha``, ``lora_dro
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -268,6 +268,9 @@ class GrpoSpec(LoraTrainingFields):
                     "prompts (OpenAI hyperparameters.n_epochs); training runs max_steps")
     warmup_ratio: float = Field(default=0.0, ge=0.0, le=1.0)
     lr_scheduler_type: str = "constant"
+    grader: dict[str, Any] | None = Field(
+        default=None, description="informational: the OpenAI grader the rewards were mapped "
+                                  "from (echoed as method.reinforcement.grader)")
 
     @field_validator("loss_type")
     @classmethod

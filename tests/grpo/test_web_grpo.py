@@ -269,6 +269,12 @@ def test_openai_client_reinforcement_job(env, server):
     assert [(r["name"], r["weight"]) for r in run.spec["rewards"]] == \
         [("exact_match", 0.9), ("regex_match", 0.1)]
     assert run.spec["learning_rate"] == pytest.approx(1e-5)
+    # top level and method agree, relative to the GRPO default learning rate; grader echoed
+    assert job.hyperparameters.learning_rate_multiplier == pytest.approx(2)
+    assert job.method.reinforcement.hyperparameters.learning_rate_multiplier == pytest.approx(2)
+    assert job.hyperparameters.n_epochs == 1
+    assert job.method.reinforcement.grader.type == "multi"
+    assert job.method.reinforcement.grader.calculate_output == "0.9 * correct + 0.1 * tags"
     assert run.spec["max_steps"] == 7473 * 4 // 8 + (1 if 7473 * 4 % 8 else 0)
     again = client.fine_tuning.jobs.retrieve(job.id)
     assert again.method.type == "reinforcement"

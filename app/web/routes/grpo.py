@@ -355,7 +355,7 @@ def spec_from_reinforcement(body: dict[str, Any], engine) -> dict[str, Any]:
         raise ApiError(400, "method.reinforcement.grader is required",
                        "method.reinforcement.grader", "missing_required_parameter")
     raw: dict[str, Any] = {"model": body["model"], "dataset": body["training_file"],
-                           "rewards": grader_rewards(rl["grader"])}
+                           "rewards": grader_rewards(rl["grader"]), "grader": rl["grader"]}
     hp = {**(body.get("hyperparameters") or {}), **(rl.get("hyperparameters") or {})}
     epochs = None
     for key, value in hp.items():
@@ -372,14 +372,15 @@ def spec_from_reinforcement(body: dict[str, Any], engine) -> dict[str, Any]:
                            "hyperparameters.learning_rate_multiplier") from None
         elif key == "n_epochs":
             epochs = value
-        elif key in GrpoSpec.model_fields and key not in ("model", "dataset", "rewards"):
+        elif key in GrpoSpec.model_fields and key not in ("model", "dataset", "rewards",
+                                                          "grader", "n_epochs"):
             raw[key] = value
         else:
             raise ApiError(400, f"unknown hyperparameter {key!r}", f"hyperparameters.{key}",
                            "unknown_parameter")
     for key, value in body.items():
         if key in GrpoSpec.model_fields and key not in ("model", "dataset", "rewards",
-                                                        "spec_version", "n_epochs"):
+                                                        "spec_version", "n_epochs", "grader"):
             raw[key] = value
     if body.get("seed") is not None:
         raw["seed"] = body["seed"]
@@ -438,12 +439,19 @@ def create_reinforcement_job(request: Request, body: dict[str, Any]) -> dict[str
     return job_object(engine, run, job)
 
 
+def reinforcement_hyperparameters(spec: dict[str, Any]) -> dict[str, Any]:
+    """A GRPO run's OpenAI ``hyperparameters``: the learning-rate multiplier is relative to the
+    GRPO default learning rate (as when the job was created); ``n_epochs`` as sent, if any."""
+    default_lr = GrpoSpec.model_fields["learning_rate"].default
+    return {"batch_size": spec.get("per_device_train_batch_size"),
+            "learning_rate_multiplier": round(spec.get("learning_rate", default_lr) / default_lr, 10),
+            "n_epochs": spec.get("n_epochs")}
+
+
 def reinforcement_method(spec: dict[str, Any]) -> dict[str, Any]:
-    """The ``method`` of a GRPO run's OpenAI job object."""
-    hp = {"batch_size": spec.get("per_device_train_batch_size"),
-          "learning_rate_multiplier": round(spec.get("learning_rate", 0) /
-                                            GrpoSpec.model_fields["learning_rate"].default, 10),
-          "n_epochs": None}
+    """The ``method`` of a GRPO run's OpenAI job object: the grader the job was created with
+    (None for runs made with our own rewards) and the rewards it was mapped onto."""
     return {"type": "reinforcement",
-            "reinforcement": {"hyperparameters": hp,
+            "reinforcement": {"hyperparameters": reinforcement_hyperparameters(spec),
+                              "grader": spec.get("grader"),
                               "whetstone_rewards": json.loads(json.dumps(spec.get("rewards", [])))}}

@@ -24,7 +24,8 @@ from app.store.schema import Dataset, JobState, Run
 from app.store.specs import TrainSpec
 from app.web.deps import get_engine, get_settings
 from app.web.errors import ApiError
-from app.web.routes.grpo import create_reinforcement_job, reinforcement_method
+from app.web.routes.grpo import (create_reinforcement_job, reinforcement_hyperparameters,
+                                 reinforcement_method)
 from app.web.routes.runs import FieldError, create_checked
 from app.web.services import is_under, upload_dataset
 from app.web.uploads import UploadError
@@ -138,9 +139,12 @@ def job_object(engine, run: Run, job=None, model_name: str | None = None) -> dic
             model_name = run.model_id
     spec = run.spec or {}
     status = _status(job)
-    hp = {"n_epochs": _int_if_whole(spec.get("num_train_epochs")),
-          "batch_size": spec.get("per_device_train_batch_size"),
-          "learning_rate_multiplier": round(spec.get("learning_rate", BASE_LR) / BASE_LR, 10)}
+    if run.kind == "grpo":
+        hp = reinforcement_hyperparameters(spec)
+    else:
+        hp = {"n_epochs": _int_if_whole(spec.get("num_train_epochs")),
+              "batch_size": spec.get("per_device_train_batch_size"),
+              "learning_rate_multiplier": round(spec.get("learning_rate", BASE_LR) / BASE_LR, 10)}
     error = None
     if job is not None and job.state == JobState.FAILED:
         error = {"code": "training_failed", "message": job.error or "the job failed", "param": None}
