@@ -11,8 +11,11 @@ import argparse
 import logging
 import signal
 import sys
+import time
 
 from app.settings import Settings
+
+DOUBLE_SIGNAL_SECONDS = 2.0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -39,13 +42,20 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     w = Worker(Settings(), worker_id=args.worker_id, kinds=kinds, poll_interval=args.poll_interval)
-    hits = {"n": 0}
+    first = {"at": None}
 
     def on_signal(signum, _frame):  # noqa: ANN001
-        hits["n"] += 1
-        logging.getLogger("worker").warning("signal %s: stopping after the current step", signum)
-        w.request_shutdown()
-        if hits["n"] > 1:  # a second signal: interrupt whatever is running now
+        # Ctrl-C in `make run` reaches the worker twice at once (the terminal signals the whole
+        # process group and start.sh forwards a TERM): only a second signal that comes later than
+        # DOUBLE_SIGNAL_SECONDS after the first interrupts the running step.
+        now = time.monotonic()
+        if first["at"] is None:
+            first["at"] = now
+            logging.getLogger("worker").warning("signal %s: stopping after the current step",
+                                                signum)
+            w.request_shutdown()
+        elif now - first["at"] > DOUBLE_SIGNAL_SECONDS:
+            logging.getLogger("worker").warning("signal %s again: interrupting now", signum)
             raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
