@@ -230,6 +230,31 @@ def test_n_epochs_resolves_to_a_shown_and_capped_max_steps(env):
         GrpoSpec(model="m", dataset="d", rewards=[{"name": "format"}], max_steps=10_000_001)
 
 
+
+def test_list_events_gives_grpo_samples_a_message(env):
+    from app.store import events
+
+    c = env["client"]
+    r = c.post("/api/runs/grpo", json={"model": "stories260K", "dataset": env["dataset"],
+                                       "rewards": [{"name": "numeric_match"}]})
+    assert r.status_code == 201, r.text
+    run = repo.get_run(env["engine"], r.json()["id"])
+    long = "The answer is 42 because six times seven is forty-two, and so on and so forth. " * 2
+    events.append_many(env["engine"], run.job_id, [
+        ("metric", {"step": 3, "total_steps": 200, "loss": 0.01, "reward": 0.75}),
+        ("sample", {"step": 3, "rows": [
+            {"prompt": "q", "completion": long, "reward": 0.75, "advantage": 0.1, "group": 0},
+            {"prompt": "q", "completion": "x", "reward": 0.0, "advantage": -0.1, "group": 0}]}),
+        ("sample", {"step": 4, "rows": []})])
+    data = c.get(f"/v1/fine_tuning/jobs/{run.id}/events", params={"limit": 50}).json()["data"]
+    msgs = [e["message"] for e in data]
+    assert not any(m.startswith("sample: /") or m.endswith(": /") for m in msgs), msgs
+    assert "sample: step 3, reward 0.75 — " + long[:60] + "… (+1 more)" in msgs
+    assert "sample: step 4" in msgs
+    assert "Step 3/200: training loss=0.0100, mean reward=0.75" in msgs
+    sample = next(e for e in data if e["message"].startswith("sample: step 3"))
+    assert sample["data"]["rows"][0]["reward"] == 0.75
+
 @pytest.fixture
 def server(env):
     import uvicorn

@@ -296,6 +296,8 @@ def event_object(ev) -> dict[str, Any]:
         total = f"/{d['total_steps']}" if d.get("total_steps") else ""
         loss = f"{d['loss']:.4f}" if isinstance(d.get("loss"), (int, float)) else "n/a"
         message = f"Step {d.get('step')}{total}: training loss={loss}"
+        if isinstance(d.get("reward"), (int, float)):
+            message += f", mean reward={d['reward']:.4g}"
     elif ev.type == "state":
         state = d.get("state")
         message = {"queued": "Fine-tuning job queued", "running": "Fine-tuning job started",
@@ -312,11 +314,29 @@ def event_object(ev) -> dict[str, Any]:
         level = d.get("level", "info")
         level = "warn" if level == "warning" else level
         message = d.get("message", "")
+    elif ev.type == "sample":
+        message, data = sample_message(d), d
     else:
         message = d.get("message") or f"{d.get('stage', ev.type)}: {d.get('done', '')}/{d.get('total', '')}"
         data = d
     return {"id": f"ftevent-{ev.id}", "object": "fine_tuning.job.event", "created_at": int(ev.ts),
             "level": level, "message": message, "type": etype, "data": data}
+
+
+def sample_message(d: dict[str, Any]) -> str:
+    """A GRPO ``sample`` event in one line: step, the first completion's reward and its start
+    (the rows themselves are in ``data`` and the run page's samples table)."""
+    rows = [r for r in d.get("rows") or [] if isinstance(r, dict)]
+    head = f"sample: step {d['step']}" if d.get("step") is not None else "sample"
+    if not rows:
+        return head
+    first = rows[0]
+    reward = first.get("reward")
+    text = " ".join(str(first.get("completion") or "").split())
+    text = text[:60] + ("…" if len(text) > 60 else "")
+    score = f"reward {reward:.4g}" if isinstance(reward, (int, float)) else "reward n/a"
+    more = f" (+{len(rows) - 1} more)" if len(rows) > 1 else ""
+    return f"{head}, {score} — {text or '(empty completion)'}{more}"
 
 
 def _all_events(engine, job_id: int, before: int | None) -> list:
