@@ -166,6 +166,8 @@ def test_sigterm_requeues_running_job_and_next_worker_resumes(env) -> None:
     run, job = _run(env, max_steps=100_000, save_steps=100_000)
     _wait(lambda: _first_metric(eng, job.id), 120, "first metric", proc)
     proc.send_signal(signal.SIGTERM)
+    time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)  # as Ctrl-C under `make run`: the group's INT + start.sh's TERM
     assert proc.wait(30) == 0
     j = queue.get_job(eng, job.id)
     assert j.state == JobState.QUEUED and j.lease_owner is None
