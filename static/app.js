@@ -29,7 +29,7 @@
         backgroundColor: "rgba(47,111,223,0.1)", pointRadius: 0, borderWidth: 2, tension: 0.2 }] },
       options: { animation: false, maintainAspectRatio: false, parsing: false,
         scales: { x: { type: "linear", title: { display: true, text: "step" } },
-                  y: { title: { display: true, text: "loss" } } },
+                  y: { title: { display: true, text: "loss" }, ticks: { callback: window.whetstoneTick } } },
         plugins: { legend: { display: false } } },
     });
     return chart;
@@ -60,7 +60,7 @@
     if (d.loss !== undefined) $("m-loss").textContent = fmt(d.loss);
     if (d.learning_rate !== undefined) $("m-lr").textContent = fmt(d.learning_rate);
     if (d.grad_norm !== undefined) $("m-grad").textContent = fmt(d.grad_norm);
-    if (d.tokens_per_second !== undefined) $("m-tps").textContent = fmt(d.tokens_per_second);
+    if (d.tokens_per_second !== undefined && $("m-tps")) $("m-tps").textContent = fmt(d.tokens_per_second);
     if (d.eta_seconds !== undefined) $("m-eta").textContent = duration(d.eta_seconds);
     if (d.memory_gib !== undefined) $("m-mem").textContent = `${fmt(d.memory_gib)} GiB ${d.memory_kind || ""}`;
     if (d.total_steps) $("m-progress").style.width = Math.min(100, (100 * d.step) / d.total_steps) + "%";

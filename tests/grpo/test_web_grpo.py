@@ -255,6 +255,29 @@ def test_list_events_gives_grpo_samples_a_message(env):
     sample = next(e for e in data if e["message"].startswith("sample: step 3"))
     assert sample["data"]["rows"][0]["reward"] == 0.75
 
+
+def test_run_page_tick_labels_and_no_tokens_per_second_for_grpo(env):
+    import json
+    import shutil
+    import subprocess
+
+    c = env["client"]
+    r = c.post("/runs/grpo", data=_form(env["dataset"]), follow_redirects=False)
+    page = c.get(r.headers["location"]).text
+    assert 'id="m-tps"' not in page and "Tokens/s" not in page
+    assert "/static/ticks.js" in page and c.get("/static/ticks.js").status_code == 200
+    assert "ticks: { callback: tick }" in c.get("/static/grpo.js").text
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("node is not installed")
+    ticks = Path(__file__).resolve().parents[2] / "static" / "ticks.js"
+    out = subprocess.run(
+        [node, "-e", f"global.window = {{}}; require({json.dumps(str(ticks))}); console.log("
+                     "JSON.stringify([4e-7, 0, 0.5, 1234567, 0.12345, -2.5e-4, 250]"
+                     ".map(window.whetstoneTick)))"],
+        capture_output=True, text=True, check=True, timeout=30).stdout
+    assert json.loads(out) == ["4e-7", "0", "0.5", "1.23e+6", "0.123", "-2.5e-4", "250"]
+
 @pytest.fixture
 def server(env):
     import uvicorn
