@@ -1,6 +1,7 @@
 """GRPO from the browser form, the JSON API and the OpenAI client (web process only)."""
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -277,6 +278,36 @@ def test_run_page_tick_labels_and_no_tokens_per_second_for_grpo(env):
                      ".map(window.whetstoneTick)))"],
         capture_output=True, text=True, check=True, timeout=30).stdout
     assert json.loads(out) == ["4e-7", "0", "0.5", "1.23e+6", "0.123", "-2.5e-4", "250"]
+
+
+def test_prompt_dataset_page_and_no_sft_on_it(env, tmp_path):
+    """A GRPO prompt dataset shows a prompt view linking to the GRPO form, stays out of the SFT
+    form, and an SFT run on it is refused at creation (422 / OpenAI 400)."""
+    c = env["client"]
+    subset = tmp_path / "gsm8k_8.jsonl"
+    subset.write_text("".join(GSM8K.read_text().splitlines(keepends=True)[:8]))
+    ds = c.post("/api/grpo/datasets", files={"file": ("gsm8k_8.jsonl", subset.read_bytes())}).json()
+    page = c.get(f"/datasets/{ds['id']}")
+    assert page.status_code == 200
+    html = page.text
+    assert f'href="/runs/new/grpo?dataset={ds["id"]}"' in html
+    assert "Example prompts" in html and "question" in html and "answer" in html
+    first = json.loads(subset.read_text().splitlines()[0])["question"]
+    assert first[:40] in html.replace("&#39;", "'").replace("&#34;", '"').replace("&quot;", '"')
+    for sft_only in ("max_seq_length", "No trained token", "Over max_seq_length", "chat_template",
+                     f'/runs/new?dataset={ds["id"]}'):
+        assert sft_only not in html, sft_only
+    assert c.get(f"/datasets/{ds['id']}/report").status_code == 200
+    assert ds["id"] not in c.get("/runs/new").text
+    assert ds["id"] in c.get("/runs/new/grpo").text
+    r = c.post("/api/runs", json={"model": "stories260K", "dataset": ds["id"]})
+    assert r.status_code == 422, r.text
+    assert r.json()["error"]["param"] == "dataset" and "GRPO prompt dataset" in r.text
+    r = c.post("/v1/fine_tuning/jobs", json={"model": "stories260K", "training_file": ds["id"]})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "training_file"
+    assert "GRPO prompt dataset" in r.json()["error"]["message"]
+    assert not repo.list_runs(env["engine"])
 
 @pytest.fixture
 def server(env):

@@ -100,6 +100,12 @@ async def _report_ctx(request: Request, ds, model: str | None, chat_template: st
     return ctx, 200
 
 
+def prompt_dataset_page(request: Request, ds):
+    """A GRPO prompt dataset's page: rows, prompt/answer columns, example prompts and a link to
+    the GRPO run form (the SFT report and run form do not apply)."""
+    return render(request, "dataset_prompts.html", {"dataset": ds})
+
+
 @router.get("/datasets/{dataset_id}")
 async def dataset_page(request: Request, dataset_id: str, model: str | None = None,
                        chat_template: str | None = None, max_seq_length: str | None = None):
@@ -107,6 +113,8 @@ async def dataset_page(request: Request, dataset_id: str, model: str | None = No
     query (the selector submitted without htmx, or a shared link) the report for those."""
     engine = get_engine(request)
     ds = repo.get_dataset(engine, dataset_id)
+    if ds.format == "prompts":
+        return prompt_dataset_page(request, ds)
     if any(v not in (None, "") for v in (model, chat_template, max_seq_length)):
         ctx, status = await _report_ctx(request, ds, model, chat_template, max_seq_length)
         return render(request, "dataset.html", ctx, block="report", status_code=status)
@@ -124,6 +132,8 @@ async def dataset_page(request: Request, dataset_id: str, model: str | None = No
 async def dataset_report(request: Request, dataset_id: str, model: str | None = None,
                          chat_template: str | None = None, max_seq_length: str | None = None):
     ds = repo.get_dataset(get_engine(request), dataset_id)
+    if ds.format == "prompts":
+        return prompt_dataset_page(request, ds)
     ctx, status = await _report_ctx(request, ds, model, chat_template, max_seq_length)
     ctx["oob_train_link"] = is_htmx(request)
     return render(request, "dataset.html", ctx, block="report", status_code=status)

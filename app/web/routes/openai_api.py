@@ -244,8 +244,10 @@ async def create_job(request: Request):
         run, job = create_checked(engine, spec, name=body.get("suffix"))
     except FieldError as exc:
         param = _PARAM_NAMES.get(exc.field, exc.field)
-        code = {"model": "model_not_found", "dataset": "file_not_found"}.get(exc.field, "invalid_value")
-        raise ApiError(404 if "no " in exc.message[:3] else 400, exc.message, param, code) from None
+        missing = "no " in exc.message[:3]
+        code = {"model": "model_not_found", "dataset": "file_not_found" if missing
+                else "invalid_file"}.get(exc.field, "invalid_value")
+        raise ApiError(404 if missing else 400, exc.message, param, code) from None
     return job_object(engine, run, job)
 
 

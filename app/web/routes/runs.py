@@ -56,7 +56,9 @@ def _form_ctx(engine, values: dict, errors: dict | None = None, general: list | 
               tmpl: dict | None = None) -> dict:
     # a failed model cannot train: it is left out (its reason is on the Models page)
     models = [m for m in repo.list_models(engine) if m.status != "failed"]
-    datasets = [d for d in repo.list_datasets(engine) if d.status == "processed"]
+    # GRPO prompt datasets have no answers to train on: they are for /runs/new/grpo
+    datasets = [d for d in repo.list_datasets(engine)
+                if d.status == "processed" and d.format != "prompts"]
     if not values.get("model") and models:
         ready = [m for m in models if m.status == "ready"]
         values["model"] = (ready or models)[0].id
@@ -211,14 +213,19 @@ def create_checked(engine, spec: TrainSpec, name: str | None = None):
     """Check the model and dataset are usable, then create the run and queue its job.
 
     Raises:
-        FieldError: unknown or failed model, unknown or unusable dataset, a chat template
+        FieldError: unknown or failed model, unknown or unusable dataset (a GRPO prompt
+            dataset is not an SFT one), a chat template
             that does not parse or render a sample conversation.
     """
     model = usable_model(engine, spec)
     problem = chat_template_problem(spec.chat_template, model.chat_template)
     if problem:
         raise FieldError("chat_template", problem)
-    usable_dataset(engine, spec)
+    ds = usable_dataset(engine, spec)
+    if ds.format == "prompts":
+        raise FieldError("dataset", f"dataset {ds.filename!r} is a GRPO prompt dataset (prompts "
+                                    f"without responses to train on), not an SFT dataset; start "
+                                    f"a GRPO run on it at /runs/new/grpo?dataset={ds.id}")
     return repo.create_run(engine, spec, name=name)
 
 
