@@ -23,6 +23,17 @@ GGUF_TYPES = GGUF_WRITTEN_TYPES + GGUF_QUANTIZER_TYPES
 OPTIMIZERS = ("adamw_torch", "paged_adamw_8bit", "adamw_8bit")
 
 
+def one_of(field: str, choices: tuple[str, ...]):
+    """A pydantic validator for ``field`` that accepts only ``choices`` ("must be one of ...")."""
+
+    def check(cls, v: str) -> str:
+        if v not in choices:
+            raise ValueError(f"must be one of {', '.join(choices)}")
+        return v
+
+    return field_validator(field)(check)
+
+
 class LoraTrainingFields(BaseModel):
     """The fields and checks every LoRA/QLoRA training spec shares (PEFT + optimizer + trainer).
 
@@ -57,19 +68,8 @@ class LoraTrainingFields(BaseModel):
     save_steps: int = Field(default=50, ge=1)
     vram_budget_gib: float | None = Field(default=None, gt=0)
 
-    @field_validator("lr_scheduler_type")
-    @classmethod
-    def _scheduler(cls, v: str) -> str:
-        if v not in SCHEDULERS:
-            raise ValueError(f"must be one of {', '.join(SCHEDULERS)}")
-        return v
-
-    @field_validator("optim")
-    @classmethod
-    def _optim(cls, v: str) -> str:
-        if v not in OPTIMIZERS:
-            raise ValueError(f"must be one of {', '.join(OPTIMIZERS)}")
-        return v
+    _scheduler = one_of("lr_scheduler_type", SCHEDULERS)
+    _optim = one_of("optim", OPTIMIZERS)
 
     @field_validator("target_modules")
     @classmethod
@@ -272,19 +272,8 @@ class GrpoSpec(LoraTrainingFields):
         default=None, description="informational: the OpenAI grader the rewards were mapped "
                                   "from (echoed as method.reinforcement.grader)")
 
-    @field_validator("loss_type")
-    @classmethod
-    def _loss(cls, v: str) -> str:
-        if v not in GRPO_LOSS_TYPES:
-            raise ValueError(f"must be one of {', '.join(GRPO_LOSS_TYPES)}")
-        return v
-
-    @field_validator("scale_rewards")
-    @classmethod
-    def _scale(cls, v: str) -> str:
-        if v not in SCALE_REWARDS:
-            raise ValueError(f"must be one of {', '.join(SCALE_REWARDS)}")
-        return v
+    _loss = one_of("loss_type", GRPO_LOSS_TYPES)
+    _scale = one_of("scale_rewards", SCALE_REWARDS)
 
     @model_validator(mode="after")
     def _groups(self) -> "GrpoSpec":
