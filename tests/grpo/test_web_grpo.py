@@ -15,7 +15,7 @@ from app.store import queue, repo
 from app.store.db import reset_engines
 from app.store.schema import Dataset
 from app.web.errors import ApiError
-from app.web.routes.grpo import grader_rewards
+from app.web.graders import grader_rewards
 
 SHARED = Path(__file__).resolve().parents[3] / "shared" / "data"
 GSM8K = SHARED / "grpo" / "gsm8k" / "train.jsonl"

@@ -24,8 +24,8 @@ from app.store.schema import Dataset, JobState, Run
 from app.store.specs import TrainSpec
 from app.web.deps import get_engine, get_settings
 from app.web.errors import ApiError
-from app.web.routes.grpo import (create_reinforcement_job, reinforcement_hyperparameters,
-                                 reinforcement_method)
+from app.web.reinforcement import (create_reinforcement_job, reinforcement_hyperparameters,
+                                   reinforcement_method)
 from app.web.routes.runs import FieldError, create_checked
 from app.web.services import is_under, upload_dataset
 from app.web.uploads import UploadError
