@@ -20,7 +20,7 @@ COPY migrations migrations
 COPY templates templates
 COPY static static
 COPY --from=assets /src/static/vendor static/vendor
-RUN pip install --no-cache-dir -e .
+RUN pip install --no-cache-dir -e ".[postgres]"
 VOLUME /data
 EXPOSE 8000
 CMD ["sh", "-c", "python -m app.store.migrate && python -m app.web.main"]
@@ -39,6 +39,6 @@ COPY kernels kernels
 COPY migrations migrations
 # llama-cpp-python is built CPU-only: it quantises and verifies GGUF exports, it never trains.
 RUN CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_CUDA=OFF -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TOOLS=OFF" \
-    pip install --no-cache-dir -e ".[worker]"
+    pip install --no-cache-dir -e ".[worker,postgres]"
 VOLUME /data
 CMD ["python3", "-m", "worker"]

@@ -62,8 +62,11 @@ worker: setup
 test-setup: setup
 	@command -v chromium >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
 
+# The queue tests also run against a throwaway local PostgreSQL (tests/pg_server.sh).
 test: test-setup
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+	@url=$$(bash tests/pg_server.sh start); \
+	WHETSTONE_TEST_POSTGRES_URL="$$url" $(BIN)/python -m pytest -q -p no:cacheprovider tests; \
+	rc=$$?; bash tests/pg_server.sh stop; exit $$rc
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow and not browser" tests

@@ -1,24 +1,50 @@
-"""The queue protocol on a real SQLite file: racing claimers, leases, reaping, cancel, fencing."""
+"""The queue protocol on a real SQLite file and, when one is given, a real Postgres server:
+racing claimers, leases, reaping, cancel, fencing.
+
+Postgres runs when ``WHETSTONE_TEST_POSTGRES_URL`` names a server URL whose user may create
+databases (``make test`` starts a throwaway local server and sets it); each test gets a fresh
+database, migrated by Alembic.
+"""
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import secrets
 import time
 from pathlib import Path
 
 import pytest
-from sqlalchemy import inspect
+from sqlalchemy import create_engine, inspect, text
 
 from app.store import queue
 from app.store.db import make_engine
+from app.store.db import reset_engines
 from app.store.migrate import upgrade
 from app.store.schema import JobState
 
+PG_URL = os.environ.get("WHETSTONE_TEST_POSTGRES_URL", "")
 
-@pytest.fixture()
-def url(tmp_path: Path) -> str:
-    u = f"sqlite:///{tmp_path / 'q.db'}"
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def url(request, tmp_path: Path) -> str:
+    if request.param == "sqlite":
+        u = f"sqlite:///{tmp_path / 'q.db'}"
+        upgrade(u)
+        yield u
+        return
+    if not PG_URL:
+        pytest.skip("WHETSTONE_TEST_POSTGRES_URL is not set (make test sets it)")
+    name = f"whetstone_{secrets.token_hex(6)}"
+    admin = create_engine(PG_URL, isolation_level="AUTOCOMMIT")
+    with admin.connect() as c:
+        c.execute(text(f"CREATE DATABASE {name}"))
+    u = PG_URL.rsplit("/", 1)[0] + f"/{name}"
     upgrade(u)
-    return u
+    yield u
+    reset_engines()
+    with admin.connect() as c:
+        c.execute(text(f"DROP DATABASE {name} WITH (FORCE)"))
+    admin.dispose()
 
 
 @pytest.fixture()
@@ -41,9 +67,8 @@ def _claimer(url: str, worker_id: str, out) -> None:  # noqa: ANN001
     eng.dispose()
 
 
-def test_migrations_on_empty_db(tmp_path: Path) -> None:
-    u = f"sqlite:///{tmp_path / 'empty.db'}"
-    upgrade(u)
+def test_migrations_on_empty_db(url: str) -> None:
+    u = url  # the fixture migrated an empty database once
     upgrade(u)  # idempotent
     eng = make_engine(u)
     tables = set(inspect(eng).get_table_names())
