@@ -10,32 +10,38 @@ from app.store.specs import TrainSpec
 from tests.conftest import SHARED_DATA as SHARED
 
 
-def _finished_run(client, engine) -> str:
-    path = SHARED / "sft" / "alpaca_en_demo.json"
-    with path.open("rb") as fh:
-        r = client.post("/datasets", files={"file": (path.name, fh)}, follow_redirects=False)
-    ds = r.headers["location"].rsplit("/", 1)[1]
-    model = client.get("/api/models").json()["data"][0]["id"]
-    run, job = repo.create_run(engine, TrainSpec(model=model, dataset=ds, max_steps=2))
-    while (claimed := queue.claim(engine, "w-test", 30, kinds=["train"])) is not None:
-        assert queue.finish(engine, claimed.id, "w-test", {"steps": 2})
-    return run.id
-
-
-def test_export_needs_a_finished_run_and_a_known_format(client, engine):
+def _queued_run(client, engine) -> str:
+    """Upload a real dataset and queue a 2-step run on the demo model; returns the run id."""
     path = SHARED / "sft" / "alpaca_en_demo.json"
     with path.open("rb") as fh:
         r = client.post("/datasets", files={"file": (path.name, fh)}, follow_redirects=False)
     ds = r.headers["location"].rsplit("/", 1)[1]
     model = client.get("/api/models").json()["data"][0]["id"]
     run, _ = repo.create_run(engine, TrainSpec(model=model, dataset=ds, max_steps=2))
-    r = client.post(f"/api/runs/{run.id}/exports", json={"format": "gguf"})
+    return run.id
+
+
+def _finished_run(client, engine) -> str:
+    run_id = _queued_run(client, engine)
+    while (claimed := queue.claim(engine, "w-test", 30, kinds=["train"])) is not None:
+        assert queue.finish(engine, claimed.id, "w-test", {"steps": 2})
+    return run_id
+
+
+def test_export_needs_a_finished_run_and_a_known_format(client, engine):
+    queued = _queued_run(client, engine)
+    r = client.post(f"/api/runs/{queued}/exports", json={"format": "gguf"})
     assert r.status_code == 409 and "has not finished training" in r.json()["error"]["message"]
     run_id = _finished_run(client, engine)
     r = client.post(f"/api/runs/{run_id}/exports", json={"format": "onnx"})
     assert r.status_code == 422 and r.json()["error"]["param"] == "format"
     r = client.post(f"/api/runs/{run_id}/exports", json={"format": "gguf", "quantization": "Q9_Z"})
     assert r.status_code == 422 and "Q9_Z" in r.json()["error"]["message"]
+    r = client.post(f"/api/runs/{run_id}/exports", json={"format": "gguf", "extra": 1})
+    assert r.status_code == 422 and r.json()["error"]["param"] == "extra"
+    r = client.post(f"/api/runs/{run_id}/exports", json={"format": "adapter", "quantization": ["Q8_0"]})
+    assert r.status_code == 422 and r.json()["error"]["param"] == "quantization"
+    assert "Value error" not in r.json()["error"]["message"]
     r = client.post(f"/api/runs/{run_id}/exports", json={"format": "gguf", "quantization": "q8_0, Q4_K_M"})
     assert r.status_code == 201 and r.json()["status"] == "queued"
     job = queue.get_job(engine, r.json()["id"])
