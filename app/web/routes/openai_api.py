@@ -1,6 +1,6 @@
 """The OpenAI fine-tuning API under /v1, so the official ``openai`` client can drive the studio.
 
-Files are datasets (``file-…``); fine-tuning jobs are runs (``ftjob-…``). Our own TrainSpec
+Files are datasets (``file-…``, see :mod:`app.web.routes.openai_files`); fine-tuning jobs are runs (``ftjob-…``). Our own TrainSpec
 fields (``r``, ``lora_alpha``, ``max_steps``, ``target_modules``, …) are accepted as extra body
 fields; ``hyperparameters`` n_epochs / batch_size / learning_rate_multiplier map onto
 num_train_epochs / per_device_train_batch_size / learning_rate (× the default 2e-4). Errors use
@@ -9,26 +9,23 @@ the OpenAI shape ``{"error": {"message", "type", "param", "code"}}``.
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import FileResponse, JSONResponse
+from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-from app.data.errors import DatasetError
 from app.store import events, queue, repo
-from app.store.schema import Dataset, JobState, Run
+from app.store.schema import JobState, Run
 from app.store.specs import TrainSpec
 from app.web.deps import get_engine, get_settings
 from app.web.errors import ApiError
 from app.web.reinforcement import (create_reinforcement_job, reinforcement_hyperparameters,
                                    reinforcement_method)
 from app.web.routes.runs import FieldError, create_checked
-from app.web.services import is_under, upload_dataset
-from app.web.uploads import UploadError
+from app.web.services import is_under
 
 router = APIRouter(prefix="/v1")
 BASE_LR = TrainSpec.model_fields["learning_rate"].default
@@ -36,79 +33,6 @@ _IGNORED = {"integrations", "metadata", "suffix", "seed", "validation_file", "hy
             "method", "model", "training_file"}
 
 
-# ---- files ------------------------------------------------------------------------------
-def file_object(ds: Dataset) -> dict[str, Any]:
-    return {"id": ds.id, "object": "file", "bytes": ds.bytes, "created_at": int(ds.created_at),
-            "filename": ds.filename, "purpose": ds.purpose, "status": ds.status,
-            "status_details": ds.error, "expires_at": None}
-
-
-@router.post("/files")
-async def create_file(request: Request):
-    try:
-        ds, _ = await upload_dataset(request, get_settings(request), get_engine(request),
-                                     purpose_required=True)
-    except UploadError as exc:
-        raise ApiError(exc.status, exc.message, exc.param, "invalid_file") from None
-    except DatasetError as exc:
-        raise ApiError(400, f"invalid training file: {exc}", "file", "invalid_file") from None
-    return file_object(ds)
-
-
-@router.get("/files")
-def list_files(request: Request, purpose: str | None = None, limit: int = 10000,
-               after: str | None = None, order: str = "desc"):
-    items = repo.list_datasets(get_engine(request), limit=max(1, min(limit, 10000)) + 1000)
-    if purpose:
-        items = [d for d in items if d.purpose == purpose]
-    if order == "asc":
-        items.reverse()
-    if after:
-        ids = [d.id for d in items]
-        items = items[ids.index(after) + 1:] if after in ids else items
-    page = items[:limit]
-    return {"object": "list", "data": [file_object(d) for d in page],
-            "has_more": len(items) > len(page),
-            "first_id": page[0].id if page else None, "last_id": page[-1].id if page else None}
-
-
-@router.get("/files/{file_id}")
-def retrieve_file(request: Request, file_id: str):
-    return file_object(_dataset(request, file_id))
-
-
-@router.get("/files/{file_id}/content")
-def file_content(request: Request, file_id: str):
-    ds = _dataset(request, file_id)
-    if not is_under(ds.path, get_settings(request).data_dir) or not os.path.isfile(ds.path):
-        raise ApiError(404, f"the content of file {file_id} is not available", "file_id")
-    return FileResponse(ds.path, filename=ds.filename, media_type="application/octet-stream")
-
-
-@router.delete("/files/{file_id}")
-def delete_file(request: Request, file_id: str):
-    engine, settings = get_engine(request), get_settings(request)
-    ds = _dataset(request, file_id)
-    try:
-        repo.delete_dataset(engine, ds.id)
-    except repo.InUse as exc:
-        raise ApiError(409, str(exc), "file_id", "file_in_use") from None
-    if is_under(ds.path, settings.data_dir / "uploads"):
-        try:
-            os.unlink(ds.path)
-        except OSError:
-            pass
-    return {"id": ds.id, "object": "file", "deleted": True}
-
-
-def _dataset(request: Request, file_id: str) -> Dataset:
-    try:
-        return repo.get_dataset(get_engine(request), file_id)
-    except repo.NotFound:
-        raise ApiError(404, f"No such File object: {file_id}", "id", "file_not_found") from None
-
-
-# ---- fine-tuning jobs -------------------------------------------------------------------
 def _status(job) -> str:
     if job is None:
         return "queued"

@@ -1,0 +1,96 @@
+"""The OpenAI Files API under /v1: uploads (``purpose="fine-tune"``) are our datasets (``file-…``).
+
+Every dataset format the studio reads is accepted; a file that cannot be used is refused with an
+OpenAI-shaped 400 naming the row and field.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import FileResponse
+
+from app.data.errors import DatasetError
+from app.store import repo
+from app.store.schema import Dataset
+from app.web.deps import get_engine, get_settings
+from app.web.errors import ApiError
+from app.web.services import is_under, upload_dataset
+from app.web.uploads import UploadError
+
+router = APIRouter(prefix="/v1")
+
+
+def file_object(ds: Dataset) -> dict[str, Any]:
+    return {"id": ds.id, "object": "file", "bytes": ds.bytes, "created_at": int(ds.created_at),
+            "filename": ds.filename, "purpose": ds.purpose, "status": ds.status,
+            "status_details": ds.error, "expires_at": None}
+
+
+@router.post("/files")
+async def create_file(request: Request):
+    try:
+        ds, _ = await upload_dataset(request, get_settings(request), get_engine(request),
+                                     purpose_required=True)
+    except UploadError as exc:
+        raise ApiError(exc.status, exc.message, exc.param, "invalid_file") from None
+    except DatasetError as exc:
+        raise ApiError(400, f"invalid training file: {exc}", "file", "invalid_file") from None
+    return file_object(ds)
+
+
+@router.get("/files")
+def list_files(request: Request, purpose: str | None = None, limit: int = 10000,
+               after: str | None = None, order: str = "desc"):
+    items = repo.list_datasets(get_engine(request), limit=max(1, min(limit, 10000)) + 1000)
+    if purpose:
+        items = [d for d in items if d.purpose == purpose]
+    if order == "asc":
+        items.reverse()
+    if after:
+        ids = [d.id for d in items]
+        items = items[ids.index(after) + 1:] if after in ids else items
+    page = items[:limit]
+    return {"object": "list", "data": [file_object(d) for d in page],
+            "has_more": len(items) > len(page),
+            "first_id": page[0].id if page else None, "last_id": page[-1].id if page else None}
+
+
+@router.get("/files/{file_id}")
+def retrieve_file(request: Request, file_id: str):
+    return file_object(_dataset(request, file_id))
+
+
+@router.get("/files/{file_id}/content")
+def file_content(request: Request, file_id: str):
+    ds = _dataset(request, file_id)
+    if not is_under(ds.path, get_settings(request).data_dir) or not os.path.isfile(ds.path):
+        raise ApiError(404, f"the content of file {file_id} is not available", "file_id")
+    return FileResponse(ds.path, filename=ds.filename, media_type="application/octet-stream")
+
+
+@router.delete("/files/{file_id}")
+def delete_file(request: Request, file_id: str):
+    engine, settings = get_engine(request), get_settings(request)
+    ds = _dataset(request, file_id)
+    try:
+        repo.delete_dataset(engine, ds.id)
+    except repo.InUse as exc:
+        raise ApiError(409, str(exc), "file_id", "file_in_use") from None
+    if is_under(ds.path, settings.data_dir / "uploads"):
+        try:
+            os.unlink(ds.path)
+        except OSError:
+            pass
+    return {"id": ds.id, "object": "file", "deleted": True}
+
+
+def _dataset(request: Request, file_id: str) -> Dataset:
+    try:
+        return repo.get_dataset(get_engine(request), file_id)
+    except repo.NotFound:
+        raise ApiError(404, f"No such File object: {file_id}", "id", "file_not_found") from None
+
+
+# ---- fine-tuning jobs -------------------------------------------------------------------
