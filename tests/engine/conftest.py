@@ -92,3 +92,20 @@ def lora_grads(pm):
 @pytest.fixture
 def clone():
     return copy.deepcopy
+
+
+def stories_nf4(stories_hf):
+    """stories260K (fp32, CPU) prepared by the engine with NF4 bases and non-zero LoRA, eval mode,
+    plus two left-padded prompts: (model, ids [2, 6], attention_mask [2, 6])."""
+    from transformers import AutoModelForCausalLM
+
+    from worker.engine import engine
+
+    model = AutoModelForCausalLM.from_pretrained(str(stories_hf), dtype=torch.float32)
+    pm = engine.prepare(model, spec(r=4, lora_alpha=8), load_in_4bit=True, impl="reference",
+                        device="cpu")
+    randomise_lora(pm)
+    pm.eval()
+    ids = torch.tensor([[1, 403, 407, 261, 378, 30], [0, 0, 1, 403, 407, 261]])
+    mask = (torch.arange(6)[None] >= torch.tensor([[0], [2]])).long()
+    return pm, ids, mask

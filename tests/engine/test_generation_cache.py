@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.engine.conftest import randomise_lora, spec, tiny_model
+from tests.engine.conftest import randomise_lora, spec, stories_nf4, tiny_model
 from worker.engine import engine
 from worker.engine.gencache import cache_limit, dense_generation, generation_reserve, nf4_modules
 
@@ -44,15 +44,7 @@ def _check(pm, ids, mask):
 
 
 def test_stories260k_nf4_greedy_equal(stories_hf):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(stories_hf), dtype=torch.float32)
-    pm = engine.prepare(model, spec(r=4, lora_alpha=8), load_in_4bit=True, impl="reference",
-                        device="cpu")
-    randomise_lora(pm)
-    pm.eval()
-    ids = torch.tensor([[1, 403, 407, 261, 378, 30], [0, 0, 1, 403, 407, 261]])
-    mask = (torch.arange(6)[None] >= torch.tensor([[0], [2]])).long()
+    pm, ids, mask = stories_nf4(stories_hf)
     out = _check(pm, ids, mask)
     assert out.shape == (2, 6 + NEW)
 

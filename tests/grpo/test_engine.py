@@ -102,8 +102,9 @@ def test_build_prompts_gsm8k_and_messages(stories_hf, tmp_path):
 
 def test_trainer_runs_policy_reference_and_generation_through_the_engine(stories_hf, tmp_path):
     """One GRPO step of the trainer on an engine-prepared NF4 stories260K (CPU, reference impl):
-    every log-prob pass runs the fused layers (no PEFT LoRA module forward), generation runs with
-    the NF4 weights held dense, and the dense copies are gone after the step."""
+    every log-prob pass runs the fused layers, generation runs through the engine's decoder with the
+    NF4 weights held dense (no PEFT LoRA module forward anywhere), and the dense copies are gone
+    after the step."""
     from datasets import Dataset
     from peft.tuners.lora import LoraLayer
     from transformers import AutoModelForCausalLM
@@ -121,12 +122,11 @@ def test_trainer_runs_policy_reference_and_generation_through_the_engine(stories
                            vram_budget_gib=4.0)
     st = engine.engine_state(model)
     tok = sft.load_tokenizer(str(stories_hf), None)
-    unfused, held, lines = [0], [], []
+    unfused, lines = [0], []
     for m in model.modules():
         if isinstance(m, LoraLayer):
             m.register_forward_hook(lambda *a: unfused.__setitem__(0, unfused[0] + 1))
     mods = nf4_modules(model)
-    mods[0].register_forward_hook(lambda m, *a: held.append(m._dense is not None))
     scorer = Scorer(build(spec, None), 2, "group")
     trainer = grpo.make_trainer(model, tok, Dataset.from_dict({"prompt": ["<s>One day"] * 4}),
                                 grpo.grpo_config(spec, str(tmp_path), False, "adamw_torch",
@@ -134,10 +134,9 @@ def test_trainer_runs_policy_reference_and_generation_through_the_engine(stories
                                 scorer, 8, on_log=lines.append)
     trainer.train()
     assert st.fused_calls >= 2  # the policy loss pass and the beta > 0 reference pass
-    assert held and all(held)  # every generation-time NF4 forward used the dense copy
-    assert len(lines) == 1 and f"{len(mods)}/{len(mods)} NF4 weights held dense" in lines[0]
+    assert len(lines) == 2 and f"{len(mods)}/{len(mods)} NF4 weights held dense" in lines[0]
+    assert lines[1] == "generation: engine decoding (static KV cache, fused layers)"
     assert all(m._dense is None for m in mods)
-    # PEFT's own LoRA modules ran only in generation: one call each per generation forward
-    assert unfused[0] == len(held) * len(mods)
+    assert unfused[0] == 0  # PEFT's own LoRA modules never ran: generation is the engine's too
     assert all(p.grad is None or torch.isfinite(p.grad).all()
                for n, p in model.named_parameters() if "lora_" in n)

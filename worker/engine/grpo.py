@@ -19,9 +19,11 @@
   HF backbone and bypass them), then :func:`~worker.engine.logps.chunked_logps_entropy` (each
   chunk's logits recomputed in backward). Without the engine: TRL's fused Triton LM head on
   CUDA, the same PyTorch chunked head on the HF backbone elsewhere.
-* Generation is ``model.generate`` with the KV cache (TRL's non-vLLM path), inside
-  :func:`worker.engine.gencache.dense_generation`: NF4 bases are dequantised once for the phase
-  (within the VRAM budget) instead of once per generated token, and freed before training.
+* Generation is TRL's non-vLLM path (``model.generate``), which :func:`worker.engine.decode.
+  fast_generate` routes to the engine's own decoder (static KV cache, fused layers, NF4 matmul
+  without a dense copy) for Llama-like models and plain sampling options, else to HF's generate;
+  inside :func:`worker.engine.gencache.dense_generation`: NF4 bases are dequantised once for the
+  phase (within the VRAM budget) instead of once per generated token, and freed before training.
 """
 from __future__ import annotations
 
@@ -160,6 +162,7 @@ def make_trainer(model, tokenizer, train_dataset, args, scorer: Scorer, max_prom
     from trl import GRPOTrainer
 
     from worker.engine.engine import engine_state
+    from worker.engine.decode import fast_generate
     from worker.engine.gencache import dense_generation, generation_reserve
     from worker.engine.logps import policy_logps
 
@@ -199,7 +202,8 @@ def make_trainer(model, tokenizer, train_dataset, args, scorer: Scorer, max_prom
                                          max_prompt_length + self.max_completion_length,
                                          dtype_bytes)
             say = told.pop() if told else None
-            with dense_generation(lm, st.vram_budget_gib, reserve=reserve, on_log=say):
+            with dense_generation(lm, st.vram_budget_gib, reserve=reserve, on_log=say), \
+                    fast_generate(lm, on_log=say):
                 return super()._generate(prompts)
 
         def _generate_and_score_completions(self, inputs):

@@ -1,0 +1,126 @@
+"""Where a step's GPU time goes: torch.profiler over the bench model, kernels grouped by kind.
+
+    python3 bench/profile_step.py train qlora 2048 2     # one SFT step (after 3 warm-up steps)
+    python3 bench/profile_step.py gen qlora 256 8 64     # generate: 8 rows, 256-token prompt, 64 new
+                                                         # (engine decoder; FAST=0: HF's generate)
+
+Prints, per profiled step (or per generated token for ``gen``): wall ms, summed GPU kernel ms, the
+GPU busy fraction (kernel time / wall: far below 1 means the CPU or copies bound the step), a table
+of kernel kinds (GEMM, attention, NF4 dequant, norms, RoPE, GLU, cross-entropy, copies, other) and
+the 25 most expensive kernels. Same model as bench/train_step.py (Llama-3.1-8B shapes, random).
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+KINDS = [
+    ("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
+    ("nf4_dequant", ("nf4", "dequant")),
+    ("cross_entropy", ("cross_entropy", "_ce_", "lce")),
+    ("rms_norm", ("rms",)),
+    ("rope", ("rope",)),
+    ("glu", ("glu", "swiglu", "geglu")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "sm90", "sm80", "cublas", "splitk")),
+    ("memcpy", ("memcpy", "memset")),
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
+]
+
+
+def kind(name: str) -> str:
+    n = name.lower()
+    for k, keys in KINDS:
+        if any(s in n for s in keys):
+            return k
+    return "other"
+
+
+def summarise(prof, wall_s: float, per: int, label: str) -> None:
+    from torch.autograd import DeviceType
+
+    by_name = collections.Counter()
+    for ev in prof.events():
+        if ev.device_type == DeviceType.CUDA:
+            by_name[ev.name] += ev.device_time_total if hasattr(ev, "device_time_total") \
+                else ev.cuda_time_total
+    total_us = sum(by_name.values())
+    by_kind = collections.Counter()
+    for n, t in by_name.items():
+        by_kind[kind(n)] += t
+    print(f"\n## {label}: wall {wall_s * 1e3 / per:.2f} ms, GPU kernels {total_us / 1e3 / per:.2f} ms "
+          f"per unit ({per} units), GPU busy {total_us / 1e6 / wall_s:.2f}")
+    print("| kind | ms/unit | share |\n|---|---|---|")
+    for k, t in by_kind.most_common():
+        print(f"| {k} | {t / 1e3 / per:.2f} | {t / total_us:.3f} |")
+    print("\n| kernel | ms/unit | share |\n|---|---|---|")
+    for n, t in by_name.most_common(25):
+        print(f"| {n[:110]} | {t / 1e3 / per:.3f} | {t / total_us:.3f} |")
+
+
+def train(config: str, seq: int, bs: int) -> None:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from train_step import build
+
+    budget = float(os.environ["BUDGET"]) if os.environ.get("BUDGET") else None
+    pm = build(config, budget, True)
+    pm.train()
+    params = [p for p in pm.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=2e-4, fused=True)
+    ids = torch.randint(0, 4000, (bs, seq), device="cuda")
+
+    def step():
+        out = pm(input_ids=ids, labels=ids)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(2):
+            step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    summarise(prof, wall, 2, f"train {config} {seq}x{bs} (per step)")
+
+
+def gen(config: str, prompt: int, rows: int, new: int) -> None:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from train_step import build
+    from worker.engine import decode
+    from worker.engine.gencache import dense_generation
+
+    pm = build(config, None, True)
+    pm.eval()
+    ids = torch.randint(0, 4000, (rows, prompt), device="cuda")
+    kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=True, temperature=1.0,
+              pad_token_id=0)
+    fast = os.environ.get("FAST", "1") != "0"
+    route = decode.fast_generate(pm, on_log=print) if fast else contextlib.nullcontext()
+    with torch.no_grad(), dense_generation(pm, limit=0), route:
+        pm.generate(input_ids=ids, max_new_tokens=4, min_new_tokens=4, do_sample=True, pad_token_id=0)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            pm.generate(input_ids=ids, **kw)
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t0
+    summarise(prof, wall, new, f"generate ({'engine' if fast else 'HF'}) {config} {rows} rows, prompt {prompt}, {new} new "
+              "(per token)")
+
+
+if __name__ == "__main__":
+    mode, config, *nums = sys.argv[1:]
+    {"train": train, "gen": gen}[mode](config, *map(int, nums))

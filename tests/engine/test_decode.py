@@ -1,0 +1,145 @@
+"""Engine decoding (worker.engine.decode) against HF ``generate`` on the same model, CPU, fp32.
+
+Greedy decoding through the engine's static KV cache and layers gives HF's tokens exactly (tiny
+random Llama, Qwen3, Qwen2 and stories260K; NF4 and dense bases; LoRA with non-zero B; left-padded
+prompts of different lengths); EOS handling pads like HF; the sampling processors mask the same
+logits as HF's warpers; unsupported options fall back to HF with the reason logged.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from tests.engine.conftest import randomise_lora, spec, stories_nf4, tiny_model
+from worker.engine import decode, engine
+
+NEW = 10
+
+
+def _prepared(arch, nf4):
+    pm = engine.prepare(tiny_model(arch), spec(), load_in_4bit=nf4, impl="reference", device="cpu")
+    randomise_lora(pm)
+    return pm.eval()
+
+
+def _prompts(seed=3, V=96):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, V, (3, 7), generator=g)
+    lead = torch.tensor([[0], [3], [1]])
+    mask = (torch.arange(7)[None] >= lead).long()
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+def _cfg(**kw):
+    d = dict(max_new_tokens=NEW, do_sample=False, pad_token_id=0, eos_token_id=[95])
+    d.update(kw)
+    return GenerationConfig(**d)
+
+
+def _hf(pm, ids, mask, cfg):
+    with torch.no_grad():
+        return pm.generate(input_ids=ids, attention_mask=mask, generation_config=cfg)
+
+
+@pytest.mark.parametrize("arch,nf4", [("llama", True), ("llama", False), ("qwen3", True),
+                                      ("qwen2", False)])
+def test_greedy_equals_hf(arch, nf4):
+    pm = _prepared(arch, nf4)
+    ids, mask = _prompts()
+    cfg = _cfg(eos_token_id=[])
+    ref = _hf(pm, ids, mask, cfg)
+    ours = decode.generate(pm, ids, mask, cfg)
+    assert ours.shape == ref.shape == (3, 7 + NEW)
+    assert torch.equal(ours, ref), (ours, ref)
+
+
+def test_stories260k_greedy_equals_hf(stories_hf):
+    pm, ids, mask = stories_nf4(stories_hf)
+    cfg = _cfg(max_new_tokens=24, eos_token_id=[])
+    assert torch.equal(decode.generate(pm, ids, mask, cfg), _hf(pm, ids, mask, cfg))
+
+
+def test_eos_rows_pad_like_hf():
+    pm = _prepared("llama", True)
+    ids, mask = _prompts()
+    free = decode.generate(pm, ids, mask, _cfg(eos_token_id=[]))
+    eos = int(free[1, 7 + 2])  # row 1's third generated token ends it
+    cfg = _cfg(eos_token_id=[eos])
+    ref, ours = _hf(pm, ids, mask, cfg), decode.generate(pm, ids, mask, cfg)
+    n = ref.shape[1]
+    assert torch.equal(ours[:, :n], ref)
+    assert (ours[:, n:] == 0).all()  # at most SYNC_EVERY trailing pad columns after HF's stop
+    assert (ours[1, 7 + 3:] == 0).all() and ours[1, 7 + 2] == eos
+
+
+def test_processors_match_hf_warpers():
+    from transformers.generation.logits_process import (
+        MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
+        TopKLogitsWarper, TopPLogitsWarper)
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 50, generator=g) * 3
+    ids = torch.randint(0, 50, (4, 9), generator=g)
+    cfg = _cfg(do_sample=True, temperature=0.7, top_k=20, top_p=0.8, min_p=0.05,
+               repetition_penalty=1.3)
+    ref = logits.clone()
+    for proc in (RepetitionPenaltyLogitsProcessor(1.3), TemperatureLogitsWarper(0.7),
+                 TopKLogitsWarper(20), TopPLogitsWarper(0.8), MinPLogitsWarper(0.05)):
+        ref = proc(ids, ref)
+    ours = decode.warp(logits, ids, cfg)
+    assert torch.equal(torch.isinf(ours), torch.isinf(ref))
+    fin = ~torch.isinf(ref)
+    torch.testing.assert_close(ours[fin], ref[fin])
+    assert fin.sum(-1).min() >= 1
+    # sampling only ever picks kept tokens
+    toks = torch.stack([decode.sample(logits, ids, cfg) for _ in range(200)], 1)
+    assert fin.gather(1, toks).all()
+
+
+def test_top_k_one_is_greedy_and_defaults_resolved():
+    pm = _prepared("llama", True)
+    ids, mask = _prompts()
+    greedy = decode.generate(pm, ids, mask, _cfg(eos_token_id=[]))
+    torch.manual_seed(0)
+    one = decode.generate(pm, ids, mask, _cfg(do_sample=True, top_k=1, eos_token_id=[]))
+    assert torch.equal(one, greedy)
+    # HF fills top_k=50 when the caller (TRL) leaves it None: ours must resolve the same way
+    assert decode.resolve_config(pm, _cfg(do_sample=True, top_k=None)).top_k == 50
+
+
+def test_fast_generate_routes_and_falls_back():
+    pm = _prepared("llama", True)
+    ids, mask = _prompts()
+    said = []
+    cfg = _cfg(eos_token_id=[])
+    ref = _hf(pm, ids, mask, cfg)
+    with decode.fast_generate(pm, on_log=said.append):
+        out = _hf(pm, ids, mask, cfg)  # PeftModel.generate -> the engine's decoder
+    assert torch.equal(out, ref)
+    assert said == ["generation: engine decoding (static KV cache, fused layers)"]
+    said.clear()
+    with decode.fast_generate(pm, on_log=said.append):
+        _hf(pm, ids, mask, _cfg(num_beams=2))
+    assert said and "num_beams" in said[0] and said[0].startswith("generation: HF generate")
+    assert "generate" not in vars(pm.get_base_model())  # restored
+
+
+def test_unsupported_architecture_reason():
+    pm = _prepared("gemma2", False)
+    assert "gemma2" in decode.unsupported(pm, _cfg())
+
+
+def test_dense_generation_cache_is_used_once_per_phase():
+    from worker.engine.gencache import dense_generation, nf4_modules
+
+    pm = _prepared("llama", True)
+    ids, mask = _prompts()
+    cfg = _cfg(eos_token_id=[])
+    plain = decode.generate(pm, ids, mask, cfg)
+    mods = nf4_modules(pm)
+    n0 = sum(m.dequants for m in mods)
+    with dense_generation(pm, limit=1 << 40):
+        cached = decode.generate(pm, ids, mask, cfg)
+    assert sum(m.dequants for m in mods) - n0 == len(mods)  # once each for the whole phase
+    assert torch.equal(cached, plain)
