@@ -8,6 +8,13 @@ pinned host buffer on a side stream (``non_blocking``, the buffer pool is reused
 GPU copy is released once the copy is done via ``record_stream``) and copied back on the compute
 stream in backward. The RNG state is restored for the recompute when ``preserve_rng`` (dropout).
 
+Recompute skip: while backward recomputes a layer, :func:`recomputing` is true (thread-local: the
+autograd worker thread). The value ``fn`` returns then is discarded (only the graph it builds is
+back-propagated), so work that feeds *only* that value may be skipped: :func:`~worker.engine.patch.
+run_layer` skips the MLP's down projection (its output goes straight into ``h + m``), see
+:mod:`worker.engine.lora_ops`. A ``fn`` that reads the flag must be one layer whose return is that
+value (not several layers chained in one checkpoint).
+
 :func:`plan_layers` is the budget: given the bytes one layer's activations take when *not*
 checkpointed (:func:`layer_activation_bytes`), the memory already in use and the budget, it returns
 how many layers keep their activations on the GPU (run plainly, never recomputed); the rest are
@@ -15,9 +22,28 @@ checkpointed. ``budget=None`` checkpoints every layer (the least memory).
 """
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 
 import torch
+
+_local = threading.local()
+
+
+def recomputing() -> bool:
+    """True while a checkpointed layer is recomputed in backward (its returned value is unused)."""
+    return getattr(_local, "recompute", False)
+
+
+@contextlib.contextmanager
+def _recompute():
+    prev = recomputing()
+    _local.recompute = True
+    try:
+        yield
+    finally:
+        _local.recompute = prev
 
 
 class Offloader:
@@ -89,7 +115,8 @@ class _CheckpointFunction(torch.autograd.Function):
             _set_rng_state(ctx.rng, h.device)
         try:
             with torch.enable_grad(), torch.autocast("cuda", enabled=ctx.autocast[0],
-                                                     dtype=ctx.autocast[1] or torch.bfloat16):
+                                                     dtype=ctx.autocast[1] or torch.bfloat16), \
+                    _recompute():
                 out = ctx.fn(h)
             torch.autograd.backward(out, dout)
         finally:
@@ -99,7 +126,10 @@ class _CheckpointFunction(torch.autograd.Function):
 
 
 def checkpoint_layer(fn, h: torch.Tensor, offloader: Offloader, key, preserve_rng=False):
-    """fn(h) with its activations recomputed in backward; h must require grad (see module doc)."""
+    """fn(h) with its activations recomputed in backward; h must require grad (see module doc).
+
+    In the recompute :func:`recomputing` is true and fn's returned value is discarded.
+    """
     if not h.requires_grad:
         h = h.detach().requires_grad_(True)
     return _CheckpointFunction.apply(fn, offloader, key, preserve_rng, h)

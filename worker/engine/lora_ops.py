@@ -19,6 +19,12 @@ Saved: X (once) and each XA [T, r]; W is re-dequantised in backward, never saved
                then the gate and up projections' backward as above (dX summed).
 Saved: X, G, U [T, I], XAg, XAu, HAd [T, r]; H is recomputed, not saved.
 
+``need_y`` False (a checkpointed layer's recompute, where the MLP output only feeds the discarded
+layer output ``h + m``: :func:`~worker.engine.patch.run_layer`) skips the down projection: no Wd
+dequant, no H Wd^T [T, I] x [I, H] matmul (~27 % of a Llama layer's linear FLOPs), no bias/LoRA-B
+add; HAd = H Ad^T [T, r] (what dBd needs) is still computed and saved, H only when Ad exists. Y is
+then ``torch.empty`` [..., out] in X's dtype: uninitialised, never read. Backward is unchanged.
+
 Dtypes: the compute dtype is X's (bf16 on GPU, fp32 in tests); A, B (fp32 master weights or X's
 dtype) are cast to it, and dA, dB come back in A's / B's dtype. Only dX, dA, dB are computed: the base
 weight and bias are frozen. ``impl`` picks the NF4 dequant and GLU kernels ("triton" | "reference");
@@ -64,9 +70,14 @@ def _proj_fwd(X, p: Proj, A, B):
         Y += p.bias.to(Y.dtype)
     XA = None
     if p.has_lora:
-        XA = X @ A.to(X.dtype).t()
+        XA = _xa(X, A)
         Y.addmm_(XA, B.to(X.dtype).t(), alpha=p.scale)
     return Y, XA
+
+
+def _xa(X, A):
+    """X A^T [T, r] in X's dtype."""
+    return X @ A.to(X.dtype).t()
 
 
 def _proj_bwd(dY, X, XA, p: Proj, A, B, dX):
@@ -153,18 +164,24 @@ def _glu(impl):
 
 
 class LoRAMLPFunction(torch.autograd.Function):
-    """forward(X, (gate, up, down), activation, impl, *A_B) -> Y (gated MLP with LoRA on each)."""
+    """forward(X, (gate, up, down), activation, impl, need_y, *A_B) -> Y (gated MLP with LoRA on
+    each); ``need_y`` False: Y is left uninitialised (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, X, projs, activation, impl, *ab):
+    def forward(ctx, X, projs, activation, impl, need_y, *ab):
         X2 = _flat(X)
         pg, pu, pd = projs
         (Ag, Bg), (Au, Bu), (Ad, Bd) = _split_ab(projs, ab)
         G, XAg = _proj_fwd(X2, pg, Ag, Bg)
         U, XAu = _proj_fwd(X2, pu, Au, Bu)
         fwd, _ = _glu(impl)
-        H = fwd(G, U, activation)
-        Y, HAd = _proj_fwd(H, pd, Ad, Bd)
+        if need_y:
+            H = fwd(G, U, activation)
+            Y, HAd = _proj_fwd(H, pd, Ad, Bd)
+        else:  # recompute: Y's value is never read; only HAd (for dBd) is
+            H = fwd(G, U, activation) if pd.has_lora else None
+            HAd = _xa(H, Ad) if pd.has_lora else None
+            Y = X2.new_empty(X2.shape[0], pd.base.out_features)
         del H
         ctx.projs, ctx.activation, ctx.impl, ctx.xshape = projs, activation, impl, X.shape
         small = [t for t in (XAg, XAu, HAd) if t is not None]
@@ -192,7 +209,7 @@ class LoRAMLPFunction(torch.autograd.Function):
         dX, dAg, dBg = _proj_bwd(dG, X2, XAg, pg, Ag, Bg, None)
         dX, dAu, dBu = _proj_bwd(dU, X2, XAu, pu, Au, Bu, dX)
         grads = _grads(ctx.projs, [(dAg, dBg), (dAu, dBu), (dAd, dBd)])
-        return (dX.view(ctx.xshape), None, None, None, *grads)
+        return (dX.view(ctx.xshape), None, None, None, None, *grads)
 
 
 def lora_params(module: nn.Module):

@@ -16,6 +16,11 @@ module and its PEFT LoRA wrappers:
         softmax for Gemma 2); h = h + [norm](LoRAProj_o(o))
     h = h + [norm](LoRAMLP(norm(h)))   (gate, up, GLU, down in one autograd function)
 
+In a checkpointed layer's recompute (:func:`~worker.engine.checkpointing.recomputing`) the layer's
+output value is discarded, so without a sandwich norm the MLP skips its down projection and returns
+an uninitialised [B, S, H] (only ``h + m``'s graph is back-propagated, and an add's backward reads no
+values). Gemma's post-feedforward norm reads m in its backward, so sandwich layers compute it.
+
 Norms are kernels.rms_norm, dtypes follow h. A projection group whose LoRA cannot be fused (dropout,
 DoRA) runs through its PEFT modules instead; the rest of the layer stays fused.
 """
@@ -26,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from worker.engine.checkpointing import recomputing
 from worker.engine.lora_ops import LoRAMLPFunction, LoRAProjFunction, make_proj
 
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")
@@ -112,14 +118,14 @@ def _group(x, modules):
     return LoRAProjFunction.apply(x, got[0], *got[1])
 
 
-def _mlp(x, mlp, activation, impl):
+def _mlp(x, mlp, activation, impl, need_y=True):
     mods = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
     got = _collect(mods)
     if got is None:
         from worker.engine.lora_ops import _glu
 
         return mods[2](_glu(impl)[0](mods[0](x), mods[1](x), activation))
-    return LoRAMLPFunction.apply(x, got[0], activation, impl, *got[1])
+    return LoRAMLPFunction.apply(x, got[0], activation, impl, need_y, *got[1])
 
 
 @dataclass
@@ -211,7 +217,9 @@ def run_layer(layer, h, step: StepInputs, arch: ArchSpec, impl: str):
     del o
     pre = layer.pre_feedforward_layernorm if arch.sandwich else layer.post_attention_layernorm
     x = norm(pre, h, arch.gemma_norm, impl)
-    m = _mlp(x, layer.mlp, arch.activation, impl)
+    # recompute (checkpointing.recomputing()): this layer's output is discarded, and so is m when
+    # it goes straight into h + m; not with a sandwich norm, whose backward reads m
+    m = _mlp(x, layer.mlp, arch.activation, impl, need_y=arch.sandwich or not recomputing())
     del x
     if arch.sandwich:
         m = norm(layer.post_feedforward_layernorm, m, True, impl)
