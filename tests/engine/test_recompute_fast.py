@@ -162,3 +162,12 @@ def test_mlp_function_skip_gives_the_same_gradients():
     for a, b in zip(*res):
         assert torch.equal(a, b)
 
+
+def test_disabled_offloader_is_a_no_op():
+    off = ckpt.Offloader(enabled=False)
+    assert not off.enabled and off.stream is None and off.h2d is None
+    off.start_chain()
+    h = torch.randn(2, 3, 4)
+    handles = [off.save(i, h + i) for i in range(3)]
+    assert all(off.load(hd).equal(h + i) for i, hd in reversed(list(enumerate(handles))))
+    assert off.load(off.save(0, h)) is h and off.prefetches == 0 and off.free == {}

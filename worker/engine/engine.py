@@ -16,6 +16,12 @@ transformers' loss does). It returns ``CausalLMOutputWithPast(loss=..., logits=N
 NF4Linear bases) unchanged; :mod:`worker.engine.gencache` keeps those bases dequantised once per
 generation phase.
 
+Backward of the checkpointed layers (:mod:`~worker.engine.checkpointing`): layer i's backward starts
+the H2D copy of layer i-1's offloaded input on a side stream (one prefetch chain per forward,
+started here; the last layer's copy starts when the forward leaves the stack), so the copy overlaps
+layer i's recompute; the recompute skips the MLP down projection, whose output only feeds the
+discarded layer output (not for sandwich-norm archs).
+
 :func:`hidden_states` is the same fused stack without the head: final-normed h [B, S, H] in the
 compute dtype. GRPO's policy and reference log-probs (:mod:`worker.engine.logps`) run through it.
 ``EngineState.fused_calls`` counts fused stack runs (tests assert the path is taken).
@@ -203,12 +209,16 @@ def hidden_states(model, input_ids=None, attention_mask=None, position_ids=None,
     st.kept_layers = kept
     st.fused_calls += 1
     use_ckpt = st.checkpointing and torch.is_grad_enabled() and model.training
+    if use_ckpt:  # the checkpointed layers below are one prefetch chain (backward: i -> i-1)
+        st.offloader.start_chain()
     for i, layer in enumerate(inner.layers):
         fn = partial(run_layer, layer, step=step, arch=st.arch, impl=st.impl)
         if use_ckpt and i >= kept:
             h = ckpt.checkpoint_layer(fn, h, st.offloader, i, st.preserve_rng)
         else:
             h = fn(h)
+    if use_ckpt:  # the last layer's input comes back while the head and loss run
+        st.offloader.prefetch_last()
     return norm(inner.norm, h, st.arch.gemma_norm, st.impl)
 
 
