@@ -80,7 +80,12 @@ class _Lin:
         x2 = x.reshape(-1, x.shape[-1])
         if self.state is not None and fused is not None and x2.shape[0] < SMALL_M \
                 and getattr(self.base, "_dense", None) is None:
-            y = fused(x2, self.base.packed, self.state)
+            try:
+                y = fused(x2, self.base.packed, self.state)
+            except Exception as e:  # noqa: BLE001 (a kernel that cannot run this shape)
+                log.warning("decode: NF4 matmul failed (%s); dequantising this weight instead", e)
+                self.state = None
+                return self(x, fused)
         else:
             y = x2 @ dense_weight(self.base, x2.dtype).t()
         if self.bias is not None:
