@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One device call: GPU tests, then our numbers (no anchors): NF4 matmul bench, decode profile,
+# GRPO step 256+256, SFT train step. Every stage has a timeout inside CALL_LIMIT_S (default 540 s).
+# Carry .whl (pytest), .whl_engine and .whl_grpo (../shared/tools/offline-wheels.sh). Logs under $OUT.
+#   WHETSTONE_COMMIT=$(git rev-parse --short=12 HEAD) CALL_ID=... bash bench/gpu_call.sh
+set -u
+LIMIT=${CALL_LIMIT_S:-540}
+export PYTHONUNBUFFERED=1 CALL_ID=${CALL_ID:-gpu-$(date +%s)} OUT=${OUT:-/tmp/gpu-out}
+mkdir -p "$OUT"
+tmo() { local l=$((LIMIT - SECONDS - 10)); if ((l < $1)); then echo $((l > 0 ? l : 1)); else echo "$1"; fi; }
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+  .whl/*.whl .whl_engine/*.whl .whl_grpo/*.whl >/dev/null 2>&1 || echo "wheel install failed"
+export PYTHONPATH=/tmp/site:$PWD
+nvidia-smi --query-gpu=name --format=csv,noheader
+stage() {  # NAME TIMEOUT CMD...
+  local name=$1 t; t=$(tmo "$2"); shift 2
+  echo "=== $name (timeout ${t}s, t=${SECONDS}s)"
+  timeout "$t" "$@" > "$OUT/$name.txt" 2>&1; local rc=$?
+  echo "rc=$rc"; grep -E "^(RESULT|STEP|engine:|generation:|## |\| )|passed|failed|error" "$OUT/$name.txt" | tail -${TAIL:-40}
+}
+for s in ${STAGES:-tests nf4 gen grpo train}; do
+  case $s in
+    tests) TAIL=30 stage gpu_tests 200 python3 -m pytest -q -x --import-mode=append -p no:cacheprovider \
+             tests/gpu/test_decode_gpu.py tests/gpu/test_engine_gpu.py tests/gpu/test_kernels_gpu.py ;;
+    nf4) stage nf4_bench 90 python3 bench/nf4_matmul_bench.py ;;
+    gen) TAIL=20 stage gen_profile 120 python3 bench/profile_step.py gen qlora 256 8 64 ;;
+    grpo) stage grpo_256 170 python3 bench/grpo_step.py --prompt-len 256 --completion-len 256 \
+            --num-generations 8 --steps 4 ;;
+    grpo1k) stage grpo_1024 200 python3 bench/grpo_step.py --prompt-len 1024 --completion-len 1024 \
+              --num-generations 8 --steps 3 ;;
+    train) stage train_2048 120 python3 bench/train_step.py qlora 2048 2 6 ;;
+    train16k) stage train_16k 120 python3 bench/train_step.py qlora 16384 1 5 ;;
+    trainbudget) stage train_budget 120 python3 bench/train_step.py qlora 2048 2 6 --budget 40 ;;
+    lora) stage train_lora 120 python3 bench/train_step.py lora 2048 2 6 ;;
+  esac
+done
+echo "done t=${SECONDS}s"
