@@ -9,6 +9,7 @@ Importing this package imports torch and triton; the web process never imports i
 from .cross_entropy import (LinearCrossEntropyFunction, linear_cross_entropy, linear_cross_entropy_bwd,
                             linear_cross_entropy_fwd)
 from .nf4 import NF4LinearFunction, nf4_bwd, nf4_dequantize, nf4_fwd, nf4_linear
+from .nf4_matmul import nf4_matmul
 from .nf4_ref import NF4State, nf4_quantize_ref, nf4_state_from_bnb
 from .rms_norm import RMSNormFunction, rms_norm, rms_norm_bwd, rms_norm_fwd
 from .rope import RoPEFunction, rope, rope_bwd, rope_fwd
@@ -18,7 +19,7 @@ from .swiglu import (GLUFunction, geglu, geglu_bwd, geglu_fwd, glu, glu_bwd, glu
 
 __all__ = [
     "LinearCrossEntropyFunction", "linear_cross_entropy", "linear_cross_entropy_fwd", "linear_cross_entropy_bwd",
-    "NF4LinearFunction", "NF4State", "nf4_dequantize", "nf4_fwd", "nf4_bwd", "nf4_linear", "nf4_quantize_ref",
+    "NF4LinearFunction", "NF4State", "nf4_dequantize", "nf4_fwd", "nf4_bwd", "nf4_linear", "nf4_matmul", "nf4_quantize_ref",
     "nf4_state_from_bnb",
     "RMSNormFunction", "rms_norm", "rms_norm_fwd", "rms_norm_bwd",
     "RoPEFunction", "rope", "rope_fwd", "rope_bwd", "rope_inv_freq", "rope_cos_sin", "packed_position_ids",

@@ -18,6 +18,7 @@ if not torch.cuda.is_available():
 from kernels.cross_entropy import linear_cross_entropy  # noqa: E402
 from kernels.cross_entropy_ref import linear_cross_entropy_ref  # noqa: E402
 from kernels.nf4 import nf4_fwd, nf4_linear  # noqa: E402
+from kernels.nf4_matmul import nf4_matmul  # noqa: E402
 from kernels.nf4_ref import nf4_dequantize_ref, nf4_quantize_ref, nf4_state_from_bnb  # noqa: E402
 from kernels.rms_norm import rms_norm  # noqa: E402
 from kernels.rms_norm_ref import rms_norm_ref  # noqa: E402
@@ -192,3 +193,33 @@ def test_nf4_linear_grad(dtype):
     torch.testing.assert_close(y, yr)
     dy = torch.randn_like(y)
     torch.testing.assert_close(torch.autograd.grad(y, x, dy)[0], torch.autograd.grad(yr, x, dy)[0])
+
+
+@pytest.mark.parametrize("nested", [True, False])
+@pytest.mark.parametrize("m", [1, 8, 16, 64])
+@pytest.mark.parametrize("shape", [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336)])
+def test_nf4_matmul_decode(shape, m, nested):
+    """Fused decode matmul (bf16, Llama-3.1-8B weight shapes) vs nf4_fwd + matmul, against fp64."""
+    packed, st = nf4_quantize_ref(torch.randn(shape, device=DEV) * 0.02, double_quant=nested)
+    x = torch.randn(m, shape[1], device=DEV, dtype=torch.bfloat16)
+    bias = torch.randn(shape[0], device=DEV, dtype=torch.bfloat16) if m == 8 else None
+    with torch.no_grad():
+        poison()
+        got = nf4_matmul(x, packed, st, bias)
+        again = nf4_matmul(x, packed, st, bias)
+        low = x @ nf4_fwd(packed, st, torch.bfloat16).t() + (bias if bias is not None else 0)
+        hi = x.double() @ nf4_dequantize_ref(packed, st, torch.float64).t() + (
+            bias.double() if bias is not None else 0)
+    check(got, low, hi, torch.bfloat16, f"nf4_matmul {m}x{shape}")
+    assert torch.equal(got, again)  # split-K partials summed in fixed order
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_nf4_matmul_dtypes(dtype):
+    packed, st = nf4_quantize_ref(torch.randn(1000, 4096, device=DEV) * 0.02)
+    x = torch.randn(3, 5, 4096, device=DEV, dtype=dtype)
+    with torch.no_grad():
+        got = nf4_matmul(x, packed, st)
+        low = nf4_matmul(x, packed, st, impl="reference")
+        hi = x.double() @ nf4_dequantize_ref(packed, st, torch.float64).t()
+    check(got, low, hi, dtype, f"nf4_matmul {dtype}")

@@ -1,0 +1,120 @@
+"""kernels.nf4_matmul (fused NF4 decode matmul) against x @ nf4_dequantize_ref(W)^T.
+
+On the CPU the kernel runs under the Triton interpreter, where tl.dot is right in fp32/fp16 but not in
+bf16: bf16 is checked on CUDA only (here and in tests/gpu). Shapes are small (the interpreter is slow).
+The kernel dequantises W exactly as the reference, so the only difference is the accumulation order
+(fp32 throughout, split-K partials summed in fixed order)."""
+import os
+
+import pytest
+import torch
+
+from kernels.nf4_matmul import nf4_matmul, nf4_matmul_fwd, pick_config
+from kernels.nf4_ref import nf4_dequantize_ref, nf4_quantize_ref, nf4_state_from_bnb
+from tests.kernels.kernel_test_util import assert_close_lowp
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEV == "cuda" else [])
+
+
+def _weight(n, k, nested=True, blocksize=64):
+    return nf4_quantize_ref(torch.randn(n, k, device=DEV) * 0.05, blocksize=blocksize, double_quant=nested)
+
+
+def _check(x, packed, st, bias=None, config=None):
+    with torch.no_grad():
+        got = nf4_matmul(x, packed, st, bias, config=config)
+        want = nf4_matmul(x, packed, st, bias, impl="reference")
+    assert got.shape == want.shape == (*x.shape[:-1], st.shape[0]) and got.dtype == x.dtype
+    assert_close_lowp(got, want, x.dtype)
+    return got
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,k,nested,bias", [
+    (1, 72, 64, True, False), (3, 200, 320, True, True), (8, 72, 320, False, False), (16, 40, 128, False, True),
+    (17, 72, 192, True, False), (33, 24, 64, True, True)])
+def test_matches_reference(dtype, m, n, k, nested, bias):
+    packed, st = _weight(n, k, nested)
+    x = torch.randn(m, k, device=DEV, dtype=dtype)
+    b = torch.randn(n, device=DEV, dtype=dtype) if bias else None
+    _check(x, packed, st, b)
+
+
+# explicit configs: split-K with an uneven last split, several absmax blocks per K chunk (NB > 1),
+# a K chunk inside one absmax block (blocksize 128 > BLOCK_K 64), M over one M tile
+@pytest.mark.parametrize("m,n,k,blocksize,cfg", [
+    (5, 72, 640, 64, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SPLIT_K=3)),
+    (2, 40, 384, 128, dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, SPLIT_K=2)),
+    (20, 48, 256, 64, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, SPLIT_K=4)),
+    (4, 33, 192, 32, dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, SPLIT_K=1))])
+def test_configs(m, n, k, blocksize, cfg):
+    packed, st = _weight(n, k, True, blocksize)
+    x = torch.randn(m, k, device=DEV)
+    b = torch.randn(n, device=DEV)
+    a = _check(x, packed, st, b, dict(cfg, num_warps=4, num_stages=1))
+    # deterministic: split-K partials are summed in fixed order, whichever program finishes last
+    assert torch.equal(a, nf4_matmul(x, packed, st, b, config=dict(cfg, num_warps=4, num_stages=1)))
+
+
+def test_leading_dims_and_noncontiguous_x():
+    packed, st = _weight(24, 128)
+    x = torch.randn(2, 3, 256, device=DEV)[..., ::2]  # [2, 3, 128], stride 2
+    y = _check(x, packed, st)
+    assert y.shape == (2, 3, 24)
+
+
+def test_default_config_uses_split_k():
+    cfg = pick_config(8, 72, 320, 64, torch.device(DEV))
+    assert cfg["BLOCK_M"] == 16 and cfg["SPLIT_K"] > 1
+
+
+def test_bitsandbytes_state():
+    try:
+        import bitsandbytes.functional as F
+
+        w = torch.randn(40, 128, device=DEV)
+        packed, qs = F.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4")
+    except Exception as e:  # pragma: no cover - absent, or no backend for this device
+        pytest.skip(f"bitsandbytes unusable here: {e!r}")
+    x = torch.randn(3, 128, device=DEV)
+    with torch.no_grad():
+        got = nf4_matmul(x, packed, qs)
+    want = x @ nf4_dequantize_ref(packed, nf4_state_from_bnb(qs), torch.float32).t()
+    assert_close_lowp(got, want, torch.float32)
+
+
+def test_k_not_multiple_of_blocksize_raises():
+    packed, st = nf4_quantize_ref(torch.randn(8, 96, device=DEV))
+    with pytest.raises(ValueError, match=r"\(8, 96\)"):
+        nf4_matmul(torch.randn(2, 96, device=DEV), packed, st)
+
+
+def test_bad_inputs_raise():
+    packed, st = _weight(8, 64)
+    with pytest.raises(ValueError, match="K=64"):
+        nf4_matmul(torch.randn(2, 128, device=DEV), packed, st)
+    with pytest.raises(ValueError, match="bias"):
+        nf4_matmul(torch.randn(2, 64, device=DEV), packed, st, torch.randn(9, device=DEV))
+    with pytest.raises(ValueError, match="impl"):
+        nf4_matmul(torch.randn(2, 64, device=DEV), packed, st, impl="cuda")
+
+
+def test_forward_only():
+    packed, st = _weight(8, 64)
+    x = torch.randn(2, 64, device=DEV, requires_grad=True)
+    with pytest.raises(RuntimeError, match="forward-only"):
+        nf4_matmul(x, packed, st)
+    with torch.no_grad():  # decode runs under no_grad: fine even for a leaf that requires grad
+        assert nf4_matmul(x, packed, st).shape == (2, 8)
+
+
+def test_empty_rows():
+    packed, st = _weight(8, 64)
+    assert nf4_matmul(torch.randn(0, 64, device=DEV), packed, st).shape == (0, 8)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="tl.dot in bf16 is wrong under the interpreter")
+def test_bf16_on_device():
+    packed, st = _weight(200, 320)
+    _check(torch.randn(8, 320, device=DEV, dtype=torch.bfloat16), packed, st)
