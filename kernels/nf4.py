@@ -30,17 +30,25 @@ _CODE_CACHE: dict = {}
 
 
 @triton.jit
-def _nf4_dequant_kernel(Q, ABSMAX, ABSMAX2, CODE2, OFFSET, NF4, OUT, n_out, n_blocks, BLOCKSIZE: tl.constexpr,
-                        BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr, ROWS: tl.constexpr, HALF: tl.constexpr):
-    # a tile of ROWS quantisation blocks x HALF = BLOCKSIZE/2 packed bytes; absmax computed once per block
-    blk = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    bm = blk < n_blocks
+def block_absmax(ABSMAX, ABSMAX2, CODE2, OFFSET, blk, bm, BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr):
+    """fp32 absmax of quantisation blocks ``blk`` (masked by ``bm``): code2[q] * absmax2 + offset
+    when double-quantised (two roundings, as bitsandbytes), else the stored fp32 absmax."""
     if NESTED:
         qa = tl.load(ABSMAX + blk, mask=bm, other=0).to(tl.int32)
         scaled = tl.load(CODE2 + qa) * tl.load(ABSMAX2 + blk // BLOCKSIZE2, mask=bm, other=0.0)
         amax = scaled + tl.load(OFFSET)
     else:
         amax = tl.load(ABSMAX + blk, mask=bm, other=0.0)
+    return amax
+
+
+@triton.jit
+def _nf4_dequant_kernel(Q, ABSMAX, ABSMAX2, CODE2, OFFSET, NF4, OUT, n_out, n_blocks, BLOCKSIZE: tl.constexpr,
+                        BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr, ROWS: tl.constexpr, HALF: tl.constexpr):
+    # a tile of ROWS quantisation blocks x HALF = BLOCKSIZE/2 packed bytes; absmax computed once per block
+    blk = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    bm = blk < n_blocks
+    amax = block_absmax(ABSMAX, ABSMAX2, CODE2, OFFSET, blk, bm, BLOCKSIZE2, NESTED)
     first = blk[:, None] * BLOCKSIZE + 2 * tl.arange(0, HALF)[None, :]  # element index of each high nibble
     m = first < n_out
     b = tl.load(Q + first // 2, mask=m, other=0).to(tl.int32)

@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from ._common import INTERPRET, check_impl, num_sms
-from .nf4 import _as_state, _code
+from .nf4 import _as_state, _code, block_absmax
 from .nf4_ref import nf4_dequantize_ref
 
 _LOCKS: dict = {}  # device -> int32 counters, all zero between calls
@@ -80,12 +80,7 @@ def _nf4_matmul_kernel(X, Q, ABSMAX, ABSMAX2, CODE2, OFFSET, NF4, BIAS, Y, PART,
             b = tl.load(q_row + byte[None, :], mask=n_ok[:, None] & ok, other=0).to(tl.int32)
             blk = blk_row + c0 // BLOCKSIZE
             bm = n_ok & ok
-            if NESTED:
-                qa = tl.load(ABSMAX + blk, mask=bm, other=0).to(tl.int32)
-                scaled = tl.load(CODE2 + qa) * tl.load(ABSMAX2 + blk // BLOCKSIZE2, mask=bm, other=0.0)
-                amax = scaled + tl.load(OFFSET)
-            else:
-                amax = tl.load(ABSMAX + blk, mask=bm, other=0.0)
+            amax = block_absmax(ABSMAX, ABSMAX2, CODE2, OFFSET, blk, bm, BLOCKSIZE2, NESTED)
             hi = tl.load(NF4 + (b >> 4)) * amax[:, None]
             lo = tl.load(NF4 + (b & 15)) * amax[:, None]
             xm = ok & m_ok[None, :]

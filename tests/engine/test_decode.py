@@ -143,3 +143,29 @@ def test_dense_generation_cache_is_used_once_per_phase():
         cached = decode.generate(pm, ids, mask, cfg)
     assert sum(m.dequants for m in mods) - n0 == len(mods)  # once each for the whole phase
     assert torch.equal(cached, plain)
+
+
+def test_fused_nf4_matmul_is_checked_before_use():
+    """The decode path checks the NF4 matmul against dequantise + GEMM once per weight shape and
+    dequantises shapes it refuses (K=96 is not a multiple of the blocksize) or gets wrong."""
+    from functools import partial
+
+    from kernels.nf4_matmul import nf4_matmul
+
+    pm = _prepared("llama", True)
+    layer = pm.base_model.model.model.layers[0]
+    q, down = (decode._lin(m, "reference", False) for m in (layer.self_attn.q_proj,
+                                                             layer.mlp.down_proj))
+    for lin in (q, down):
+        lin.state = lin.base.state()
+    good = partial(nf4_matmul, impl="reference")
+    decode._CHECKED.clear()
+    assert decode.fused_ok(good, q, torch.float32)  # [64, 64]
+    assert not decode.fused_ok(good, down, torch.float32)  # [64, 96]: refused
+    decode._CHECKED.clear()
+
+    def wrong(x, packed, state):
+        return 1.01 * good(x, packed, state)
+
+    assert not decode.fused_ok(wrong, q, torch.float32)
+    decode._CHECKED.clear()

@@ -12,10 +12,14 @@ patched Llama-like model (Llama, Mistral, Qwen2/2.5, Qwen3) that runs the decode
   (``q [B, Hk, G, D] @ k^T`` in the compute dtype, fp32 softmax over the P + t keys written so far,
   pad keys masked). Projections with fewer than :data:`SMALL_M` rows and an NF4 base run through
   ``kernels.nf4_matmul`` (NF4 dequantised in registers, never stored dense) when it is available
-  on CUDA; otherwise the base weight is dequantised (or read dense, cached by gencache) and
+  on CUDA and agrees with dequantise + GEMM on that weight shape (:func:`fused_ok`, checked
+  once per shape); otherwise the base weight is dequantised (or read dense, cached by gencache) and
   multiplied. LoRA: ``y += s (x A^T) B^T`` with the active adapter.
-* **Sampling** follows HF's processors in HF's order: repetition penalty, temperature, top-k,
-  top-p, min-p, then ``torch.multinomial`` (``do_sample``) or argmax. A row that emits an EOS id
+* **CUDA graph**: the decode step (embedding, every layer, the logits) is captured once per call
+  and replayed for each later token (:class:`_Stepper`), so a token costs its GPU time, not ~1,600
+  Python-level kernel launches; ``WHETSTONE_DECODE_GRAPHS=0`` runs it eagerly.
+* **Sampling** (:mod:`worker.engine.sampling`) follows HF's processors in HF's order: repetition
+  penalty, temperature, top-k, top-p, min-p, then ``torch.multinomial`` (``do_sample``) or argmax. A row that emits an EOS id
   emits ``pad_token_id`` afterwards; the loop stops once every row has finished (checked every
   :data:`SYNC_EVERY` steps, so a few trailing pad columns may follow; callers cut at the first EOS).
 
@@ -34,25 +38,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from worker.engine.sampling import NEUTRAL, _eos_ids, resolve_config, sample, warp  # noqa: F401
+
 log = logging.getLogger("worker.engine.decode")
 
 #: Rows below which an NF4 projection uses the fused NF4 matmul instead of dequantise + GEMM.
 SMALL_M = 64
+PROJ_NAMES = ("q", "k", "v", "o", "gate", "up", "down")
 #: Steps between the host checks of "every row finished".
 SYNC_EVERY = 8
-#: Generation options this path does not implement, with their neutral values (after HF's merge of
-#: the model's and the global defaults): any other value sends the call to HF's ``generate``.
-NEUTRAL = {"num_beams": 1, "num_return_sequences": 1, "no_repeat_ngram_size": 0,
-           "bad_words_ids": None, "forced_bos_token_id": None, "forced_eos_token_id": None,
-           "suppress_tokens": None, "begin_suppress_tokens": None, "typical_p": 1.0,
-           "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "exponential_decay_length_penalty": None,
-           "min_length": 0, "min_new_tokens": None, "top_h": None, "remove_invalid_values": False,
-           "sequence_bias": None, "renormalize_logits": False, "guidance_scale": None,
-           "watermarking_config": None, "output_scores": False, "output_logits": False,
-           "return_dict_in_generate": False, "stop_strings": None, "max_time": None,
-           "output_attentions": False, "output_hidden_states": False, "diversity_penalty": 0.0,
-           "encoder_repetition_penalty": 1.0, "encoder_no_repeat_ngram_size": 0,
-           "prompt_lookup_num_tokens": None, "assistant_model": None}
 
 
 def _nf4_matmul():
@@ -93,6 +87,37 @@ class _Lin:
         if self.A is not None:
             y.addmm_(x2 @ self.A.to(x2.dtype).t(), self.B.to(x2.dtype).t(), alpha=self.scale)
         return y.view(*x.shape[:-1], y.shape[-1])
+
+
+_CHECKED: dict = {}
+
+
+def fused_ok(fused, lin, dtype, rows: int = 8) -> bool:
+    """Whether ``fused`` (the NF4 matmul) runs this projection's weight shape and agrees with
+    dequantise + GEMM there (random x [rows, K] in ``dtype``; relative error under 2e-2 for 16-bit,
+    1e-4 for fp32). Checked once per (device, N, K, dtype) and process; a refusal or a mismatch is
+    logged and that shape is dequantised instead, so a kernel that is wrong on some GPU costs
+    speed, not correctness."""
+    from worker.engine.quant import dense_weight
+
+    W = dense_weight(lin.base, dtype)
+    key = (str(W.device), tuple(W.shape), dtype)
+    if key not in _CHECKED:
+        g = torch.Generator(device=W.device).manual_seed(0)
+        x = torch.randn(rows, W.shape[1], generator=g, device=W.device).to(dtype)
+        try:
+            got = fused(x, lin.base.packed, lin.state).float()
+        except Exception as e:  # noqa: BLE001
+            log.warning("decode: NF4 matmul cannot run %s (%s); dequantising it", key, e)
+            got = None
+        want = (x @ W.t()).float()
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        ok = got is not None and bool(((got - want).norm() <= tol * want.norm()).item())
+        if got is not None and not ok:
+            log.warning("decode: NF4 matmul disagrees with dequantise + GEMM on %s; "
+                        "dequantising it", key)
+        _CHECKED[key] = ok
+    return _CHECKED[key]
 
 
 def _lin(module, impl: str, on_cuda: bool) -> _Lin:
@@ -152,6 +177,12 @@ class _Model:
                 v=_lin(a.v_proj, st.impl, on_cuda), o=_lin(a.o_proj, st.impl, on_cuda),
                 gate=_lin(m.gate_proj, st.impl, on_cuda), up=_lin(m.up_proj, st.impl, on_cuda),
                 down=_lin(m.down_proj, st.impl, on_cuda)))
+        dtype = inner.embed_tokens.weight.dtype
+        for L in self.layers if self.fused is not None else ():
+            for name in PROJ_NAMES:
+                lin = getattr(L, name)
+                if lin.state is not None and not fused_ok(self.fused, lin, dtype):
+                    lin.state = None
         cfg = self.hf.config
         self.window = getattr(cfg, "sliding_window", None) if st.arch.windows.get(
             "sliding_attention") and "sliding_attention" in st.arch.layer_types else None
@@ -206,38 +237,6 @@ class _Model:
         """fp32 logits [B, V] of the last position's hidden state h_last [B, H]."""
         h = self.norm(self.inner.norm, h_last)
         return (h @ self.hf.lm_head.weight.t().to(h.dtype)).float()
-
-
-def warp(logits, ids, cfg):
-    """HF's processors on fp32 logits [B, V] given the ids so far [B, n]: repetition penalty,
-    then (``do_sample``) temperature, top-k, top-p, min-p; removed tokens become -inf."""
-    rp = getattr(cfg, "repetition_penalty", None)
-    if rp is not None and rp != 1.0:
-        got = logits.gather(1, ids)
-        logits = logits.scatter(1, ids, torch.where(got < 0, got * rp, got / rp))
-    if not getattr(cfg, "do_sample", False):
-        return logits
-    t = getattr(cfg, "temperature", None)
-    if t is not None and t != 1.0:
-        logits = logits / t
-    k = getattr(cfg, "top_k", None)
-    if k is not None and 0 < k < logits.shape[-1]:
-        kth = torch.topk(logits, k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    p = getattr(cfg, "top_p", None)
-    if p is not None and p < 1.0:
-        srt, idx = torch.sort(logits, descending=False)
-        cum = srt.softmax(-1).cumsum(-1)
-        drop = cum <= (1 - p)
-        drop[:, -1] = False
-        logits = logits.masked_fill(drop.scatter(1, idx, drop), float("-inf"))
-    mp = getattr(cfg, "min_p", None)
-    if mp is not None and mp > 0:
-        probs = logits.softmax(-1)
-        drop = probs < mp * probs.max(-1, keepdim=True).values
-        drop &= ~(logits == logits.max(-1, keepdim=True).values)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
 
 
 def graphs_enabled(device) -> bool:
@@ -295,26 +294,6 @@ class _Stepper:
             return out
         g.replay()
         return self.out
-
-
-def sample(logits, ids, cfg, generator=None):
-    """Next token ids [B]: argmax, or a draw from softmax(:func:`warp`) when ``do_sample``."""
-    logits = warp(logits, ids, cfg)
-    if not getattr(cfg, "do_sample", False):
-        return logits.argmax(-1)
-    return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(1)
-
-
-def resolve_config(model, generation_config):
-    """The GenerationConfig HF's ``generate`` would use: the given one with the model's and the
-    global defaults filled in (e.g. ``top_k`` 50 when the caller left it None)."""
-    hf = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return hf._prepare_generation_config(generation_config)[0]
-
-
-def _eos_ids(cfg):
-    e = getattr(cfg, "eos_token_id", None)
-    return [] if e is None else ([e] if isinstance(e, int) else list(e))
 
 
 @torch.no_grad()
