@@ -169,3 +169,22 @@ def test_fused_nf4_matmul_is_checked_before_use():
 
     assert not decode.fused_ok(wrong, q, torch.float32)
     decode._CHECKED.clear()
+
+
+def test_sliding_window_and_lora_dropout_fall_back_to_hf():
+    pm = _prepared("mistral", True)  # tiny Mistral: sliding_window 8
+    ids, mask = _prompts()
+    long_cfg = _cfg(eos_token_id=[])
+    assert "sliding window 8 < 17 tokens" in decode.unsupported(pm, long_cfg, {}, 7)
+    said = []
+    with decode.fast_generate(pm, on_log=said.append):
+        out = _hf(pm, ids, mask, long_cfg)
+    assert said[0].startswith("generation: HF generate (sliding window")
+    assert torch.equal(out, _hf(pm, ids, mask, long_cfg))
+    short = _cfg(max_new_tokens=1, eos_token_id=[])  # 7 + 1 <= 8: the engine decodes it
+    assert decode.unsupported(pm, short, {}, 7) is None
+    assert torch.equal(decode.generate(pm, ids, mask, short), _hf(pm, ids, mask, short))
+
+    drop = engine.prepare(tiny_model("llama"), spec(lora_dropout=0.1), impl="reference",
+                          device="cpu")
+    assert "lora_dropout > 0" in decode.unsupported(drop, _cfg(), {}, 7)

@@ -131,9 +131,12 @@ def _lin(module, impl: str, on_cuda: bool) -> _Lin:
     return _Lin(base, getattr(base, "bias", None), A, B, s, state)
 
 
-def unsupported(model, generation_config=None, kwargs=None) -> str | None:
-    """Why :func:`generate` cannot serve this call (None when it can)."""
+def unsupported(model, generation_config=None, kwargs=None, prompt_len: int | None = None
+                ) -> str | None:
+    """Why :func:`generate` cannot serve this call (None when it can); ``prompt_len`` (P, the
+    padded prompt width) lets it check a sliding window against P + max_new_tokens."""
     from worker.engine.engine import engine_state
+    from worker.engine.lora_ops import lora_params
     from worker.engine.patch import LLAMA_LIKE
 
     st = engine_state(model)
@@ -152,6 +155,26 @@ def unsupported(model, generation_config=None, kwargs=None) -> str | None:
                    if getattr(gc, k, neutral) not in (neutral, None, False, 0))
     if other:
         return f"generation options {other}"
+    for name, mod in model.named_modules():
+        if hasattr(mod, "lora_A"):
+            try:
+                lora_params(mod)
+            except ValueError as e:  # dropout > 0 (HF samples with it in train mode), DoRA, ...
+                return f"LoRA on {name}: {e}"
+    window = _window(model, st)
+    if window is not None and prompt_len is not None:
+        total = prompt_len + (gc.max_new_tokens if gc.max_new_tokens is not None
+                              else gc.max_length - prompt_len)
+        if window < total:
+            return f"sliding window {window} < {total} tokens"
+    return None
+
+
+def _window(model, st):
+    """The sliding window of a model whose layers use one, else None."""
+    hf = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if st.arch.windows.get("sliding_attention") and "sliding_attention" in st.arch.layer_types:
+        return getattr(hf.config, "sliding_window", None)
     return None
 
 
@@ -183,9 +206,6 @@ class _Model:
                 lin = getattr(L, name)
                 if lin.state is not None and not fused_ok(self.fused, lin, dtype):
                     lin.state = None
-        cfg = self.hf.config
-        self.window = getattr(cfg, "sliding_window", None) if st.arch.windows.get(
-            "sliding_attention") and "sliding_attention" in st.arch.layer_types else None
 
     def norm(self, mod, x):
         from worker.engine.patch import norm
@@ -301,7 +321,7 @@ def generate(model, input_ids, attention_mask=None, generation_config=None, **kw
     """Sample ``max_new_tokens`` per row of left-padded ``input_ids`` [B, P] (see module doc).
 
     Raises ValueError when :func:`unsupported` gives a reason (callers check it first)."""
-    why = unsupported(model, generation_config, kwargs)
+    why = unsupported(model, generation_config, kwargs, input_ids.shape[1])
     if why:
         raise ValueError(f"fast decoding: {why}")
     hf = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -311,8 +331,6 @@ def generate(model, input_ids, attention_mask=None, generation_config=None, **kw
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     M = _Model(model)
-    if M.window is not None and M.window < P + T:
-        raise ValueError(f"fast decoding: sliding window {M.window} < {P + T} tokens")
     inner, dev = M.inner, input_ids.device
     eos = torch.tensor(_eos_ids(cfg) or [-1], device=dev)
     pad = cfg.pad_token_id if cfg.pad_token_id is not None else (_eos_ids(cfg) or [0])[0]
@@ -360,7 +378,8 @@ def fast_generate(model, on_log=None):
     told = [on_log] if on_log else []
 
     def gen(self, input_ids=None, attention_mask=None, generation_config=None, **kw):
-        why = unsupported(model, generation_config, kw)
+        width = input_ids.shape[1] if input_ids is not None else None
+        why = unsupported(model, generation_config, kw, width)
         if told:
             told.pop()("generation: " + (f"HF generate ({why})" if why else
                                          "engine decoding (static KV cache, fused layers)"))
