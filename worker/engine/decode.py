@@ -306,7 +306,8 @@ class _Stepper:
         torch.cuda.current_stream().wait_stream(side)
         try:
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
+            # thread_local: the worker's heartbeat thread may touch CUDA during the capture
+            with torch.cuda.graph(g, capture_error_mode="thread_local"):
                 self.out = self._run()
             self.graph = g
         except Exception as e:  # noqa: BLE001 (eager decoding is correct, only slower)
