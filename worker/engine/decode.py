@@ -19,8 +19,8 @@ patched Llama-like model (Llama, Mistral, Qwen2/2.5, Qwen3) that runs the decode
   and replayed for each later token (:class:`_Stepper`), so a token costs its GPU time, not ~1,600
   Python-level kernel launches; ``WHETSTONE_DECODE_GRAPHS=0`` runs it eagerly.
 * **Sampling** (:mod:`worker.engine.sampling`) follows HF's processors in HF's order: repetition
-  penalty, temperature, top-k, top-p, min-p, then ``torch.multinomial`` (``do_sample``) or argmax. A row that emits an EOS id
-  emits ``pad_token_id`` afterwards; the loop stops once every row has finished (checked every
+  penalty, temperature, top-k, top-p, min-p, then ``torch.multinomial`` (``do_sample``) or
+  argmax. A row that emits an EOS id emits ``pad_token_id`` afterwards; the loop stops once every row has finished (checked every
   :data:`SYNC_EVERY` steps, so a few trailing pad columns may follow; callers cut at the first EOS).
 
 Returns ids [B, P + n] int64 like HF (prompt then generated tokens). :func:`unsupported` says why a
@@ -250,7 +250,8 @@ class _Model:
             o = (torch.softmax(sc, -1).to(vc.dtype) @ vc).reshape(B, 1, Hq * D)
         h = h + L.o(o, self.fused)
         x = self.norm(L.mod.post_attention_layernorm, h)
-        act = _glu(self.impl)[0](L.gate(x, self.fused), L.up(x, self.fused), self.st.arch.activation)
+        glu = _glu(self.impl)[0]
+        act = glu(L.gate(x, self.fused), L.up(x, self.fused), self.st.arch.activation)
         return h + L.down(act, self.fused)
 
     def logits(self, h_last):
@@ -327,7 +328,8 @@ def generate(model, input_ids, attention_mask=None, generation_config=None, **kw
         raise ValueError(f"fast decoding: {why}")
     hf = model.get_base_model() if hasattr(model, "get_base_model") else model
     cfg = resolve_config(model, generation_config)
-    T = cfg.max_new_tokens if cfg.max_new_tokens is not None else cfg.max_length - input_ids.shape[1]
+    T = cfg.max_new_tokens if cfg.max_new_tokens is not None \
+        else cfg.max_length - input_ids.shape[1]
     B, P = input_ids.shape
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
