@@ -22,7 +22,7 @@ for s in ${STAGES:-tests nf4 gen grpo train}; do
   case $s in
     tests) TAIL=30 stage gpu_tests 200 python3 -m pytest -q -x --import-mode=append -p no:cacheprovider \
              tests/gpu/test_decode_gpu.py tests/gpu/test_engine_gpu.py tests/gpu/test_kernels_gpu.py ;;
-    nf4) stage nf4_bench 90 python3 bench/nf4_matmul_bench.py ;;
+    nf4) stage nf4_bench 200 python3 bench/nf4_matmul_bench.py --sweep ;;
     gen) TAIL=20 stage gen_profile 120 python3 bench/profile_step.py gen qlora 256 8 64 ;;
     grpo) stage grpo_256 170 python3 bench/grpo_step.py --prompt-len 256 --completion-len 256 \
             --num-generations 8 --steps 4 ;;
