@@ -188,3 +188,50 @@ def test_sliding_window_and_lora_dropout_fall_back_to_hf():
     drop = engine.prepare(tiny_model("llama"), spec(lora_dropout=0.1), impl="reference",
                           device="cpu")
     assert "lora_dropout > 0" in decode.unsupported(drop, _cfg(), {}, 7)
+
+
+def test_one_token_prompt_equals_hf():
+    pm = _prepared("llama", True)
+    ids, mask = torch.tensor([[5], [9]]), torch.ones(2, 1, dtype=torch.long)
+    cfg = _cfg(eos_token_id=[])
+    assert torch.equal(decode.generate(pm, ids, mask, cfg), _hf(pm, ids, mask, cfg))
+
+
+class _Stop(BaseException):
+    pass
+
+
+@pytest.mark.parametrize("engine_path", [True, False])
+def test_check_abandons_a_long_generation(engine_path):
+    """A stop request (JobContext.check raising) ends generation within SYNC_EVERY tokens on the
+    engine's path and after one token on HF's, instead of running max_new_tokens."""
+    pm = _prepared("llama", True)
+    ids, mask = _prompts()
+    calls = []
+
+    def check():
+        calls.append(1)
+        if len(calls) >= 2:
+            raise _Stop()
+
+    extra = {} if engine_path else {"no_repeat_ngram_size": 3}  # an option only HF implements
+    cfg = _cfg(max_new_tokens=100, eos_token_id=[], **extra)
+    said = []
+    with decode.fast_generate(pm, on_log=said.append, check=check), pytest.raises(_Stop):
+        _hf(pm, ids, mask, cfg)
+    assert said[0].startswith("generation: engine" if engine_path else "generation: HF")
+    assert len(calls) == 2
+
+
+def test_unpatched_model_is_routed_to_hf_and_says_so():
+    from peft import get_peft_model
+
+    from worker.engine.engine import lora_config
+
+    pm = get_peft_model(tiny_model("llama"), lora_config(spec())).eval()
+    ids, mask = _prompts()
+    said = []
+    with decode.fast_generate(pm, on_log=said.append):
+        out = _hf(pm, ids, mask, _cfg(eos_token_id=[]))
+    assert out.shape == (3, 7 + NEW)
+    assert said == ["generation: HF generate (the engine is not patched on this model)"]

@@ -137,3 +137,36 @@ def test_custom_rewards_need_permission(studio):
     run, job = _run(studio, owner="mallory", dataset=studio["toy"], max_steps=1,
                     **{**TOY, "rewards": [{"name": "custom", "params": {"source": src}}]})
     assert job.state == JobState.FAILED and "not allowed" in job.error
+
+
+def test_cancel_stops_a_long_generation(studio):
+    """Cancel during a rollout ends the job within seconds, before the step completes (the
+    generator checks the job's stop flags while it decodes)."""
+    import threading
+    import time
+
+    run, job = repo.create_run(studio["engine"], GrpoSpec(
+        model="stories260K", dataset=studio["toy"], max_steps=2,
+        **{**TOY, "max_completion_length": 512, "per_device_train_batch_size": 64}), kind="grpo")
+    seen = {}
+
+    def cancel_when_generating():
+        t_end = time.monotonic() + 120
+        while time.monotonic() < t_end:
+            logs = [e.data.get("message", "") for e in events.since(
+                studio["engine"], job.id, 0, 100000, ["log"])]
+            if any(m.startswith("generation:") for m in logs):
+                seen["t"] = time.monotonic()
+                queue.cancel(studio["engine"], job.id)
+                return
+            time.sleep(0.05)
+
+    th = threading.Thread(target=cancel_when_generating)
+    th.start()
+    studio["worker"].serve(once=True)
+    th.join()
+    done = time.monotonic()
+    job = queue.get_job(studio["engine"], job.id)
+    assert "t" in seen and job.state == JobState.CANCELLED, (job.state, job.error)
+    assert done - seen["t"] < 5
+    assert not [m for m in _events(studio, job.id, "metric") if m.get("step")]

@@ -413,3 +413,29 @@ def test_upload_form_names_the_prompt_column(env):
     assert r.status_code == 201, r.text
     run = repo.run_with_job(env["engine"], r.json()["id"])[0]
     assert run.spec["prompt_column"] == "task" and run.spec["answer_column"] == "gold"
+
+
+def test_completion_longer_than_the_context_is_refused(env, tmp_path):
+    """A max_completion_length beyond the model's max_position_embeddings is a field error (form
+    and API), not a run that generates past the window (or for hours) on the worker."""
+    from app.data.model_config import completion_too_long, context_length
+
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"max_position_embeddings": 512}))
+    assert context_length(folder) == 512 and context_length(tmp_path / "none") is None
+    assert completion_too_long(512, folder, "m") is None
+    model = repo.get_model(env["engine"], "stories260K")
+    repo.update_model(env["engine"], model.id, path=str(folder), status="ready")
+    c = env["client"]
+    body = {"model": "stories260K", "dataset": env["dataset"], "name": "long",
+            "rewards": [{"name": "numeric_match"}], "max_steps": 2,
+            "max_completion_length": 100000}
+    r = c.post("/api/runs/grpo", json=body)
+    assert r.status_code == 422, r.text
+    assert "max_completion_length" in r.text and "512 tokens" in r.text
+    r = c.post("/runs/grpo", data=_form(env["dataset"], max_completion_length="4096"),
+               headers={"HX-Request": "true"})
+    assert "longer than stories260K&#39;s context window" in r.text or \
+        "longer than stories260K's context window" in r.text
+    assert c.post("/api/runs/grpo", json={**body, "max_completion_length": 512}).status_code == 201

@@ -216,7 +216,7 @@ class _Model:
     def layer(self, L, h, cos, sin, kc, vc, col, keymask):
         """One decoder layer over h [B, S, H]; returns h.
 
-        Prefill (S > 1, ``col`` 0): k/v go to cache columns [0, S); keymask [B, 1, S, S] bool
+        Prefill (``col`` the int 0, any S): k/v go to cache columns [0, S); keymask [B, 1, S, S] bool
         (True = attend: causal, pad keys hidden). Decode (S == 1, ``col`` a 1-element int64
         tensor, so a CUDA graph can replay it): k/v go to column ``col``; the query attends to
         every cache column where keymask [B, P + T] (the valid-key map) is True."""
@@ -235,7 +235,7 @@ class _Model:
             q, k = self.norm(a.q_norm, q), self.norm(a.k_norm, k)
         q, k = rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin, impl=self.impl)
         Hq, Hk = q.shape[1], k.shape[1]
-        if S > 1:  # prefill: SDPA with the padded causal mask
+        if not torch.is_tensor(col):  # prefill (any width, 1 included): SDPA, padded causal mask
             kc[:, :, :S], vc[:, :, :S] = k, v
             rep = Hq // Hk
             o = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1),
@@ -320,10 +320,13 @@ class _Stepper:
 
 
 @torch.no_grad()
-def generate(model, input_ids, attention_mask=None, generation_config=None, **kwargs):
+def generate(model, input_ids, attention_mask=None, generation_config=None, check=None,
+             **kwargs):
     """Sample ``max_new_tokens`` per row of left-padded ``input_ids`` [B, P] (see module doc).
 
-    Raises ValueError when :func:`unsupported` gives a reason (callers check it first)."""
+    ``check()`` (optional) is called every :data:`SYNC_EVERY` tokens; it raises to abandon the
+    generation (a cancelled job). Raises ValueError when :func:`unsupported` gives a reason
+    (callers check it first)."""
     why = unsupported(model, generation_config, kwargs, input_ids.shape[1])
     if why:
         raise ValueError(f"fast decoding: {why}")
@@ -365,6 +368,8 @@ def generate(model, input_ids, attention_mask=None, generation_config=None, **kw
         ids[:, P + t] = tok
         done |= torch.isin(tok, eos)
         n = t + 1
+        if (t + 1) % SYNC_EVERY == 0 and check is not None:
+            check()
         if t == T - 1 or ((t + 1) % SYNC_EVERY == 0 and bool(done.all())):
             break
         logits = step(tok, nxt_pos, P + t)
@@ -373,10 +378,26 @@ def generate(model, input_ids, attention_mask=None, generation_config=None, **kw
     return ids[:, :P + n]
 
 
+def _stop_criteria(check):
+    """A transformers StoppingCriteria that calls ``check()`` after every token (it raises to
+    abandon the generation) and never stops a row itself."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class _Check(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kw):
+            check()
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    return StoppingCriteriaList([_Check()])
+
+
 @contextlib.contextmanager
-def fast_generate(model, on_log=None):
+def fast_generate(model, on_log=None, check=None):
     """Within the block ``model.generate`` (PEFT and HF) takes :func:`generate` whenever
-    :func:`unsupported` allows, else HF's own; the first choice is told to ``on_log``."""
+    :func:`unsupported` allows, else HF's own (any model, patched or not); the first choice is
+    told to ``on_log`` as a ``generation: ...`` line. ``check()`` is called while generating
+    (every :data:`SYNC_EVERY` tokens on the engine's path, every token on HF's) and may raise to
+    abandon the generation, so a cancel does not wait for a long rollout to end."""
     hf = model.get_base_model() if hasattr(model, "get_base_model") else model
     orig = hf.generate
     told = [on_log] if on_log else []
@@ -388,9 +409,11 @@ def fast_generate(model, on_log=None):
             told.pop()("generation: " + (f"HF generate ({why})" if why else
                                          "engine decoding (static KV cache, fused layers)"))
         if why:
+            if check is not None and "stopping_criteria" not in kw:
+                kw["stopping_criteria"] = _stop_criteria(check)
             return orig(input_ids=input_ids, attention_mask=attention_mask,
                         generation_config=generation_config, **kw)
-        return generate(model, input_ids, attention_mask, generation_config)
+        return generate(model, input_ids, attention_mask, generation_config, check=check)
 
     hf.generate = types.MethodType(gen, hf)
     try:

@@ -153,11 +153,15 @@ class Scorer:
 
 # ---- the trainer --------------------------------------------------------------------------
 def make_trainer(model, tokenizer, train_dataset, args, scorer: Scorer, max_prompt_length: int,
-                 callbacks=(), on_log: Callable[[str], None] | None = None):
+                 callbacks=(), on_log: Callable[[str], None] | None = None,
+                 check: Callable[[], None] | None = None):
     """A GRPOTrainer subclass wired to our rewards, advantages, prompt handling and the engine.
 
     ``on_log`` is told once what the first generation phase held dense (NF4 cache, see
-    :mod:`worker.engine.gencache`)."""
+    :mod:`worker.engine.gencache`) and which generator ran it (``generation: ...``, see
+    :func:`worker.engine.decode.fast_generate`). ``check()`` is called while completions are
+    generated and raises to abandon the step (cancel, lease lost, shutdown: the job's
+    ``JobContext.check``), so a stop does not wait for a long rollout."""
     import torch
     from trl import GRPOTrainer
 
@@ -194,16 +198,17 @@ def make_trainer(model, tokenizer, train_dataset, args, scorer: Scorer, max_prom
         def _generate(self, prompts):
             lm = self.accelerator.unwrap_model(self.model)
             st = engine_state(lm)
+            say = told.pop() if told else None
             if st is None:
-                return super()._generate(prompts)
+                with fast_generate(lm, on_log=say, check=check):
+                    return super()._generate(prompts)
             cfg = lm.config.get_text_config()
             dtype_bytes = torch.finfo(lm.get_input_embeddings().weight.dtype).bits // 8
             reserve = generation_reserve(cfg, len(prompts),
                                          max_prompt_length + self.max_completion_length,
                                          dtype_bytes)
-            say = told.pop() if told else None
             with dense_generation(lm, st.vram_budget_gib, reserve=reserve, on_log=say), \
-                    fast_generate(lm, on_log=say):
+                    fast_generate(lm, on_log=say, check=check):
                 return super()._generate(prompts)
 
         def _generate_and_score_completions(self, inputs):

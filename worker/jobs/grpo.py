@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from app.data.model_config import completion_too_long
 from app.store.specs import GrpoSpec
 from worker import gpu
 from worker.context import JobContext, JobError
@@ -69,6 +70,9 @@ def run(ctx: JobContext) -> dict[str, Any]:
     ctx.check()
 
     # ---- model, LoRA, rewards, trainer ----------------------------------------------------
+    problem = completion_too_long(spec.max_completion_length, model_row.path, model_row.name)
+    if problem:
+        raise JobError(f"max_completion_length: {problem}")
     model, optim = common.lora_model(ctx, spec, model_row, cuda)
     tokenizer = sft.load_tokenizer(model_row.path, chosen.source)
     functions = build(spec, prompts.answer_column)
@@ -82,7 +86,8 @@ def run(ctx: JobContext) -> dict[str, Any]:
                                       on_stop=lambda r: ctx.log(f"stopping training ({r})"),
                                       sample_every=spec.sample_every)
     trainer = grpo.make_trainer(model, tokenizer, prompts.dataset, args, scorer,
-                                spec.max_prompt_length, [callback], on_log=ctx.log)
+                                spec.max_prompt_length, [callback], on_log=ctx.log,
+                                check=ctx.check)
     holder["trainer"] = trainer
     if spec.beta > 0:
         ctx.log(f"KL to the reference policy (beta={spec.beta:g}): the base model with the "

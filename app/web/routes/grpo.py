@@ -16,6 +16,7 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from app.data.errors import DatasetError
+from app.data.model_config import completion_too_long
 from app.data.prompts import inspect_prompts
 from app.store import repo
 from app.store.schema import Dataset, new_id
@@ -50,11 +51,15 @@ def current_user(request: Request) -> str | None:
 
 
 def create_grpo_run(engine, settings, spec: GrpoSpec, name: str | None, owner: str | None):
-    """Check permission, model and dataset, then create the run and queue its ``grpo`` job."""
+    """Check permission, model (a completion must fit its context window) and dataset, then
+    create the run and queue its ``grpo`` job."""
     if spec.has_custom_rewards and not settings.custom_rewards_allowed(owner):
         raise FieldError("rewards", "custom Python rewards are not allowed for this user; an "
                                     "admin allows them with WHETSTONE_ALLOW_CUSTOM_REWARDS")
-    usable_model(engine, spec)
+    model = usable_model(engine, spec)
+    problem = completion_too_long(spec.max_completion_length, model.path, model.name)
+    if problem:
+        raise FieldError("max_completion_length", problem)
     ds = usable_dataset(engine, spec)
     spec = with_dataset_columns(spec, ds)
     check_columns(spec, ds)
