@@ -77,9 +77,26 @@ async def report_for(path: str, model: Model | None, template_choice: str | None
     return report
 
 
+async def _prompts_report(path: Path, sft_error: DatasetError) -> dict | None:
+    """The prompt-dataset report of a file that is no SFT dataset (GSM8K rows, OpenAI RFT rows
+    whose messages end on a user turn), with the SFT reason kept; None when it is neither."""
+    from app.data.prompts import inspect_prompts
+
+    try:
+        report = await run_in_threadpool(inspect_prompts, str(path), None, None)
+    except DatasetError:
+        return None
+    return {**report, "format": "prompts", "sft_error": str(sft_error)}
+
+
 async def upload_dataset(request: Request, settings: Settings, engine: Engine,
-                         purpose_required: bool = False) -> tuple[Dataset, dict[str, str]]:
+                         purpose_required: bool = False, prompts_fallback: bool = False
+                         ) -> tuple[Dataset, dict[str, str]]:
     """Receive a multipart upload, validate it with the dataset layer and record it.
+
+    ``prompts_fallback`` (the OpenAI Files API, where SFT and reinforcement files share
+    ``purpose="fine-tune"``): a file that is no SFT dataset but a GRPO prompt dataset is recorded
+    as one (format ``prompts``; an SFT job on it is refused with the reason).
 
     Raises:
         UploadError: transport problems (size limit → 413, no file, empty file).
@@ -107,9 +124,11 @@ async def upload_dataset(request: Request, settings: Settings, engine: Engine,
         model = default_model(engine)
         report = await report_for(str(final), model, None,
                                   TrainSpec.model_fields["max_seq_length"].default, settings)
-    except DatasetError:
-        final.unlink(missing_ok=True)
-        raise
+    except DatasetError as exc:
+        report = await _prompts_report(final, exc) if prompts_fallback else None
+        if report is None:
+            final.unlink(missing_ok=True)
+            raise
     except Exception:
         final.unlink(missing_ok=True)
         raise

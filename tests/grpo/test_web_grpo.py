@@ -439,3 +439,32 @@ def test_completion_longer_than_the_context_is_refused(env, tmp_path):
     assert "longer than stories260K&#39;s context window" in r.text or \
         "longer than stories260K's context window" in r.text
     assert c.post("/api/runs/grpo", json={**body, "max_completion_length": 512}).status_code == 201
+
+
+def test_openai_files_accepts_prompt_files_for_reinforcement(env, server, tmp_path):
+    """GSM8K rows and OpenAI RFT rows (messages ending on a user turn) upload through /v1/files
+    as prompt datasets; a reinforcement job runs on them, an SFT job is refused with the reason."""
+    import openai
+
+    client = openai.OpenAI(base_url=server + "/v1", api_key="local", max_retries=0, timeout=60)
+    rft = tmp_path / "rft.jsonl"
+    rft.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"{i} + 1?"}],
+                                       "answer": str(i + 1)}) + "\n" for i in range(6)))
+    for path in (GSM8K, rft):
+        with open(path, "rb") as fh:
+            f = client.files.create(file=fh, purpose="fine-tune")
+        ds = repo.get_dataset(env["engine"], f.id)
+        assert f.status == "processed" and ds.format == "prompts"
+        assert "answer" in ds.report["columns"] and ds.report["sft_error"]
+        job = client.fine_tuning.jobs.create(
+            model="stories260K", training_file=f.id, method={
+                "type": "reinforcement", "reinforcement": {"grader": {
+                    "type": "string_check", "name": "ok", "operation": "eq",
+                    "input": "{{sample.output_text}}", "reference": "{{item.answer}}"}}})
+        assert job.status == "queued"
+        with pytest.raises(openai.BadRequestError, match="GRPO prompt dataset"):
+            client.fine_tuning.jobs.create(model="stories260K", training_file=f.id)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"x": 1}\n')
+    with open(bad, "rb") as fh, pytest.raises(openai.BadRequestError, match="invalid training"):
+        client.files.create(file=fh, purpose="fine-tune")

@@ -1,7 +1,8 @@
 """The OpenAI Files API under /v1: uploads (``purpose="fine-tune"``) are our datasets (``file-…``).
 
-Every dataset format the studio reads is accepted; a file that cannot be used is refused with an
-OpenAI-shaped 400 naming the row and field.
+Every dataset format the studio reads is accepted, and GRPO prompt files (GSM8K rows, OpenAI RFT
+rows whose messages end on a user turn) for reinforcement jobs; a file that cannot be used is
+refused with an OpenAI-shaped 400 naming the row and field.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def file_object(ds: Dataset) -> dict[str, Any]:
 async def create_file(request: Request):
     try:
         ds, _ = await upload_dataset(request, get_settings(request), get_engine(request),
-                                     purpose_required=True)
+                                     purpose_required=True, prompts_fallback=True)
     except UploadError as exc:
         raise ApiError(exc.status, exc.message, exc.param, "invalid_file") from None
     except DatasetError as exc:

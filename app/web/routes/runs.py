@@ -223,9 +223,11 @@ def create_checked(engine, spec: TrainSpec, name: str | None = None):
         raise FieldError("chat_template", problem)
     ds = usable_dataset(engine, spec)
     if ds.format == "prompts":
+        why = (ds.report or {}).get("sft_error")
         raise FieldError("dataset", f"dataset {ds.filename!r} is a GRPO prompt dataset (prompts "
-                                    f"without responses to train on), not an SFT dataset; start "
-                                    f"a GRPO run on it at /runs/new/grpo?dataset={ds.id}")
+                                    f"without responses to train on), not an SFT dataset"
+                                    + (f" ({why})" if why else "") + "; start a GRPO run on it "
+                                    f"at /runs/new/grpo?dataset={ds.id}")
     return repo.create_run(engine, spec, name=name)
 
 
