@@ -41,7 +41,7 @@ class LoraTrainingFields(BaseModel):
     defaults differ from SFT's); the validators apply to whichever declaration is in force.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     spec_version: Literal[1] = 1
     model: str = Field(description="registered model id or name")
@@ -104,7 +104,7 @@ class TrainSpec(LoraTrainingFields):
 class ExportSpec(BaseModel):
     """Export a run's result (spec_version 1): adapter, merged 16-bit, GGUF or Ollama."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     spec_version: Literal[1] = 1
     run_id: str
@@ -125,7 +125,7 @@ class ExportSpec(BaseModel):
 class ImportModelSpec(BaseModel):
     """Make a registered model ready: download from the Hub, copy a folder, or convert llama2.c."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     spec_version: Literal[1] = 1
     model_id: str
@@ -178,7 +178,7 @@ class RewardSpec(BaseModel):
       ``timeout_s`` (5), ``memory_mb`` (512).
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     name: str
     weight: float = 1.0

@@ -192,6 +192,9 @@ def test_spec_validation_and_registry():
         RewardSpec(name="custom", params={"source": "def reward(:"})
     with pytest.raises(ValidationError, match="target_tokens"):
         RewardSpec(name="length_penalty")
+    for field in ("temperature", "learning_rate", "beta"):  # NaN/inf: "finite", not a range
+        with pytest.raises(ValidationError, match=f"{field}\n  Input should be a finite number"):
+            GrpoSpec(model="m", dataset="d", rewards=[{"name": "format"}], **{field: float("nan")})
 
 
 def test_contains_negate_and_similarity():
