@@ -26,6 +26,8 @@ for s in ${STAGES:-tests nf4 gen grpo train}; do
     gen) TAIL=20 stage gen_profile 120 python3 bench/profile_step.py gen qlora 256 8 64 ;;
     grpo) stage grpo_256 170 python3 bench/grpo_step.py --prompt-len 256 --completion-len 256 \
             --num-generations 8 --steps 4 ;;
+    grpo16) stage grpo_256x16 170 python3 bench/grpo_step.py --prompt-len 256 --completion-len 256 \
+              --num-generations 8 --prompts-per-step 2 --steps 4 ;;
     grpo1k) stage grpo_1024 200 python3 bench/grpo_step.py --prompt-len 1024 --completion-len 1024 \
               --num-generations 8 --steps 3 ;;
     train) stage train_2048 120 python3 bench/train_step.py qlora 2048 2 6 ;;

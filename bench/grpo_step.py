@@ -112,7 +112,8 @@ def run(args) -> dict:
         rewards=[{"name": "length_penalty", "params": {"target_tokens": clen}}],  # replaced below
         num_generations=gens, max_prompt_length=plen, max_completion_length=clen,
         temperature=1.0, top_p=1.0, beta=0.04, learning_rate=5e-6,
-        per_device_train_batch_size=gens, gradient_accumulation_steps=1, max_steps=args.steps,
+        per_device_train_batch_size=gens * args.prompts_per_step, gradient_accumulation_steps=1,
+        max_steps=args.steps,
         r=16, lora_alpha=16, lora_dropout=0.0, target_modules=TARGETS,
         load_in_4bit=qlora, seed=3407, logging_steps=1, vram_budget_gib=args.budget)
     transformers.set_seed(spec.seed)
@@ -167,6 +168,7 @@ def run(args) -> dict:
         bench="grpo", impl="whetstone", config="qlora" if qlora else "lora",
         cfg=f"whetstone_{'qlora' if qlora else 'lora'}", prompt_len=plen, completion_len=clen,
         num_generations=gens, steps=args.steps, step_s=round(med, 2),
+        completions_per_step=spec.per_device_train_batch_size,
         peak_alloc_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
         peak_reserved_gib=round(torch.cuda.max_memory_reserved() / 2**30, 2) if cuda else None,
         mem_after_load_gib=round(mem_after_load, 2), load_s=round(t_load, 1),
@@ -189,6 +191,9 @@ def main(argv=None):
     ap.add_argument("--completion-len", type=int, default=256)
     ap.add_argument("--num-generations", type=int, default=8)
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--prompts-per-step", type=int, default=1,
+                    help="prompts (groups of num_generations) per step; 2 matches the 16 "
+                         "completions a step Unsloth's trainer runs in the anchor")
     ap.add_argument("--model-dir", default=None, help="load a saved model (anchors.py make)")
     ap.add_argument("--budget", type=float, default=None, help="VRAM budget in GiB (engine)")
     ap.add_argument("--lora", action="store_true", help="bf16 LoRA instead of QLoRA")
