@@ -160,7 +160,10 @@ def test_fused_nf4_matmul_is_checked_before_use():
         lin.state = lin.base.state()
     good = partial(nf4_matmul, impl="reference")
     decode._CHECKED.clear()
+    n0 = q.base.dequants
     assert decode.fused_ok(good, q, torch.float32)  # [64, 64]
+    assert decode.fused_ok(good, q, torch.float32)  # cached: no second dequantisation
+    assert q.base.dequants == n0 + 1
     assert not decode.fused_ok(good, down, torch.float32)  # [64, 96]: refused
     decode._CHECKED.clear()
 

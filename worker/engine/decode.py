@@ -101,9 +101,10 @@ def fused_ok(fused, lin, dtype, rows: int = 8) -> bool:
     speed, not correctness."""
     from worker.engine.quant import dense_weight
 
-    W = dense_weight(lin.base, dtype)
-    key = (str(W.device), tuple(W.shape), dtype)
+    base = lin.base
+    key = (str(base.packed.device), (base.out_features, base.in_features), dtype)
     if key not in _CHECKED:
+        W = dense_weight(base, dtype)
         g = torch.Generator(device=W.device).manual_seed(0)
         x = torch.randn(rows, W.shape[1], generator=g, device=W.device).to(dtype)
         try:
