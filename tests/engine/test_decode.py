@@ -13,6 +13,7 @@ from transformers import GenerationConfig
 
 from tests.engine.conftest import randomise_lora, spec, stories_nf4, tiny_model
 from worker.engine import decode, engine
+from worker.engine.decode_proj import CHECKED, decode_proj, fused_ok
 
 NEW = 10
 
@@ -154,24 +155,24 @@ def test_fused_nf4_matmul_is_checked_before_use():
 
     pm = _prepared("llama", True)
     layer = pm.base_model.model.model.layers[0]
-    q, down = (decode._lin(m, "reference", False) for m in (layer.self_attn.q_proj,
+    q, down = (decode_proj(m, "reference", False) for m in (layer.self_attn.q_proj,
                                                              layer.mlp.down_proj))
     for lin in (q, down):
         lin.state = lin.base.state()
     good = partial(nf4_matmul, impl="reference")
-    decode._CHECKED.clear()
+    CHECKED.clear()
     n0 = q.base.dequants
-    assert decode.fused_ok(good, q, torch.float32)  # [64, 64]
-    assert decode.fused_ok(good, q, torch.float32)  # cached: no second dequantisation
+    assert fused_ok(good, q, torch.float32)  # [64, 64]
+    assert fused_ok(good, q, torch.float32)  # cached: no second dequantisation
     assert q.base.dequants == n0 + 1
-    assert not decode.fused_ok(good, down, torch.float32)  # [64, 96]: refused
-    decode._CHECKED.clear()
+    assert not fused_ok(good, down, torch.float32)  # [64, 96]: refused
+    CHECKED.clear()
 
     def wrong(x, packed, state):
         return 1.01 * good(x, packed, state)
 
-    assert not decode.fused_ok(wrong, q, torch.float32)
-    decode._CHECKED.clear()
+    assert not fused_ok(wrong, q, torch.float32)
+    CHECKED.clear()
 
 
 def test_sliding_window_and_lora_dropout_fall_back_to_hf():

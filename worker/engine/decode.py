@@ -10,11 +10,11 @@ patched Llama-like model (Llama, Mistral, Qwen2/2.5, Qwen3) that runs the decode
   mask that hides pad keys; k and v (after RoPE) are written to a cache [B, Hk, P + T, D] per layer.
 * **Decode** of one token per row per step: the same layer with the query attending to the cache
   (``q [B, Hk, G, D] @ k^T`` in the compute dtype, fp32 softmax over the P + t keys written so far,
-  pad keys masked). Projections with fewer than :data:`SMALL_M` rows and an NF4 base run through
-  ``kernels.nf4_matmul`` (NF4 dequantised in registers, never stored dense) when it is available
-  on CUDA and agrees with dequantise + GEMM on that weight shape (:func:`fused_ok`, checked
-  once per shape); otherwise the base weight is dequantised (or read dense, cached by gencache) and
-  multiplied. LoRA: ``y += s (x A^T) B^T`` with the active adapter.
+  pad keys masked). Projections (:mod:`worker.engine.decode_proj`) with fewer than 64 rows and
+  an NF4 base run through ``kernels.nf4_matmul`` (NF4 dequantised in registers, never stored
+  dense) when it is available on CUDA and agrees with dequantise + GEMM on that weight shape
+  (``fused_ok``, checked once per shape); otherwise the base weight is dequantised (or read dense,
+  cached by gencache) and multiplied. LoRA: ``y += s (x A^T) B^T`` with the active adapter.
 * **CUDA graph**: the decode step (embedding, every layer, the logits) is captured once per call
   and replayed for each later token (:class:`_Stepper`), so a token costs its GPU time, not ~1,600
   Python-level kernel launches; ``WHETSTONE_DECODE_GRAPHS=0`` runs it eagerly.
@@ -34,103 +34,21 @@ import contextlib
 import logging
 import os
 import types
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from worker.engine.decode_proj import decode_proj, fused_ok, nf4_matmul_kernel
 from worker.engine.sampling import NEUTRAL, _eos_ids, resolve_config, sample, warp  # noqa: F401
 
 log = logging.getLogger("worker.engine.decode")
 
-#: Rows below which an NF4 projection uses the fused NF4 matmul instead of dequantise + GEMM.
-SMALL_M = 64
-PROJ_NAMES = ("q", "k", "v", "o", "gate", "up", "down")
+#: The decoder's projections and their modules in a Llama-like decoder layer.
+PROJ_PATHS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
+              "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj",
+              "down": "mlp.down_proj"}
 #: Steps between the host checks of "every row finished".
 SYNC_EVERY = 8
-
-
-def _nf4_matmul():
-    try:
-        from kernels.nf4_matmul import nf4_matmul
-    except ImportError:
-        return None
-    return nf4_matmul
-
-
-@dataclass
-class _Lin:
-    """One projection resolved for a generate call: base (NF4Linear or Linear), bias, LoRA."""
-
-    base: torch.nn.Module
-    bias: torch.Tensor | None
-    A: torch.Tensor | None
-    B: torch.Tensor | None
-    scale: float
-    state: object = None  # NF4State for the fused NF4 matmul
-
-    def __call__(self, x: torch.Tensor, fused) -> torch.Tensor:
-        from worker.engine.quant import dense_weight
-
-        x2 = x.reshape(-1, x.shape[-1])
-        if self.state is not None and fused is not None and x2.shape[0] < SMALL_M \
-                and getattr(self.base, "_dense", None) is None:
-            try:
-                y = fused(x2, self.base.packed, self.state)
-            except Exception as e:  # noqa: BLE001 (a kernel that cannot run this shape)
-                log.warning("decode: NF4 matmul failed (%s); dequantising this weight instead", e)
-                self.state = None
-                return self(x, fused)
-        else:
-            y = x2 @ dense_weight(self.base, x2.dtype).t()
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
-        if self.A is not None:
-            y.addmm_(x2 @ self.A.to(x2.dtype).t(), self.B.to(x2.dtype).t(), alpha=self.scale)
-        return y.view(*x.shape[:-1], y.shape[-1])
-
-
-_CHECKED: dict = {}
-
-
-def fused_ok(fused, lin, dtype, rows: int = 8) -> bool:
-    """Whether ``fused`` (the NF4 matmul) runs this projection's weight shape and agrees with
-    dequantise + GEMM there (random x [rows, K] in ``dtype``; relative error under 2e-2 for 16-bit,
-    1e-4 for fp32). Checked once per (device, N, K, dtype) and process; a refusal or a mismatch is
-    logged and that shape is dequantised instead, so a kernel that is wrong on some GPU costs
-    speed, not correctness."""
-    from worker.engine.quant import dense_weight
-
-    base = lin.base
-    key = (str(base.packed.device), (base.out_features, base.in_features), dtype)
-    if key not in _CHECKED:
-        W = dense_weight(base, dtype)
-        g = torch.Generator(device=W.device).manual_seed(0)
-        x = torch.randn(rows, W.shape[1], generator=g, device=W.device).to(dtype)
-        try:
-            got = fused(x, lin.base.packed, lin.state).float()
-        except Exception as e:  # noqa: BLE001
-            log.warning("decode: NF4 matmul cannot run %s (%s); dequantising it", key, e)
-            got = None
-        want = (x @ W.t()).float()
-        tol = 1e-4 if dtype == torch.float32 else 2e-2
-        ok = got is not None and bool(((got - want).norm() <= tol * want.norm()).item())
-        if got is not None and not ok:
-            log.warning("decode: NF4 matmul disagrees with dequantise + GEMM on %s; "
-                        "dequantising it", key)
-        _CHECKED[key] = ok
-    return _CHECKED[key]
-
-
-def _lin(module, impl: str, on_cuda: bool) -> _Lin:
-    from worker.engine.lora_ops import lora_params
-    from worker.engine.quant import NF4Linear
-
-    lp = lora_params(module)  # raises ValueError for a variant the fused path cannot run
-    base = getattr(module, "base_layer", module)
-    A, B, s = lp if lp is not None else (None, None, 0.0)
-    state = base.state() if isinstance(base, NF4Linear) and impl == "triton" and on_cuda else None
-    return _Lin(base, getattr(base, "bias", None), A, B, s, state)
 
 
 def unsupported(model, generation_config=None, kwargs=None, prompt_len: int | None = None
@@ -192,19 +110,15 @@ class _Model:
         self.inner, self.impl = inner, st.impl
         dev = inner.embed_tokens.weight.device
         on_cuda = dev.type == "cuda"
-        self.fused = _nf4_matmul() if (st.impl == "triton" and on_cuda) else None
+        self.fused = nf4_matmul_kernel() if (st.impl == "triton" and on_cuda) else None
         self.layers = []
         for layer in inner.layers:
-            a, m = layer.self_attn, layer.mlp
-            self.layers.append(types.SimpleNamespace(
-                mod=layer, attn=a,
-                q=_lin(a.q_proj, st.impl, on_cuda), k=_lin(a.k_proj, st.impl, on_cuda),
-                v=_lin(a.v_proj, st.impl, on_cuda), o=_lin(a.o_proj, st.impl, on_cuda),
-                gate=_lin(m.gate_proj, st.impl, on_cuda), up=_lin(m.up_proj, st.impl, on_cuda),
-                down=_lin(m.down_proj, st.impl, on_cuda)))
+            projs = {n: decode_proj(layer.get_submodule(path), st.impl, on_cuda)
+                     for n, path in PROJ_PATHS.items()}
+            self.layers.append(types.SimpleNamespace(mod=layer, attn=layer.self_attn, **projs))
         dtype = inner.embed_tokens.weight.dtype
         for L in self.layers if self.fused is not None else ():
-            for name in PROJ_NAMES:
+            for name in PROJ_PATHS:
                 lin = getattr(L, name)
                 if lin.state is not None and not fused_ok(self.fused, lin, dtype):
                     lin.state = None
@@ -217,8 +131,8 @@ class _Model:
     def layer(self, L, h, cos, sin, kc, vc, col, keymask):
         """One decoder layer over h [B, S, H]; returns h.
 
-        Prefill (``col`` the int 0, any S): k/v go to cache columns [0, S); keymask [B, 1, S, S] bool
-        (True = attend: causal, pad keys hidden). Decode (S == 1, ``col`` a 1-element int64
+        Prefill (``col`` the int 0, any S): k/v go to cache columns [0, S); keymask [B, 1, S, S]
+        bool (True = attend: causal, pad keys hidden). Decode (S == 1, ``col`` a 1-element int64
         tensor, so a CUDA graph can replay it): k/v go to column ``col``; the query attends to
         every cache column where keymask [B, P + T] (the valid-key map) is True."""
         from kernels.rope import rope

@@ -1,0 +1,103 @@
+"""One projection of the engine's decoder (worker.engine.decode), resolved once per generate call.
+
+:class:`DecodeProj` computes y = x W^T (+ b) + s (x A^T) B^T for x [..., in] in the compute dtype,
+with the PEFT adapter's A [r, in], B [out, r] (active adapter only; None when disabled or absent).
+A base held as NF4 is multiplied by ``kernels.nf4_matmul`` (W dequantised in registers) when x has
+fewer than :data:`SMALL_M` rows, the kernel is available on CUDA and :func:`fused_ok` found it
+right for that weight shape; otherwise W is dequantised (or read dense from gencache's copy) and
+multiplied by a GEMM. A kernel that raises on a shape falls back for that weight and logs it.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger("worker.engine.decode")
+
+#: Rows below which an NF4 projection uses the fused NF4 matmul instead of dequantise + GEMM.
+SMALL_M = 64
+
+
+def nf4_matmul_kernel():
+    try:
+        from kernels.nf4_matmul import nf4_matmul
+    except ImportError:
+        return None
+    return nf4_matmul
+
+
+@dataclass
+class DecodeProj:
+    """One projection resolved for a generate call: base (NF4Linear or Linear), bias, LoRA."""
+
+    base: torch.nn.Module
+    bias: torch.Tensor | None
+    A: torch.Tensor | None
+    B: torch.Tensor | None
+    scale: float
+    state: object = None  # NF4State for the fused NF4 matmul
+
+    def __call__(self, x: torch.Tensor, fused) -> torch.Tensor:
+        from worker.engine.quant import dense_weight
+
+        x2 = x.reshape(-1, x.shape[-1])
+        if self.state is not None and fused is not None and x2.shape[0] < SMALL_M \
+                and getattr(self.base, "_dense", None) is None:
+            try:
+                y = fused(x2, self.base.packed, self.state)
+            except Exception as e:  # noqa: BLE001 (a kernel that cannot run this shape)
+                log.warning("decode: NF4 matmul failed (%s); dequantising this weight instead", e)
+                self.state = None
+                return self(x, fused)
+        else:
+            y = x2 @ dense_weight(self.base, x2.dtype).t()
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        if self.A is not None:
+            y.addmm_(x2 @ self.A.to(x2.dtype).t(), self.B.to(x2.dtype).t(), alpha=self.scale)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+
+CHECKED: dict = {}
+
+
+def fused_ok(fused, lin, dtype, rows: int = 8) -> bool:
+    """Whether ``fused`` (the NF4 matmul) runs this projection's weight shape and agrees with
+    dequantise + GEMM there (random x [rows, K] in ``dtype``; relative error under 2e-2 for 16-bit,
+    1e-4 for fp32). Checked once per (device, N, K, dtype) and process; a refusal or a mismatch is
+    logged and that shape is dequantised instead, so a kernel that is wrong on some GPU costs
+    speed, not correctness."""
+    from worker.engine.quant import dense_weight
+
+    base = lin.base
+    key = (str(base.packed.device), (base.out_features, base.in_features), dtype)
+    if key not in CHECKED:
+        W = dense_weight(base, dtype)
+        g = torch.Generator(device=W.device).manual_seed(0)
+        x = torch.randn(rows, W.shape[1], generator=g, device=W.device).to(dtype)
+        try:
+            got = fused(x, lin.base.packed, lin.state).float()
+        except Exception as e:  # noqa: BLE001
+            log.warning("decode: NF4 matmul cannot run %s (%s); dequantising it", key, e)
+            got = None
+        want = (x @ W.t()).float()
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        ok = got is not None and bool(((got - want).norm() <= tol * want.norm()).item())
+        if got is not None and not ok:
+            log.warning("decode: NF4 matmul disagrees with dequantise + GEMM on %s; "
+                        "dequantising it", key)
+        CHECKED[key] = ok
+    return CHECKED[key]
+
+
+def decode_proj(module, impl: str, on_cuda: bool) -> DecodeProj:
+    from worker.engine.lora_ops import lora_params
+    from worker.engine.quant import NF4Linear
+
+    lp = lora_params(module)  # raises ValueError for a variant the fused path cannot run
+    base = getattr(module, "base_layer", module)
+    A, B, s = lp if lp is not None else (None, None, 0.0)
+    state = base.state() if isinstance(base, NF4Linear) and impl == "triton" and on_cuda else None
+    return DecodeProj(base, getattr(base, "bias", None), A, B, s, state)
