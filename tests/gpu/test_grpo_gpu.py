@@ -1,5 +1,6 @@
 """GRPO on CUDA (runs only where CUDA exists; skipped in CI): TRL's fused Triton LM head gives
-the same per-token log-probs as our chunked PyTorch path, and the toy task learns in bf16.
+the same per-token log-probs as our chunked PyTorch path, and the toy task learns in bf16 with
+its rollouts sampled by the engine's decoder.
 
 Shared data comes from ``WHETSTONE_SHARED_DATA`` (default ``../shared/data``).
 """
@@ -50,10 +51,13 @@ def _trainer(stories_hf, tmp_path, **kw):
     rewards = []
     cb = grpo.progress_callback(lambda **d: rewards.append(d.get("reward")), lambda **d: None,
                                 lambda: None, lambda: cb_holder["t"])
+    lines = []
     t = grpo.make_trainer(model, tok, Dataset.from_dict({"prompt": prompts}),
                           grpo.grpo_config(spec, str(tmp_path), True, "adamw_torch",
-                                           save_strategy="no"), scorer, 32, [cb])
+                                           save_strategy="no"), scorer, 32, [cb],
+                          on_log=lines.append)
     cb_holder["t"] = t
+    t.lines = lines
     return t, model, rewards
 
 
@@ -85,3 +89,5 @@ def test_toy_task_learns_on_cuda(stories_hf, tmp_path):
     print(f"30 GRPO steps in {time.perf_counter() - t0:.1f}s, peak "
           f"{torch.cuda.max_memory_allocated() / 2**20:.1f} MiB, rewards {rewards}")
     assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.25, rewards
+    # rollouts came from the engine's decoder (static KV cache, CUDA-graph decode step)
+    assert "generation: engine decoding (static KV cache, fused layers)" in t.lines, t.lines
