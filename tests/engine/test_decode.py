@@ -173,6 +173,13 @@ def test_fused_nf4_matmul_is_checked_before_use():
 
     assert not fused_ok(wrong, q, torch.float32)
     CHECKED.clear()
+    # right but slower than dequantise + GEMM on this device: not used
+    clock = iter([1.0, 0.5])
+    assert not fused_ok(good, q, torch.float32, timer=lambda fn: (fn(), next(clock))[1])
+    CHECKED.clear()
+    clock = iter([0.5, 1.0])
+    assert fused_ok(good, q, torch.float32, timer=lambda fn: (fn(), next(clock))[1])
+    CHECKED.clear()
 
 
 def test_sliding_window_and_lora_dropout_fall_back_to_hf():

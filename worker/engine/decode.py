@@ -12,8 +12,8 @@ patched Llama-like model (Llama, Mistral, Qwen2/2.5, Qwen3) that runs the decode
   (``q [B, Hk, G, D] @ k^T`` in the compute dtype, fp32 softmax over the P + t keys written so far,
   pad keys masked). Projections (:mod:`worker.engine.decode_proj`) with fewer than 64 rows and
   an NF4 base run through ``kernels.nf4_matmul`` (NF4 dequantised in registers, never stored
-  dense) when it is available on CUDA and agrees with dequantise + GEMM on that weight shape
-  (``fused_ok``, checked once per shape); otherwise the base weight is dequantised (or read dense,
+  dense) when it is available on CUDA and is right and faster than dequantise + GEMM on that
+  weight shape and GPU (``fused_ok``, decided once per shape); otherwise the base weight is dequantised (or read dense,
   cached by gencache) and multiplied. LoRA: ``y += s (x A^T) B^T`` with the active adapter.
 * **CUDA graph**: the decode step (embedding, every layer, the logits) is captured once per call
   and replayed for each later token (:class:`_Stepper`), so a token costs its GPU time, not ~1,600

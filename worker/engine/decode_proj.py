@@ -4,7 +4,7 @@
 with the PEFT adapter's A [r, in], B [out, r] (active adapter only; None when disabled or absent).
 A base held as NF4 is multiplied by ``kernels.nf4_matmul`` (W dequantised in registers) when x has
 fewer than :data:`SMALL_M` rows, the kernel is available on CUDA and :func:`fused_ok` found it
-right for that weight shape; otherwise W is dequantised (or read dense from gencache's copy) and
+right and faster for that weight shape on this GPU; otherwise W is dequantised (or read dense from gencache's copy) and
 multiplied by a GEMM. A kernel that raises on a shape falls back for that weight and logs it.
 """
 from __future__ import annotations
@@ -63,12 +63,27 @@ class DecodeProj:
 CHECKED: dict = {}
 
 
-def fused_ok(fused, lin, dtype, rows: int = 8) -> bool:
-    """Whether ``fused`` (the NF4 matmul) runs this projection's weight shape and agrees with
-    dequantise + GEMM there (random x [rows, K] in ``dtype``; relative error under 2e-2 for 16-bit,
-    1e-4 for fp32). Checked once per (device, N, K, dtype) and process; a refusal or a mismatch is
-    logged and that shape is dequantised instead, so a kernel that is wrong on some GPU costs
-    speed, not correctness."""
+def cuda_seconds(fn, reps: int = 5) -> float:
+    """Median seconds of ``fn()`` on the current CUDA stream (one warm-up call, CUDA events)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def fused_ok(fused, lin, dtype, rows: int = 8, timer=None) -> bool:
+    """Whether decoding should use ``fused`` (the NF4 matmul) for this projection's weight shape:
+    it runs the shape, agrees with dequantise + GEMM (random x [rows, K] in ``dtype``; relative
+    error under 2e-2 for 16-bit, 1e-4 for fp32) and, on CUDA, is faster than dequantise + GEMM
+    (``timer(fn)`` seconds, :func:`cuda_seconds` by default; no timing off CUDA unless a timer is
+    given). Decided once per (device, N, K, dtype) and process; a refusal or a mismatch is logged.
+    Either way the tokens are right: the choice costs speed at worst, never correctness."""
     from worker.engine.quant import dense_weight
 
     base = lin.base
@@ -78,7 +93,7 @@ def fused_ok(fused, lin, dtype, rows: int = 8) -> bool:
         g = torch.Generator(device=W.device).manual_seed(0)
         x = torch.randn(rows, W.shape[1], generator=g, device=W.device).to(dtype)
         try:
-            got = fused(x, lin.base.packed, lin.state).float()
+            got = fused(x, base.packed, lin.state).float()
         except Exception as e:  # noqa: BLE001
             log.warning("decode: NF4 matmul cannot run %s (%s); dequantising it", key, e)
             got = None
@@ -88,6 +103,13 @@ def fused_ok(fused, lin, dtype, rows: int = 8) -> bool:
         if got is not None and not ok:
             log.warning("decode: NF4 matmul disagrees with dequantise + GEMM on %s; "
                         "dequantising it", key)
+        timer = timer or (cuda_seconds if W.is_cuda else None)
+        if ok and timer is not None:
+            t_fused = timer(lambda: fused(x, base.packed, lin.state))
+            t_dense = timer(lambda: x @ dense_weight(base, dtype).t())
+            ok = t_fused < t_dense
+            log.info("decode: %s NF4 matmul %.3f ms, dequantise + GEMM %.3f ms: using %s", key,
+                     t_fused * 1e3, t_dense * 1e3, "the NF4 matmul" if ok else "dequantise + GEMM")
         CHECKED[key] = ok
     return CHECKED[key]
 
