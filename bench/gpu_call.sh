@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# One device call: GPU tests, then our numbers (no anchors): NF4 matmul bench, decode profile,
-# GRPO step 256+256, SFT train step. Every stage has a timeout inside CALL_LIMIT_S (default 540 s).
-# Carry .whl (pytest), .whl_engine and .whl_grpo (../shared/tools/offline-wheels.sh). Logs under $OUT.
+# One device call, stage by stage (STAGES, default "tests nf4 gen grpo train"): GPU tests, the NF4
+# matmul bench + tile sweep, the decode profile, our GRPO / train figures, and the Unsloth anchors
+# (make, u_train, u_grpo, ...; they need .anchors). Every stage has a timeout inside CALL_LIMIT_S
+# (default 540 s). Carry .whl (pytest), .whl_engine, .whl_grpo (../shared/tools/offline-wheels.sh)
+# and .anchors (a copy of ../shared/bench). Logs under $OUT; RESULT lines are the rows.
 #   WHETSTONE_COMMIT=$(git rev-parse --short=12 HEAD) CALL_ID=... bash bench/gpu_call.sh
 set -u
 LIMIT=${CALL_LIMIT_S:-540}
@@ -34,6 +36,13 @@ for s in ${STAGES:-tests nf4 gen grpo train}; do
     train16k) stage train_16k 120 python3 bench/train_step.py qlora 16384 1 5 ;;
     trainbudget) stage train_budget 120 python3 bench/train_step.py qlora 2048 2 6 --budget 40 ;;
     lora) stage train_lora 120 python3 bench/train_step.py lora 2048 2 6 ;;
+    # anchors (../shared/bench copied to .anchors, carried): the random 8B model once, then Unsloth
+    make) stage anchors_make 150 python3 .anchors/anchors.py make ;;
+    u_train) stage unsloth_train 150 python3 .anchors/anchors.py run unsloth_qlora 2048 2 8 ;;
+    u_train16k) stage unsloth_train16k 150 python3 .anchors/anchors.py run unsloth_qlora 16384 1 5 ;;
+    u_lora) stage unsloth_lora 150 python3 .anchors/anchors.py run unsloth_lora 2048 2 8 ;;
+    u_grpo) stage unsloth_grpo 200 python3 .anchors/grpo_anchor.py unsloth_qlora 256 256 8 4 ;;
+    u_grpo1k) stage unsloth_grpo1k 300 python3 .anchors/grpo_anchor.py unsloth_qlora 1024 1024 8 3 ;;
   esac
 done
 echo "done t=${SECONDS}s"
