@@ -1,6 +1,7 @@
 """The worker loop: claim a job, dispatch on ``job.kind``, end it fenced; repeat.
 
-* At start: migrate the database, register the worker, reap expired leases, seed the demo model.
+* At start: migrate the database, register the worker, reap expired leases and the jobs a
+  previous process with this worker id died holding, seed the demo model.
 * Every ``settings.reap_interval_seconds``: reap again (another worker may have died).
 * A handler that raises fails its job with a one-line message (the traceback goes into a
   ``log`` event) and the worker keeps serving.
@@ -83,7 +84,7 @@ class Worker:
         self.engine = get_engine(url)
         workers.register(self.engine, self.worker_id, socket.gethostname(), os.getpid(),
                          gpu.device_name())
-        self.reap()
+        self.reap(restarted=True)
         try:
             from app.store.seed import ensure_demo_model
 
@@ -105,9 +106,11 @@ class Worker:
         """Signal handler body: stop the current job at its next check and leave the loop."""
         self.shutdown.set()
 
-    def reap(self) -> None:
+    def reap(self, restarted: bool = False) -> None:
+        """Requeue or fail jobs whose lease expired; at start (``restarted``) also the jobs still
+        leased to this worker id, whose previous process died holding them."""
         self._last_reap = time.monotonic()
-        for job_id, state in queue.reap(self.engine):
+        for job_id, state in queue.reap(self.engine, self.worker_id if restarted else None):
             log.warning("reaped job %s -> %s", job_id, state)
 
     # ---- the loop ------------------------------------------------------------------------

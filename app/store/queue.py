@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import text
+from sqlalchemy import or_, text
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 
@@ -190,8 +190,11 @@ def cancel(engine: Engine, job_id: int) -> Job:
         return job
 
 
-def reap(engine: Engine) -> list[tuple[int, str]]:
-    """Requeue (attempts left) or fail (none left) running jobs whose lease expired.
+def reap(engine: Engine, restarted: str | None = None) -> list[tuple[int, str]]:
+    """Requeue (attempts left) or fail (none left) running jobs whose lease expired, and, with
+    ``restarted`` (a worker id that is starting up), every job still leased to that id: the
+    process that held it is gone, so its job need not wait for the lease to run out. Worker ids
+    must be unique among live workers (one per GPU slot, see docker/start.sh).
 
     Returns:
         ``[(job_id, new_state), ...]`` for every job reaped.
@@ -199,14 +202,18 @@ def reap(engine: Engine) -> list[tuple[int, str]]:
     t = now()
     out: list[tuple[int, str]] = []
     with session_scope(engine, immediate=True) as s:
-        expired = s.exec(select(Job).where(Job.state == JobState.RUNNING,
-                                           Job.lease_expires_at < t)).all()
+        gone = Job.lease_expires_at < t
+        if restarted is not None:
+            gone = or_(gone, Job.lease_owner == restarted)
+        expired = s.exec(select(Job).where(Job.state == JobState.RUNNING, gone)).all()
         for job in expired:
             owner = job.lease_owner
             if job.cancel_requested:
                 job.state, reason = JobState.CANCELLED, "cancelled; its worker stopped answering"
             elif job.attempts < job.max_attempts:
-                job.state, reason = JobState.QUEUED, f"lease of worker {owner} expired; requeued"
+                job.state, reason = JobState.QUEUED, (
+                    f"worker {owner} restarted; requeued" if owner == restarted
+                    else f"lease of worker {owner} expired; requeued")
             else:
                 job.state = JobState.FAILED
                 reason = (f"lease of worker {owner} expired after {job.attempts} attempts "

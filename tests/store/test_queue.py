@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine, inspect, text
 
-from app.store import queue
+from app.store import events, queue
 from app.store.db import make_engine
 from app.store.db import reset_engines
 from app.store.migrate import upgrade
@@ -117,6 +117,19 @@ def test_expired_lease_requeued_then_failed_after_max_attempts(engine) -> None:
     final = queue.get_job(engine, job.id)
     assert final.state == JobState.FAILED and "max_attempts=2" in final.error
     assert queue.claim(engine, "w", 10) is None
+
+
+def test_restarted_worker_takes_back_its_jobs_before_the_lease_ends(engine) -> None:
+    mine = queue.enqueue(engine, "train", {})
+    other = queue.enqueue(engine, "train", {})
+    assert queue.claim(engine, "gpu0", 600).id == mine.id  # a long lease: not expired
+    assert queue.claim(engine, "gpu1", 600).id == other.id
+    assert queue.reap(engine) == []  # nobody's lease ran out
+    assert queue.reap(engine, restarted="gpu0") == [(mine.id, JobState.QUEUED)]
+    assert queue.get_job(engine, other.id).state == JobState.RUNNING  # another worker's job
+    evs = [e.data for e in events.since(engine, mine.id, 0, 100, ["state"])]
+    assert evs[-1]["reason"] == "worker gpu0 restarted; requeued"
+    assert queue.claim(engine, "gpu0", 600).id == mine.id
 
 
 def test_fenced_finish_after_lease_loss(engine) -> None:
