@@ -121,6 +121,8 @@ def iter_records(path: str | os.PathLike, kind: str | None = None) -> Iterator[R
     kind = kind or file_kind(path)
     if not os.path.isfile(path):
         raise DatasetError("file not found")
+    if kind != "parquet":
+        _refuse_binary(path, kind)
     if kind in ("json", "jsonl"):
         yield from _iter_json(path, kind)
     elif kind == "csv":
@@ -131,6 +133,22 @@ def iter_records(path: str | os.PathLike, kind: str | None = None) -> Iterator[R
         yield from _iter_txt(path)
     else:
         raise DatasetError(f"unknown file kind {kind!r}")
+
+
+#: Leading bytes of binary files people rename by mistake: (magic, what it is, what to do).
+_MAGIC = ((b"PAR1", "a Parquet file", "rename it to .parquet"),
+          (b"PK\x03\x04", "a zip archive", "unzip it and upload the dataset file inside"),
+          (b"\x1f\x8b", "a gzip-compressed file", "decompress it first"))
+
+
+def _refuse_binary(path, kind: str) -> None:
+    """DatasetError naming the real format when a text-kind file starts with a binary magic."""
+    with _open(path) as fh:
+        head = fh.read(4)
+    for magic, what, fix in _MAGIC:
+        if head.startswith(magic):
+            raise DatasetError(f"this is {what} (it starts with {magic!r}), not a {kind} file: "
+                               f"{fix}")
 
 
 def _first_char(path) -> str:

@@ -163,6 +163,13 @@ def test_parquet(tmp_path):
     (tmp_path / "bad.parquet").write_bytes(b"not parquet")
     with pytest.raises(DatasetError, match="Parquet"):
         list(iter_records(tmp_path / "bad.parquet"))
+    # a Parquet file (or a zip / gzip) under a text extension says what it really is
+    (tmp_path / "renamed.jsonl").write_bytes((tmp_path / "d.parquet").read_bytes())
+    with pytest.raises(DatasetError, match=r"this is a Parquet file .* rename it to \.parquet"):
+        list(iter_records(tmp_path / "renamed.jsonl"))
+    (tmp_path / "z.csv").write_bytes(b"PK\x03\x04rest")
+    with pytest.raises(DatasetError, match="a zip archive"):
+        list(iter_records(tmp_path / "z.csv"))
 
 
 @pytest.mark.parametrize("row,fmt,field,msg", [
