@@ -137,3 +137,13 @@ def test_unreachable_server_gives_command(tmp_path):
     res = push(f"http://127.0.0.1:{port}", "x", gguf, None, [], None, timeout=2)
     assert res["created"] is False and "not reachable" in res["reason"]
     assert res["command"].endswith("ollama create x -f Modelfile")
+
+
+def test_end_of_turn_text_is_a_stop_when_no_special_token_holds_it():
+    """ChatML on a base model whose vocabulary lacks <|im_end|> (stories260K): the end-of-turn
+    text itself is the Ollama stop string; with the token registered it is the token."""
+    need_data()
+    src = DATA / "chat_templates" / "Qwen-Qwen2.5-7B-Instruct.jinja"  # ChatML
+    special = {"bos_token": "<s>", "eos_token": "</s>"}
+    assert derive_layout(src.read_text(), special, ["</s>", "<s>"]).stops == ["<|im_end|>"]
+    assert derive_layout(src.read_text(), special, SPECIAL).stops == ["<|im_end|>"]

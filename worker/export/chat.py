@@ -22,6 +22,8 @@ text); the template's date, if it prints one, is frozen at export time.
 """
 from __future__ import annotations
 
+import re
+
 from dataclasses import dataclass, field
 
 from .files import ExportError
@@ -125,8 +127,14 @@ def derive_layout(template: str, special: dict | None = None, special_tokens: li
     _system(lay, r, convo)
     stop_text = asst_post + user_pre
     lay.stops = [t for t in special_tokens if t and t in stop_text]
+    if not lay.stops:  # markers the vocabulary has no token for (ChatML on a base model):
+        lay.stops = _MARKER.findall(stop_text)[:1]  # Ollama stops on the first marker's text
     _self_check(lay, r)
     return lay
+
+
+#: A chat marker written as text: <|im_end|>, <end_of_turn>, <｜end▁of▁sentence｜>, ...
+_MARKER = re.compile(r"<[|｜]?[A-Za-z_▁][^<>\s]{0,40}?[|｜]?>")
 
 
 def _self_check(lay: ChatLayout, r) -> None:
