@@ -468,3 +468,29 @@ def test_openai_files_accepts_prompt_files_for_reinforcement(env, server, tmp_pa
     bad.write_text('{"x": 1}\n')
     with open(bad, "rb") as fh, pytest.raises(openai.BadRequestError, match="invalid training"):
         client.files.create(file=fh, purpose="fine-tune")
+
+
+def test_unknown_lora_target_is_a_field_error(env, tmp_path):
+    """target_modules are checked against the model's weight names (safetensors header) when a
+    run is created (SFT and GRPO), listing the modules the layers do have."""
+    import struct
+
+    folder = tmp_path / "m"
+    folder.mkdir()
+    header = json.dumps({f"model.layers.0.{n}.weight": {"dtype": "F32", "shape": [1],
+                                                        "data_offsets": [0, 4]}
+                         for n in ("self_attn.q_proj", "mlp.down_proj", "input_layernorm")})
+    (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header.encode()
+                                               + b"\0" * 4)
+    model = repo.get_model(env["engine"], "stories260K")
+    repo.update_model(env["engine"], model.id, path=str(folder), status="ready")
+    c = env["client"]
+    grpo = {"model": "stories260K", "dataset": env["dataset"], "rewards": [{"name": "format"}],
+            "max_completion_length": 64}
+    for url, body in (("/api/runs/grpo", grpo), ("/api/runs", {"model": "stories260K",
+                                                             "dataset": env["dataset"]})):
+        r = c.post(url, json={**body, "target_modules": ["q_proj", "nope_proj"]})
+        assert r.status_code == 422, r.text
+        assert "nope_proj is not a module of stories260K; its layers have: down_proj, q_proj" \
+            in r.text
+    assert c.post("/api/runs/grpo", json={**grpo, "target_modules": ["q_proj"]}).status_code == 201

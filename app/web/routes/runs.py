@@ -8,6 +8,7 @@ from fastapi.responses import RedirectResponse, Response
 from pydantic import ValidationError
 from sse_starlette.sse import EventSourceResponse
 
+from app.data.model_config import missing_targets
 from app.store import events, queue, repo
 from app.store.schema import JobState
 from app.store.specs import ALL_LINEAR, SCHEDULERS, TrainSpec
@@ -198,6 +199,13 @@ def usable_model(engine, spec):
     return model
 
 
+def check_targets(spec, model) -> None:
+    """Raises FieldError("target_modules") when a LoRA target names no module of the model."""
+    problem = missing_targets(spec.target_modules, model.path, model.name)
+    if problem:
+        raise FieldError("target_modules", problem)
+
+
 def usable_dataset(engine, spec):
     """The spec's dataset row. Raises FieldError("dataset") when it is unknown or unprocessed."""
     try:
@@ -213,14 +221,15 @@ def create_checked(engine, spec: TrainSpec, name: str | None = None):
     """Check the model and dataset are usable, then create the run and queue its job.
 
     Raises:
-        FieldError: unknown or failed model, unknown or unusable dataset (a GRPO prompt
-            dataset is not an SFT one), a chat template
+        FieldError: unknown or failed model, LoRA targets the model does not have, unknown or
+            unusable dataset (a GRPO prompt dataset is not an SFT one), a chat template
             that does not parse or render a sample conversation.
     """
     model = usable_model(engine, spec)
     problem = chat_template_problem(spec.chat_template, model.chat_template)
     if problem:
         raise FieldError("chat_template", problem)
+    check_targets(spec, model)
     ds = usable_dataset(engine, spec)
     if ds.format == "prompts":
         why = (ds.report or {}).get("sft_error")
