@@ -153,8 +153,9 @@ def chat_template_problem(requested: str | None, model_template: str | None) -> 
 
     ``requested`` is a built-in name or Jinja source (else the model's own template is used).
     The template must parse and render a sample system+user+assistant conversation; a template
-    that refuses a system turn is accepted when it renders the same chat without one. The
-    message is the template's own (its ``raise_exception`` text, or the syntax error and line).
+    that refuses a system turn is accepted when it renders the same chat without one, and the
+    render must contain every user and assistant message's content. The message is the template's own (its
+    ``raise_exception`` text, or the syntax error and line) or names the messages it drops.
     """
     from app.data.chat_template import render_chat, resolve_template
 
@@ -167,10 +168,16 @@ def chat_template_problem(requested: str | None, model_template: str | None) -> 
     first = None
     for chat in SAMPLE_CHATS:
         try:
-            render_chat(chat, source, bos_token="<s>", eos_token="</s>")
-            return None
+            text = render_chat(chat, source, bos_token="<s>", eos_token="</s>")
         except DatasetError as exc:
             first = first or str(exc)
+            continue
+        lost = [m["role"] for m in chat  # a template may fold or drop the system turn
+                if m["role"] != "system" and m["content"] not in text]
+        if lost:
+            return (f"the template does not write the {' and '.join(lost)} messages (a sample "
+                    f"chat renders as {text[:80]!r}); nothing would be trained")
+        return None
     return first
 
 

@@ -190,3 +190,7 @@ def test_chat_template_is_checked_when_the_run_is_created(client):
     assert "Assistant turns are not supported here" in err["message"]
     r = client.post("/api/runs", json={"model": "stories260K", "dataset": ds, "chat_template": "llama3"})
     assert r.status_code == 201
+    # a template that writes no message content would train nothing
+    r = client.post("/api/runs", json={"model": "stories260K", "dataset": ds, "chat_template": "hello"})
+    assert r.status_code == 422 and r.json()["error"]["param"] == "chat_template"
+    assert "does not write the user and assistant messages" in r.json()["error"]["message"]
