@@ -188,6 +188,9 @@ def test_chat_template_is_checked_when_the_run_is_created(client):
     err = r.json()["error"]
     assert r.status_code == 400 and err["param"] == "chat_template" and err["code"] == "invalid_value"
     assert "Assistant turns are not supported here" in err["message"]
+    r = client.post("/v1/fine_tuning/jobs", json={"model": "stories260K", "training_file": ds,
+                                                  "suffix": "x" * 65})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "suffix"
     r = client.post("/api/runs", json={"model": "stories260K", "dataset": ds, "chat_template": "llama3"})
     assert r.status_code == 201
     # a template that writes no message content would train nothing

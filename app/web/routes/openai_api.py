@@ -152,6 +152,10 @@ async def create_job(request: Request):
         body = await request.json()
     except ValueError:
         raise ApiError(400, "the request body is not valid JSON") from None
+    suffix = body.get("suffix") if isinstance(body, dict) else None
+    if suffix is not None and (not isinstance(suffix, str) or len(suffix) > 64):
+        raise ApiError(400, "suffix: a string of at most 64 characters", "suffix",
+                       "invalid_value")
     if isinstance(body, dict) and isinstance(body.get("method"), dict) \
             and body["method"].get("type") == "reinforcement":
         return create_reinforcement_job(request, body)
