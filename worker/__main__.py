@@ -67,6 +67,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     finally:
         w.stop()
+        # The work is done: a duplicate signal arriving while the interpreter exits (when Python
+        # has already put the default handlers back) must not turn a clean exit into "killed".
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 if __name__ == "__main__":
