@@ -494,3 +494,22 @@ def test_unknown_lora_target_is_a_field_error(env, tmp_path):
         assert "nope_proj is not a module of stories260K; its layers have: down_proj, q_proj" \
             in r.text
     assert c.post("/api/runs/grpo", json={**grpo, "target_modules": ["q_proj"]}).status_code == 201
+
+
+def test_result_files_are_retrievable_through_v1_files(env, tmp_path):
+    from app.store.schema import Artifact
+
+    f = Path(env["app"].state.settings.data_dir) / "runs" / "r1" / "adapter.zip"
+    f.parent.mkdir(parents=True, exist_ok=True)
+    f.write_bytes(b"PK-adapter-bytes")
+    art = repo.add_artifact(env["engine"], Artifact(kind="adapter", name="adapter", path=str(f),
+                                                    bytes=f.stat().st_size))
+    c = env["client"]
+    r = c.get(f"/v1/files/{art.id}")
+    assert r.status_code == 200, r.text
+    assert r.json()["purpose"] == "fine-tune-results" and r.json()["filename"] == "adapter.zip"
+    assert c.get(f"/v1/files/{art.id}/content").content == b"PK-adapter-bytes"
+    assert c.get("/v1/files/art-nope").json()["error"]["code"] == "file_not_found"
+    outside = repo.add_artifact(env["engine"], Artifact(kind="adapter", name="x",
+                                                        path=str(tmp_path / "elsewhere.zip")))
+    assert c.get(f"/v1/files/{outside.id}/content").status_code == 404

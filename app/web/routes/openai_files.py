@@ -2,7 +2,8 @@
 
 Every dataset format the studio reads is accepted, and GRPO prompt files (GSM8K rows, OpenAI RFT
 rows whose messages end on a user turn) for reinforcement jobs; a file that cannot be used is
-refused with an OpenAI-shaped 400 naming the row and field.
+refused with an OpenAI-shaped 400 naming the row and field. A job's ``result_files`` (``art-…``:
+the adapter zip, config.json) can be retrieved and downloaded here too.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from fastapi.responses import FileResponse
 
 from app.data.errors import DatasetError
 from app.store import repo
-from app.store.schema import Dataset
+from app.store.schema import Artifact, Dataset
 from app.web.deps import get_engine, get_settings
 from app.web.errors import ApiError
 from app.web.services import is_under, upload_dataset
@@ -58,17 +59,37 @@ def list_files(request: Request, purpose: str | None = None, limit: int = 10000,
             "first_id": page[0].id if page else None, "last_id": page[-1].id if page else None}
 
 
+def result_file_object(art: Artifact) -> dict[str, Any]:
+    """A job's result file (``result_files`` of a fine-tuning job: the adapter zip, config.json)."""
+    return {"id": art.id, "object": "file", "bytes": art.bytes, "created_at": int(art.created_at),
+            "filename": os.path.basename(art.path), "purpose": "fine-tune-results",
+            "status": "processed", "status_details": None, "expires_at": None}
+
+
 @router.get("/files/{file_id}")
 def retrieve_file(request: Request, file_id: str):
-    return file_object(_dataset(request, file_id))
+    art = _result_file(request, file_id)
+    return result_file_object(art) if art else file_object(_dataset(request, file_id))
 
 
 @router.get("/files/{file_id}/content")
 def file_content(request: Request, file_id: str):
-    ds = _dataset(request, file_id)
-    if not is_under(ds.path, get_settings(request).data_dir) or not os.path.isfile(ds.path):
+    art = _result_file(request, file_id)
+    path, name = (art.path, os.path.basename(art.path)) if art else \
+        ((ds := _dataset(request, file_id)).path, ds.filename)
+    if not is_under(path, get_settings(request).data_dir) or not os.path.isfile(path):
         raise ApiError(404, f"the content of file {file_id} is not available", "file_id")
-    return FileResponse(ds.path, filename=ds.filename, media_type="application/octet-stream")
+    return FileResponse(path, filename=name, media_type="application/octet-stream")
+
+
+def _result_file(request: Request, file_id: str) -> Artifact | None:
+    """The artifact behind a ``result_files`` id (``art-…``), else None (a dataset id)."""
+    if not file_id.startswith("art-"):
+        return None
+    try:
+        return repo.get_artifact(get_engine(request), file_id)
+    except repo.NotFound:
+        raise ApiError(404, f"No such File object: {file_id}", "id", "file_not_found") from None
 
 
 @router.delete("/files/{file_id}")
