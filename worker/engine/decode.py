@@ -245,6 +245,12 @@ def generate(model, input_ids, attention_mask=None, generation_config=None, chec
     why = unsupported(model, generation_config, kwargs, input_ids.shape[1])
     if why:
         raise ValueError(f"fast decoding: {why}")
+    return _decode(model, input_ids, attention_mask, generation_config, check)
+
+
+@torch.no_grad()
+def _decode(model, input_ids, attention_mask, generation_config, check):
+    """:func:`generate` after :func:`unsupported` has said yes (no second check)."""
     hf = model.get_base_model() if hasattr(model, "get_base_model") else model
     cfg = resolve_config(model, generation_config)
     T = cfg.max_new_tokens if cfg.max_new_tokens is not None \
@@ -328,7 +334,7 @@ def fast_generate(model, on_log=None, check=None):
                 kw["stopping_criteria"] = _stop_criteria(check)
             return orig(input_ids=input_ids, attention_mask=attention_mask,
                         generation_config=generation_config, **kw)
-        return generate(model, input_ids, attention_mask, generation_config, check=check)
+        return _decode(model, input_ids, attention_mask, generation_config, check)
 
     hf.generate = types.MethodType(gen, hf)
     try:
