@@ -18,12 +18,15 @@ stage() {  # NAME TIMEOUT CMD...
   local name=$1 t; t=$(tmo "$2"); shift 2
   echo "=== $name (timeout ${t}s, t=${SECONDS}s)"
   timeout "$t" "$@" > "$OUT/$name.txt" 2>&1; local rc=$?
-  echo "rc=$rc"; grep -E "^(RESULT|STEP|engine:|generation:|## |\| )|passed|failed|error" "$OUT/$name.txt" | tail -${TAIL:-40}
+  echo "rc=$rc"; grep -E "^(RESULT|STEP|GEN|engine:|generation:|## |\| )|passed|failed|error" "$OUT/$name.txt" | tail -${TAIL:-40}
 }
 for s in ${STAGES:-tests nf4 gen grpo train}; do
   case $s in
-    tests) TAIL=30 stage gpu_tests 200 python3 -m pytest -q -x --import-mode=append -p no:cacheprovider \
+    tests) TAIL=30 stage gpu_tests 200 python3 -m pytest -q --import-mode=append -p no:cacheprovider \
              tests/gpu/test_decode_gpu.py tests/gpu/test_engine_gpu.py tests/gpu/test_kernels_gpu.py ;;
+    dtests) TAIL=30 stage gpu_decode_tests 200 python3 -m pytest -q --import-mode=append -p no:cacheprovider \
+              tests/gpu/test_decode_gpu.py tests/gpu/test_grpo_gpu.py tests/kernels/test_nf4_matmul.py \
+              tests/gpu/test_kernels_gpu.py -k "nf4 or cross_entropy" ;;
     nf4) stage nf4_bench 200 python3 bench/nf4_matmul_bench.py --sweep ;;
     gen) TAIL=20 stage gen_profile 120 python3 bench/profile_step.py gen qlora 256 8 64 ;;
     grpo) stage grpo_256 170 python3 bench/grpo_step.py --prompt-len 256 --completion-len 256 \

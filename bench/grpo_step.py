@@ -21,7 +21,8 @@ The step runs through our GRPO path exactly as the ``grpo`` job builds it: the k
 
 The model is made in memory on the GPU (as bench/train_step.py does) unless ``--model-dir`` names a
 saved one (``../shared/bench/anchors.py make``), which then loads the way the job loads a model.
-``BENCH_LAYERS`` overrides the 32 layers. Prints ``STEP i seconds`` per step and ``RESULT {json}``,
+``BENCH_LAYERS`` overrides the 32 layers. Prints ``STEP i seconds`` per step, ``GEN i seconds`` for
+each rollout (generation phase, GPU-synchronised) and ``RESULT {json}``,
 and appends the row to $OUT/grpo.jsonl: bench="grpo", impl="whetstone", config, prompt_len,
 completion_len, num_generations, steps, step_s, peak_alloc_gib, peak_reserved_gib, device, date,
 commit (``WHETSTONE_COMMIT`` or git), call_id (``CALL_ID``), plus the step times and run details.
@@ -152,7 +153,22 @@ def run(args) -> dict:
             if logs and "loss" in logs:
                 logged.append({k: v for k, v in logs.items() if isinstance(v, (int, float))})
 
-    trainer = grpo.make_trainer(pm, tok, ds, cfg, scorer, plen, [Timer()])
+    trainer = grpo.make_trainer(pm, tok, ds, cfg, scorer, plen, [Timer()],
+                                on_log=lambda m: print(m, flush=True))
+    gen_times: list[float] = []  # seconds in the rollout (generation) phase, per step
+    inner_generate = trainer._generate
+
+    def timed_generate(prompts):
+        sync()
+        t0 = time.perf_counter()
+        try:
+            return inner_generate(prompts)
+        finally:
+            sync()
+            gen_times.append(time.perf_counter() - t0)
+            print(f"GEN {len(gen_times)} {gen_times[-1]:.3f}s", flush=True)
+
+    trainer._generate = timed_generate
     assert trainer.ref_model is None  # reference = the adapter-disabled base, no second copy
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -172,7 +188,7 @@ def run(args) -> dict:
         peak_alloc_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
         peak_reserved_gib=round(torch.cuda.max_memory_reserved() / 2**30, 2) if cuda else None,
         mem_after_load_gib=round(mem_after_load, 2), load_s=round(t_load, 1),
-        step_times=[round(t, 3) for t in times],
+        step_times=[round(t, 3) for t in times], generate_times=[round(t, 3) for t in gen_times],
         completion_mean_length=[round(x, 1) if x is not None else None for x in lens],
         reward=[round(s["reward"], 4) for s in trainer.stats] if trainer.stats else None,
         kl=[lg.get("kl") for lg in logged], loss=[lg.get("loss") for lg in logged],

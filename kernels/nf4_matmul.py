@@ -51,50 +51,45 @@ _LOCKS: dict = {}  # device -> int32 counters, all zero between calls
 
 @triton.jit
 def _nf4_matmul_kernel(X, Q, ABSMAX, ABSMAX2, CODE2, OFFSET, NF4, BIAS, Y, PART, LOCKS,
-                       M, N, K, k_per_split, stride_xm, stride_ym,
+                       M, N, K, KH, k_per_split, split_k, stride_xm, stride_ym,
                        BLOCKSIZE: tl.constexpr, BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NB: tl.constexpr, IEEE: tl.constexpr):
+    # BLOCK_K divides K (the launcher picks it so), so no K masks: packed bytes load as whole vectors
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
-    SUBK: tl.constexpr = BLOCK_K // NB  # elements per absmax block inside a chunk (NB blocks per chunk)
-    SUB: tl.constexpr = SUBK // 2       # packed bytes per row of such a block
+    BK2: tl.constexpr = BLOCK_K // 2  # packed bytes per row of a chunk
+    SUB: tl.constexpr = BK2 // NB     # packed bytes per absmax block inside a chunk (NB blocks per chunk)
     offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n_ok = offs_n < N
     m_ok = offs_m < M
-    kb = tl.arange(0, SUB)
-    blocks_per_row = K // BLOCKSIZE
+    nb = tl.arange(0, NB)
+    jb = nb[:, None] * SUB + tl.arange(0, SUB)[None, :]  # [NB, SUB]: byte offset inside the chunk
+    kk = tl.arange(0, BLOCK_K)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    q_row = Q + offs_n[:, None] * (K // 2)
+    q_rows = Q + offs_n[:, None, None] * KH  # [BLOCK_N, 1, 1]
     x_col = X + offs_m[None, :] * stride_xm
-    blk_row = offs_n * blocks_per_row
+    blk_row = offs_n[:, None] * (K // BLOCKSIZE)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
-        for s in tl.static_range(NB):  # one absmax block at a time: amax[n] broadcasts along the row
-            c0 = k0 + s * SUBK  # K and k_end are multiples of SUBK: a block is wholly in or out
-            ok = c0 < k_end
-            byte = c0 // 2 + kb  # contiguous packed bytes of this block
-            b = tl.load(q_row + byte[None, :], mask=n_ok[:, None] & ok, other=0).to(tl.int32)
-            blk = blk_row + c0 // BLOCKSIZE
-            bm = n_ok & ok
-            amax = block_absmax(ABSMAX, ABSMAX2, CODE2, OFFSET, blk, bm, BLOCKSIZE2, NESTED)
-            hi = tl.load(NF4 + (b >> 4)) * amax[:, None]
-            lo = tl.load(NF4 + (b & 15)) * amax[:, None]
-            xm = ok & m_ok[None, :]
-            xe = tl.load(x_col + 2 * byte[:, None], mask=xm, other=0.0)      # x[m, c0 + 0::2]^T  [SUB, BLOCK_M]
-            xo = tl.load(x_col + 2 * byte[:, None] + 1, mask=xm, other=0.0)  # x[m, c0 + 1::2]^T
-            if IEEE:
-                acc = tl.dot(hi.to(xe.dtype), xe, acc, input_precision="ieee")
-                acc = tl.dot(lo.to(xe.dtype), xo, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(hi.to(xe.dtype), xe, acc)
-                acc = tl.dot(lo.to(xe.dtype), xo, acc)
+        k0 = tl.multiple_of(k0, BLOCK_K)
+        b = tl.load(q_rows + (k0 // 2 + jb)[None, :, :], mask=n_ok[:, None, None], other=0).to(tl.int32)
+        amax = block_absmax(ABSMAX, ABSMAX2, CODE2, OFFSET, blk_row + k0 // BLOCKSIZE + nb[None, :],
+                            n_ok[:, None], BLOCKSIZE2, NESTED)[:, :, None]  # [BLOCK_N, NB, 1]
+        hi = tl.load(NF4 + (b >> 4)) * amax  # element k0 + 2j   [BLOCK_N, NB, SUB]
+        lo = tl.load(NF4 + (b & 15)) * amax  # element k0 + 2j + 1
+        xt = tl.load(x_col + (k0 + kk)[:, None], mask=m_ok[None, :], other=0.0)  # x[m, k0:k0+BLOCK_K]^T
+        w = tl.reshape(tl.join(hi, lo), [BLOCK_N, BLOCK_K]).to(xt.dtype)  # W[n, k0 + (2j, 2j+1)]
+        if IEEE:
+            acc = tl.dot(w, xt, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, xt, acc)
     y_ptr = Y + offs_m[None, :] * stride_ym + offs_n[:, None]
     y_ok = n_ok[:, None] & m_ok[None, :]
-    if SPLIT_K == 1:
+    if not SPLIT:
         if HAS_BIAS:
             acc += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
         tl.store(y_ptr, acc.to(Y.dtype.element_ty), mask=y_ok)
@@ -103,9 +98,9 @@ def _nf4_matmul_kernel(X, Q, ABSMAX, ABSMAX2, CODE2, OFFSET, NF4, BIAS, Y, PART,
         tl.store(part + pid_k * M * N, acc, mask=y_ok)
         tl.debug_barrier()  # every thread's partial is written before the release below
         lock = LOCKS + pid_m * tl.num_programs(0) + pid_n
-        if tl.atomic_add(lock, 1, sem="acq_rel") == SPLIT_K - 1:  # the last program of this tile reduces
+        if tl.atomic_add(lock, 1, sem="acq_rel") == split_k - 1:  # the last program of this tile reduces
             tot = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-            for s in range(SPLIT_K):
+            for s in range(split_k):
                 tot += tl.load(part + s * M * N, mask=y_ok, other=0.0, cache_modifier=".cg")
             if HAS_BIAS:
                 tot += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
@@ -159,6 +154,8 @@ def nf4_matmul_fwd(x: torch.Tensor, packed: torch.Tensor, state, bias: torch.Ten
     block_m, block_n = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
     if block_k < 32 or block_k & (block_k - 1):
         raise ValueError(f"BLOCK_K must be a power of two >= 32, got {block_k}")
+    while K % block_k:  # K is a multiple of blocksize (a power of two >= 32): this ends there or above
+        block_k //= 2
     chunks = -(-K // block_k)
     split = max(1, min(split, chunks))
     k_per_split = -(-chunks // split) * block_k
@@ -174,9 +171,9 @@ def nf4_matmul_fwd(x: torch.Tensor, packed: torch.Tensor, state, bias: torch.Ten
     _nf4_matmul_kernel[grid](
         x, packed, absmax, st.absmax2 if nested else absmax, st.code2 if nested else absmax, offset,
         _code(x.device), bias if bias is not None else y, y, part, locks,
-        M, N, K, k_per_split, x.stride(0), y.stride(0),
+        M, N, K, K // 2, k_per_split, split, x.stride(0), y.stride(0),
         BLOCKSIZE=bs, BLOCKSIZE2=st.blocksize2 if nested else 1, NESTED=nested, HAS_BIAS=bias is not None,
-        SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NB=max(block_k // bs, 1),
+        SPLIT=split > 1, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NB=max(block_k // bs, 1),
         IEEE=x.dtype == torch.float32, **cfg)
     return y
 

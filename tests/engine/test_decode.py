@@ -74,6 +74,20 @@ def test_eos_rows_pad_like_hf():
     assert (ours[1, 7 + 3:] == 0).all() and ours[1, 7 + 2] == eos
 
 
+@pytest.mark.parametrize("opt", [dict(min_new_tokens=6), dict(min_length=7 + 5)])
+def test_min_new_tokens_and_min_length_hold_eos_back_like_hf(opt):
+    pm = _prepared("llama", True)
+    ids, mask = _prompts()
+    free = decode.generate(pm, ids, mask, _cfg(eos_token_id=[]))
+    eos = int(free[1, 7 + 2])  # row 1 would end at its third token without the minimum
+    cfg = _cfg(eos_token_id=[eos], **opt)
+    assert decode.unsupported(pm, cfg) is None
+    ref, ours = _hf(pm, ids, mask, cfg), decode.generate(pm, ids, mask, cfg)
+    n = ref.shape[1]
+    assert torch.equal(ours[:, :n], ref), (ours, ref)
+    assert (ours[1, 7:7 + 5] != eos).all()  # EOS held back for the first five tokens at least
+
+
 def test_processors_match_hf_warpers():
     from transformers.generation.logits_process import (
         MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,

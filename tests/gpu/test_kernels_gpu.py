@@ -9,6 +9,8 @@ buffers where a launcher takes one), the output and every gradient must satisfy
 ref32 = the reference on inputs upcast to fp64, ref_lowp = the
 same reference run in the test dtype. NF4 must be bit-exact with bitsandbytes' CUDA dequantize_4bit.
 """
+import zlib
+
 import pytest
 import torch
 
@@ -35,7 +37,8 @@ ATOL = {torch.float32: 2e-5, torch.bfloat16: 1e-3, torch.float16: 1e-3}
 
 @pytest.fixture(autouse=True)
 def _fresh_seed(request):
-    torch.manual_seed(abs(hash(request.node.nodeid)) % (2 ** 31))
+    # zlib.crc32, not hash(): str hashes are salted per process, so a failure would not reproduce
+    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
     torch.backends.cuda.matmul.allow_tf32 = False
     yield
 
@@ -45,12 +48,16 @@ def poison(nbytes=1 << 28):
     torch.empty(nbytes // 4, dtype=torch.float32, device=DEV).fill_(float("nan"))
 
 
-def check(k, low, hi, dtype, what):
+def check(k, low, hi, dtype, what, extra_roundings=0):
+    """``extra_roundings``: roundings to ``dtype`` the kernel does by design beyond the reference's;
+    each may add half an ulp of the largest value (2**-mantissa_bits relative)."""
     assert k.shape == hi.shape, (what, k.shape, hi.shape)
     k, low, hi = k.double(), low.double(), hi.double()
     assert torch.isfinite(k).all(), f"{what}: non-finite values"
     err = (k - hi).abs().max().item()
-    budget = 2 * (low - hi).abs().max().item() + ATOL[dtype] * hi.abs().max().item()
+    ulp = torch.finfo(dtype).eps if dtype != torch.float32 else 0.0
+    budget = (2 * (low - hi).abs().max().item() + (ATOL[dtype] + extra_roundings * ulp / 2)
+              * hi.abs().max().item())
     assert err <= budget, f"{what}: max err {err:.3e} > budget {budget:.3e}"
 
 
@@ -65,7 +72,7 @@ def run_grads(fn, inputs, grads_out):
     return [o.detach() for o in outs], list(gs)
 
 
-def compare(kfn, rfn, inputs, dtype, make_grads, what):
+def compare(kfn, rfn, inputs, dtype, make_grads, what, grad_roundings=0):
     lowp = [x.to(dtype) if x.is_floating_point() else x for x in inputs]
     hi = [x.double() if x.is_floating_point() else x for x in inputs]
     with torch.no_grad():
@@ -77,7 +84,7 @@ def compare(kfn, rfn, inputs, dtype, make_grads, what):
     for i, (a, b, c) in enumerate(zip(k_out, l_out, r_out)):
         check(a, b, c, dtype, f"{what} out{i}")
     for i, (a, b, c) in enumerate(zip(k_g, l_g, r_g)):
-        check(a, b, c, dtype, f"{what} grad{i}")
+        check(a, b, c, dtype, f"{what} grad{i}", grad_roundings)
 
 
 def _randn_like(o):
@@ -151,7 +158,10 @@ def test_linear_cross_entropy(dtype, t, h, v, ignore, cap, reduction):
     def rfn(a, b):
         return linear_cross_entropy_ref(a, b, y, upcast=a.dtype == torch.float64, **kw)
 
-    compare(kfn, rfn, [hid, w], dtype, lambda o: [torch.tensor(1.7, device=DEV)], f"ce{(t, h, v)}")
+    # dh / dW are computed (and rounded to dtype) in forward, then scaled by the incoming grad (1.7) in
+    # backward: one more rounding than the reference, where the 1.7 flows through before rounding
+    compare(kfn, rfn, [hid, w], dtype, lambda o: [torch.tensor(1.7, device=DEV)], f"ce{(t, h, v)}",
+            grad_roundings=1)
 
 
 NF4_SHAPES = [(64, 64), (5, 77), (96, 160), (4096, 4096), (14336, 4096), (4096, 14336)]

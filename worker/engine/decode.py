@@ -18,9 +18,9 @@ patched Llama-like model (Llama, Mistral, Qwen2/2.5, Qwen3) that runs the decode
 * **CUDA graph**: the decode step (embedding, every layer, the logits) is captured once per call
   and replayed for each later token (:class:`_Stepper`), so a token costs its GPU time, not ~1,600
   Python-level kernel launches; ``WHETSTONE_DECODE_GRAPHS=0`` runs it eagerly.
-* **Sampling** (:mod:`worker.engine.sampling`) follows HF's processors in HF's order: repetition
-  penalty, temperature, top-k, top-p, min-p, then ``torch.multinomial`` (``do_sample``) or
-  argmax. A row that emits an EOS id emits ``pad_token_id`` afterwards; the loop stops once
+* **Sampling** (:mod:`worker.engine.sampling`) follows HF's processors in HF's order: EOS held
+  back until ``min_length`` / ``min_new_tokens``, repetition penalty, temperature, top-k, top-p,
+  min-p, then ``torch.multinomial`` (``do_sample``) or argmax. A row that emits an EOS id emits ``pad_token_id`` afterwards; the loop stops once
   every row has finished (checked every :data:`SYNC_EVERY` steps, so a few trailing pad columns
   may follow; callers cut at the first EOS).
 
@@ -284,7 +284,7 @@ def _decode(model, input_ids, attention_mask, generation_config, check):
     logits = M.logits(h[:, -1])
     n = 0
     for t in range(T):
-        tok = sample(logits, ids[:, :P + t], cfg)
+        tok = sample(logits, ids[:, :P + t], cfg, new_len=t)
         tok = torch.where(done, torch.full_like(tok, pad), tok)
         ids[:, P + t] = tok
         done |= torch.isin(tok, eos)

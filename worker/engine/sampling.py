@@ -2,7 +2,8 @@
 
 :func:`resolve_config` gives the GenerationConfig HF would use (the caller's, with the model's and
 the global defaults filled in: TRL leaves ``top_k`` None and HF then uses 50). :func:`warp` applies
-HF's processors in HF's order to fp32 logits [B, V]: repetition penalty, then (``do_sample``)
+HF's processors in HF's order to fp32 logits [B, V] (:func:`min_length_mask` first: EOS
+suppressed until ``min_length`` / ``min_new_tokens``): repetition penalty, then (``do_sample``)
 temperature, top-k, top-p, min-p; :func:`sample` draws with ``torch.multinomial`` or takes the
 argmax. :data:`NEUTRAL` lists the options this path does not implement with their neutral values.
 Source: transformers' ``generation/logits_process.py`` semantics (checked in tests/engine).
@@ -17,7 +18,7 @@ NEUTRAL = {"num_beams": 1, "num_return_sequences": 1, "no_repeat_ngram_size": 0,
            "bad_words_ids": None, "forced_bos_token_id": None, "forced_eos_token_id": None,
            "suppress_tokens": None, "begin_suppress_tokens": None, "typical_p": 1.0,
            "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "exponential_decay_length_penalty": None,
-           "min_length": 0, "min_new_tokens": None, "top_h": None, "remove_invalid_values": False,
+           "top_h": None, "remove_invalid_values": False,
            "sequence_bias": None, "renormalize_logits": False, "guidance_scale": None,
            "watermarking_config": None, "output_scores": False, "output_logits": False,
            "return_dict_in_generate": False, "stop_strings": None, "max_time": None,
@@ -36,6 +37,18 @@ def resolve_config(model, generation_config):
 def _eos_ids(cfg):
     e = getattr(cfg, "eos_token_id", None)
     return [] if e is None else ([e] if isinstance(e, int) else list(e))
+
+
+def min_length_mask(logits, cfg, cur_len: int, new_len: int):
+    """HF's MinLength and MinNewTokensLength processors on fp32 logits [B, V]: while the ids so far
+    number fewer than ``min_length`` (``cur_len`` counts the padded prompt) or the generated tokens
+    ``new_len`` fewer than ``min_new_tokens``, every EOS id's logit becomes -inf."""
+    eos = [e for e in _eos_ids(cfg) if 0 <= e < logits.shape[-1]]
+    if eos and (cur_len < (getattr(cfg, "min_length", None) or 0)
+                or new_len < (getattr(cfg, "min_new_tokens", None) or 0)):
+        logits = logits.clone()
+        logits[:, eos] = float("-inf")
+    return logits
 
 
 def warp(logits, ids, cfg):
@@ -70,8 +83,11 @@ def warp(logits, ids, cfg):
     return logits
 
 
-def sample(logits, ids, cfg, generator=None):
-    """Next token ids [B]: argmax, or a draw from softmax(:func:`warp`) when ``do_sample``."""
+def sample(logits, ids, cfg, generator=None, new_len: int | None = None):
+    """Next token ids [B]: argmax, or a draw from softmax(:func:`warp`) when ``do_sample``;
+    ``new_len`` (tokens generated so far) applies :func:`min_length_mask` first."""
+    if new_len is not None:
+        logits = min_length_mask(logits, cfg, ids.shape[1], new_len)
     logits = warp(logits, ids, cfg)
     if not getattr(cfg, "do_sample", False):
         return logits.argmax(-1)
