@@ -174,6 +174,14 @@ def run_with_job(engine: Engine, run_id: str) -> tuple[Run, Job | None]:
         return run, job
 
 
+def succeeded_runs(engine: Engine) -> list[tuple[Run, Job]]:
+    """Runs whose training job succeeded (each has a fine-tuned model), oldest finish first."""
+    with session_scope(engine) as s:
+        q = (select(Run, Job).join(Job, Job.id == Run.job_id)
+             .where(Job.state == JobState.SUCCEEDED).order_by(Job.finished_at, Run.id))
+        return [(run, job) for run, job in s.exec(q).all()]
+
+
 def set_run_output(engine: Engine, run_id: str, output_dir: str) -> None:
     """Record the run's output folder (under data_dir/runs)."""
     with session_scope(engine, immediate=True) as s:

@@ -95,10 +95,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return JSONResponse(body, status_code=200)
 
     from app.web.routes import (api, artifacts, datasets, exports, grpo, models, openai_api,
-                                openai_files, pages, runs)
+                                openai_files, openai_models, pages, runs)
 
     for mod in (pages, datasets, models, runs, grpo, artifacts, exports, api, openai_files,
-                openai_api):
+                openai_api, openai_models):
         app.include_router(mod.router)
     return app
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from app.store import events, queue
+from app.store import events, queue, repo
 
 from tests.conftest import SHARED_DATA as SHARED
 
@@ -146,3 +146,42 @@ def test_checkpoints_trained_tokens_epochs_and_limits(oai, engine, settings):
             oai.fine_tuning.jobs.list(limit=bad)
         assert exc.value.body["param"] == "limit"
     assert len(oai.fine_tuning.jobs.list(limit=100).data) == 1
+
+
+def test_models_list_and_retrieve_fine_tuned_models(oai, engine):
+    """GET /v1/models lists the base models and the fine_tuned_model of every succeeded job
+    (not of queued or failed ones); GET /v1/models/{id} retrieves either kind."""
+    f = oai.files.create(file=("a.jsonl", b'{"text": "hello world"}\n'), purpose="fine-tune")
+    jobs = [oai.fine_tuning.jobs.create(model="stories260K", training_file=f.id, suffix=s)
+            for s in ("ok", "bad", "waiting")]
+    assert [m.id for m in oai.models.list().data] == ["stories260K"]
+    for job, end in zip(jobs, ("finish", "fail")):
+        claimed = queue.claim(engine, "w", 60, kinds=["train"])
+        assert claimed.run_id == job.id
+        if end == "finish":
+            assert queue.finish(engine, claimed.id, "w", {"tokens": 10})
+        else:
+            assert queue.fail(engine, claimed.id, "w", "boom")
+    done = oai.fine_tuning.jobs.retrieve(jobs[0].id)
+    assert done.status == "succeeded" and done.fine_tuned_model == f"stories260K:ft:{jobs[0].id}"
+    assert oai.fine_tuning.jobs.retrieve(jobs[1].id).fine_tuned_model is None
+    finished_at = repo.run_with_job(engine, jobs[0].id)[1].finished_at
+
+    listed = oai.models.list().data
+    assert [m.id for m in listed] == ["stories260K", done.fine_tuned_model]
+    ft = listed[1]
+    assert (ft.object, ft.owned_by, ft.created) == ("model", "whetstone", int(finished_at))
+    assert ft.created == done.finished_at
+    assert listed[0].owned_by == "llama2c" and listed[0].object == "model"
+
+    got = oai.models.retrieve(done.fine_tuned_model)
+    assert got.model_dump(exclude_unset=True) == {
+        "id": done.fine_tuned_model, "object": "model", "created": done.finished_at,
+        "owned_by": "whetstone"}
+    assert oai.models.retrieve("stories260K").owned_by == "llama2c"
+    for missing in (f"stories260K:ft:{jobs[1].id}", f"stories260K:ft:{jobs[2].id}",
+                    f"other:ft:{jobs[0].id}", "stories260K:ft:ftjob-nope", "nope"):
+        with pytest.raises(openai.NotFoundError) as exc:
+            oai.models.retrieve(missing)
+        assert exc.value.body["param"] == "model" and exc.value.body["code"] == "model_not_found"
+        assert repr(missing) in exc.value.body["message"]

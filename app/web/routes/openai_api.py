@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from app.store import events, queue, repo
@@ -24,6 +23,7 @@ from app.web.deps import get_engine, get_settings
 from app.web.errors import ApiError
 from app.web.reinforcement import (create_reinforcement_job, reinforcement_hyperparameters,
                                    reinforcement_method)
+from app.web.routes.openai_models import ORGANIZATION, fine_tuned_model_id
 from app.web.routes.runs import FieldError, create_checked
 from app.web.services import is_under
 
@@ -77,9 +77,10 @@ def job_object(engine, run: Run, job=None, model_name: str | None = None) -> dic
     return {
         "id": run.id, "object": "fine_tuning.job", "created_at": int(run.created_at),
         "error": error,
-        "fine_tuned_model": f"{model_name}:ft:{run.id}" if status == "succeeded" else None,
+        "fine_tuned_model": (fine_tuned_model_id(model_name, run.id)
+                             if status == "succeeded" else None),
         "finished_at": int(job.finished_at) if job is not None and job.finished_at else None,
-        "hyperparameters": hp, "model": model_name, "organization_id": "whetstone",
+        "hyperparameters": hp, "model": model_name, "organization_id": ORGANIZATION,
         "result_files": [a.id for a in arts if a.kind in ("adapter", "config", "metrics")],
         "seed": spec.get("seed"), "status": status,
         "trained_tokens": _trained_tokens(job),
@@ -353,14 +354,7 @@ def list_checkpoints(request: Request, job_id: str, after: str | None = None, li
         items = items[ids.index(after) + 1:] if after in ids else items
     page = items[:limit]
     for c in page:
-        c["fine_tuned_model_checkpoint"] = f"{model_name}:ft:{run.id}:ckpt-step-{c['step_number']}"
+        c["fine_tuned_model_checkpoint"] = (fine_tuned_model_id(model_name, run.id)
+                                            + f":ckpt-step-{c['step_number']}")
     return {"object": "list", "data": page, "has_more": len(items) > len(page),
             "first_id": page[0]["id"] if page else None, "last_id": page[-1]["id"] if page else None}
-
-
-@router.get("/models")
-def list_models(request: Request):
-    engine = get_engine(request)
-    data = [{"id": m.name, "object": "model", "created": int(m.created_at), "owned_by": m.source}
-            for m in repo.list_models(engine)]
-    return JSONResponse({"object": "list", "data": data})
