@@ -1,4 +1,4 @@
-"""Registry of live worker processes (for ``/healthz`` and the UI)."""
+"""Registry of live worker processes (for ``/healthz``, the UI and run-creation checks)."""
 from __future__ import annotations
 
 from sqlalchemy.engine import Engine
@@ -31,6 +31,12 @@ def unregister(engine: Engine, worker_id: str) -> None:
         w = s.get(Worker, worker_id)
         if w is not None:
             s.delete(w)
+
+
+def has_cuda(w: Worker) -> bool:
+    """Whether the worker runs on a CUDA GPU: its ``device`` label (``worker.gpu.device_name``)
+    is ``cuda:0 <name>`` on a GPU and ``cpu (...)`` without one."""
+    return w.device.startswith("cuda")
 
 
 def live(engine: Engine, stale_seconds: float) -> list[Worker]:

@@ -114,7 +114,8 @@ def create_reinforcement_job(request: Request, body: dict[str, Any]) -> dict[str
                      else exc.field)
             raise ApiError(400, exc.message, param, "invalid_value") from None
         param = {"model": "model", "dataset": "training_file"}.get(exc.field, exc.field)
-        code = "model_not_found" if exc.field == "model" else "file_not_found"
+        code = {"model": "model_not_found", "dataset": "file_not_found"}.get(exc.field,
+                                                                             "invalid_value")
         raise ApiError(404 if exc.message.startswith("no ") else 400, exc.message, param,
                        code) from None
     return job_object(engine, run, job)

@@ -513,3 +513,33 @@ def test_result_files_are_retrievable_through_v1_files(env, tmp_path):
     outside = repo.add_artifact(env["engine"], Artifact(kind="adapter", name="x",
                                                         path=str(tmp_path / "elsewhere.zip")))
     assert c.get(f"/v1/files/{outside.id}/content").status_code == 404
+
+
+def test_qlora_grpo_is_refused_when_every_live_worker_has_no_cuda(env):
+    """GRPO with load_in_4bit, only a CPU worker live: a load_in_4bit field error (form, /api,
+    OpenAI reinforcement job); once a CUDA worker is live the same request is queued."""
+    from app.store import workers
+
+    c, eng = env["client"], env["engine"]
+    workers.register(eng, "w-cpu", "box", 11, "cpu (4 cores, x86_64)")
+    why = "QLoRA (load_in_4bit) needs a CUDA GPU, and no live worker has one"
+    r = c.post("/runs/grpo", data=_form(env["dataset"], load_in_4bit="true"))
+    assert r.status_code == 422
+    assert f'<span class="field-error" role="alert">{why}' in r.text
+    body = {"model": "stories260K", "dataset": env["dataset"], "rewards": [{"name": "format"}],
+            "max_steps": 10, "load_in_4bit": True}
+    r = c.post("/api/runs/grpo", json=body)
+    assert r.status_code == 422 and r.json()["error"]["param"] == "load_in_4bit"
+    assert why in r.json()["error"]["message"]
+    r = c.post("/v1/fine_tuning/jobs", json={
+        "model": "stories260K", "training_file": env["dataset"], "method": {
+            "type": "reinforcement", "reinforcement": {
+                "grader": {"type": "string_check", "name": "s", "operation": "eq",
+                           "input": "{{sample.output_text}}", "reference": "{{item.answer}}"},
+                "hyperparameters": {"load_in_4bit": True, "max_steps": 10}}}})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "load_in_4bit"
+    assert err["code"] == "invalid_value" and why in err["message"]
+    workers.register(eng, "w-gpu", "box", 12, "cuda:0 NVIDIA H200")
+    r = c.post("/api/runs/grpo", json=body)
+    assert r.status_code == 201 and r.json()["spec"]["load_in_4bit"] is True

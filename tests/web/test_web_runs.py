@@ -197,3 +197,45 @@ def test_chat_template_is_checked_when_the_run_is_created(client):
     r = client.post("/api/runs", json={"model": "stories260K", "dataset": ds, "chat_template": "hello"})
     assert r.status_code == 422 and r.json()["error"]["param"] == "chat_template"
     assert "does not write the user and assistant messages" in r.json()["error"]["message"]
+
+
+def test_qlora_is_refused_at_creation_when_every_live_worker_has_no_cuda(client, engine):
+    """load_in_4bit with only CPU workers live is a field error on load_in_4bit (form, /api,
+    /v1); with no live worker, or with a live CUDA worker, the run is queued."""
+    from app.store import workers
+    from app.store.db import session_scope
+    from app.store.schema import Worker, now
+
+    ds = _upload(client)
+    qlora = {"model": "stories260K", "dataset": ds, "load_in_4bit": True}
+    r = client.post("/api/runs", json=qlora)  # no worker yet: a GPU worker may start later
+    assert r.status_code == 201 and r.json()["spec"]["load_in_4bit"] is True
+
+    workers.register(engine, "w-cpu", "box", 11, "cpu (16 cores, x86_64)")
+    workers.register(engine, "w-gpu-dead", "box", 12, "cuda:0 NVIDIA H200")
+    with session_scope(engine) as s:  # last seen an hour ago: not live
+        w = s.get(Worker, "w-gpu-dead")
+        w.last_seen = now() - 3600
+        s.add(w)
+    why = ("QLoRA (load_in_4bit) needs a CUDA GPU, and no live worker has one (workers run on: "
+           "cpu (16 cores, x86_64)). Turn load_in_4bit off")
+    r = client.post("/runs", data=_form(client, ds, load_in_4bit="true"),
+                    headers={"HX-Request": "true"})
+    assert r.status_code == 422 and "<html" not in r.text
+    assert re.search(r'name="load_in_4bit"[^>]*checked>.*?</label>\s*<span class="field-error" '
+                     r'role="alert">' + re.escape(why), r.text, re.S)
+    r = client.post("/api/runs", json=qlora)
+    assert r.status_code == 422 and r.json()["error"]["param"] == "load_in_4bit"
+    assert r.json()["error"]["message"].startswith(why)
+    r = client.post("/v1/fine_tuning/jobs", json={"model": "stories260K", "training_file": ds,
+                                                  "load_in_4bit": True})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "load_in_4bit"
+    assert err["code"] == "invalid_value" and err["message"].startswith(why)
+    r = client.post("/api/runs", json={**qlora, "load_in_4bit": False})  # LoRA still fine
+    assert r.status_code == 201
+
+    workers.touch(engine, "w-gpu-dead", None)  # the GPU worker is back
+    r = client.post("/api/runs", json=qlora)
+    assert r.status_code == 201 and r.json()["spec"]["load_in_4bit"] is True
+    assert len(client.get("/api/runs").json()["data"]) == 3

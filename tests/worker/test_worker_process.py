@@ -104,6 +104,16 @@ def test_imports_demo_model_and_survives_a_failing_job(env) -> None:
     assert any("Traceback" in (ev.data.get("traceback") or "") for ev in logs)
     assert env["proc"].poll() is None  # still serving
 
+    # its heartbeat row says whether it has CUDA (the web refuses QLoRA when no live worker
+    # has); a QLoRA job it claims anyway fails at once, saying why and what to do instead
+    if not workers.has_cuda(workers.live(eng, 30)[0]):
+        _, qjob = _run(env, load_in_4bit=True, max_steps=1)
+        j = _wait(lambda: _ended(eng, qjob.id), 60, "QLoRA job on the CPU", env["proc"])
+        assert j.state == JobState.FAILED and j.attempts == 1
+        assert j.error == ("QLoRA (load_in_4bit) needs a CUDA GPU with bitsandbytes; this worker "
+                           "runs on the CPU. Turn load_in_4bit off to train LoRA in full "
+                           "precision.")
+
 
 def test_train_30_steps_loss_falls_and_adapter_works(env) -> None:
     import torch

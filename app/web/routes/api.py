@@ -100,7 +100,7 @@ async def create_run(request: Request):
     except ValidationError as exc:
         return invalid_spec(exc)
     try:
-        run, _ = create_checked(engine, spec, name)
+        run, _ = create_checked(engine, get_settings(request), spec, name)
     except FieldError as exc:
         raise ApiError(404 if exc.message.startswith("no ") else 422, exc.message, exc.field) from None
     return run_json(engine, run, full=True)

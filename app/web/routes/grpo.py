@@ -26,8 +26,8 @@ from app.web.deps import get_engine, get_settings
 from app.web.errors import ApiError
 from app.web.render import render
 from app.web.routes.api import invalid_spec, json_object, run_json
-from app.web.routes.runs import (FieldError, check_targets, redirect_to_run, usable_dataset,
-                                 usable_model)
+from app.web.routes.runs import (FieldError, check_qlora_device, check_targets, redirect_to_run,
+                                 usable_dataset, usable_model)
 from app.web.services import SUPPORTED, field_errors
 from app.web.uploads import UploadError, receive_upload, safe_filename
 
@@ -65,6 +65,7 @@ def create_grpo_run(engine, settings, spec: GrpoSpec, name: str | None, owner: s
     ds = usable_dataset(engine, spec)
     spec = with_dataset_columns(spec, ds)
     check_columns(spec, ds)
+    check_qlora_device(engine, settings, spec)
     return repo.create_run(engine, spec, kind="grpo", name=name, owner=owner)
 
 

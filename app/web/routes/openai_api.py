@@ -170,7 +170,7 @@ async def create_job(request: Request):
         param = _PARAM_NAMES.get(field, field)
         raise ApiError(400, f"{param}: {msg}" if param else msg, param, "invalid_value") from None
     try:
-        run, job = create_checked(engine, spec, name=body.get("suffix"))
+        run, job = create_checked(engine, get_settings(request), spec, name=body.get("suffix"))
     except FieldError as exc:
         param = _PARAM_NAMES.get(exc.field, exc.field)
         missing = "no " in exc.message[:3]

@@ -10,9 +10,10 @@ from sse_starlette.sse import EventSourceResponse
 
 from app.data.model_config import missing_targets
 from app.store import events, queue, repo
+from app.store import workers as workers_store
 from app.store.schema import JobState
 from app.store.specs import ALL_LINEAR, SCHEDULERS, TrainSpec
-from app.web.deps import get_engine, is_htmx
+from app.web.deps import get_engine, get_settings, is_htmx
 from app.web.inspect import default_templates
 from app.web.routes.exports import exports_view
 from app.web.render import render
@@ -169,7 +170,7 @@ async def create_run(request: Request):
     run = None
     if spec is not None and not errors:
         try:
-            run, _ = create_checked(engine, spec, name)
+            run, _ = create_checked(engine, get_settings(request), spec, name)
         except FieldError as exc:
             errors[exc.field] = exc.message
     if run is None:
@@ -217,13 +218,27 @@ def usable_dataset(engine, spec):
     return ds
 
 
-def create_checked(engine, spec: TrainSpec, name: str | None = None):
+def check_qlora_device(engine, settings, spec) -> None:
+    """Raises FieldError("load_in_4bit") when the spec asks for QLoRA and every live worker
+    runs without CUDA. With no live worker the run is accepted: a GPU worker may start later."""
+    if not spec.load_in_4bit:
+        return
+    live = workers_store.live(engine, settings.worker_stale_seconds)
+    if live and not any(workers_store.has_cuda(w) for w in live):
+        devices = "; ".join(sorted({w.device for w in live}))
+        raise FieldError("load_in_4bit", "QLoRA (load_in_4bit) needs a CUDA GPU, and no live "
+                         f"worker has one (workers run on: {devices}). Turn load_in_4bit off "
+                         "to train LoRA in full precision, or start a worker on a GPU.")
+
+
+def create_checked(engine, settings, spec: TrainSpec, name: str | None = None):
     """Check the model and dataset are usable, then create the run and queue its job.
 
     Raises:
         FieldError: unknown or failed model, LoRA targets the model does not have, unknown or
             unusable dataset (a GRPO prompt dataset is not an SFT one), a chat template
-            that does not parse or render a sample conversation.
+            that does not parse or render a sample conversation, QLoRA when every live
+            worker runs without CUDA.
     """
     model = usable_model(engine, spec)
     problem = chat_template_problem(spec.chat_template, model.chat_template)
@@ -237,6 +252,7 @@ def create_checked(engine, spec: TrainSpec, name: str | None = None):
                                     f"without responses to train on), not an SFT dataset"
                                     + (f" ({why})" if why else "") + "; start a GRPO run on it "
                                     f"at /runs/new/grpo?dataset={ds.id}")
+    check_qlora_device(engine, settings, spec)
     return repo.create_run(engine, spec, name=name)
 
 
