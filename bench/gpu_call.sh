@@ -25,7 +25,7 @@ for s in ${STAGES:-tests nf4 gen grpo train}; do
     tests) TAIL=30 stage gpu_tests 200 python3 -m pytest -q --import-mode=append -p no:cacheprovider \
              tests/gpu/test_decode_gpu.py tests/gpu/test_engine_gpu.py tests/gpu/test_kernels_gpu.py ;;
     dtests) TAIL=30 stage gpu_decode_tests 200 python3 -m pytest -q --import-mode=append -p no:cacheprovider \
-              tests/gpu/test_decode_gpu.py tests/gpu/test_grpo_gpu.py tests/kernels/test_nf4_matmul.py \
+              tests/gpu/test_decode_gpu.py tests/gpu/test_grpo_gpu.py \
               tests/gpu/test_kernels_gpu.py -k "nf4 or cross_entropy" ;;
     nf4) stage nf4_bench 200 python3 bench/nf4_matmul_bench.py --sweep ;;
     gen) TAIL=20 stage gen_profile 120 python3 bench/profile_step.py gen qlora 256 8 64 ;;

@@ -9,12 +9,14 @@ dequantises it in registers with the maths of ``kernels/nf4.py`` (bit-identical 
     W[n, 2i]   = to_dtype(fl(NF4[byte[n, i] >> 4] * absmax[(n*K + 2i) // blocksize]))     (high nibble = even k)
     W[n, 2i+1] = to_dtype(fl(NF4[byte[n, i] & 15] * absmax[(n*K + 2i) // blocksize]))
 
-and accumulates in fp32 with two ``tl.dot`` per absmax block of the tile (one absmax per row, so
-no reshape), avoiding the nibble interleave:
+and accumulates in fp32 with one ``tl.dot`` per BLOCK_K chunk: the chunk's bytes load as whole
+vectors (the launcher picks BLOCK_K dividing K, so no K masks), the absmax of its BLOCK_K/blocksize
+blocks broadcasts over each block's bytes, and the high/low nibble values are interleaved back into
+k order in registers (tl.join):
 
-    acc[n, m] += W_hi[n, :] . x[m, c0 + 0::2]  +  W_lo[n, :] . x[m, c0 + 1::2]      (c0: block start)
+    acc[n, m] += W[n, k0:k0+BLOCK_K] . x[m, k0:k0+BLOCK_K]
 
-Grid: (ceil(N / BLOCK_N), SPLIT_K, ceil(M / BLOCK_M)); M is padded to BLOCK_M = 16/32/64 (masked).
+Grid: (ceil(N / BLOCK_N), SPLIT_K, ceil(M / BLOCK_M)) (SPLIT_K a runtime argument); M is padded to BLOCK_M = 16/32/64 (masked).
 With SPLIT_K > 1 every program writes its fp32 partial [M, BLOCK_N] to a workspace and increments a
 per-tile counter (acq_rel atomic); the program that arrives last sums the SPLIT_K partials in fixed
 order (deterministic: the same result every call), adds the bias, casts, stores y and resets the
@@ -119,14 +121,16 @@ def _locks(device, n: int) -> torch.Tensor:
 def pick_config(M: int, N: int, K: int, blocksize: int, device) -> dict:
     """Tile sizes and split-K by shape (no autotuning: the first call compiles one kernel per shape class).
 
-    BLOCK_M: M padded to 16/32/64. BLOCK_N x BLOCK_K: the tile of W per loop step, dequantised one
-    absmax block (BLOCK_N x blocksize) at a time. SPLIT_K: doubled while there are fewer than 4 programs
+    BLOCK_M: M padded to 16/32/64. BLOCK_N x BLOCK_K: the tile of W per loop step, dequantised in
+    registers (the launcher halves BLOCK_K until it divides K). SPLIT_K: doubled while there are fewer than 4 programs
     per SM and every split keeps >= 2 K chunks (a 1024 x 4096 weight has only 16 N tiles)."""
     block_m = 16 if M <= 16 else 32 if M <= 32 else 64
     if INTERPRET or device.type != "cuda":
         block_n, block_k, warps, stages = 32, 64, 4, 1
     else:
-        block_n, block_k, warps, stages = 64, 256, 4, 1
+        # H200 sweep (bench/nf4_matmul_bench.py --sweep, CUDA graphs, 2026-11-29): BLOCK_K 128 beat
+        # 256/512 on all four Llama-3.1-8B shapes (6.27 vs 7.84 ms per token); pipelining did not help
+        block_n, block_k, warps, stages = 64, 128, 4, 1
     tiles = -(-N // block_n) * -(-M // block_m)
     chunks = -(-K // block_k)
     target = 4 * num_sms(device)

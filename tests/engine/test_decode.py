@@ -140,6 +140,23 @@ def test_fast_generate_routes_and_falls_back():
     assert "generate" not in vars(pm.get_base_model())  # restored
 
 
+def test_generation_options_as_keywords_like_hf():
+    """generate(ids, max_new_tokens=..., min_new_tokens=...) as HF takes them; a keyword that is
+    not a generation option (a streamer, a model input) sends the call to HF, named."""
+    pm = _prepared("llama", True)
+    ids, mask = _prompts()
+    kw = dict(max_new_tokens=NEW, min_new_tokens=4, do_sample=False, pad_token_id=0, eos_token_id=[5])
+    with torch.no_grad():
+        ref = pm.generate(input_ids=ids, attention_mask=mask, **kw)
+    said = []
+    with decode.fast_generate(pm, on_log=said.append), torch.no_grad():
+        out = pm.generate(input_ids=ids, attention_mask=mask, **kw)
+    assert said == ["generation: engine decoding (static KV cache, fused layers)"]
+    assert torch.equal(out[:, :ref.shape[1]], ref)
+    why = decode.unsupported(pm, None, dict(max_new_tokens=4, streamer=object()))
+    assert why == "generate() arguments ['streamer']"
+
+
 def test_unsupported_architecture_reason():
     pm = _prepared("gemma2", False)
     assert "gemma2" in decode.unsupported(pm, _cfg())

@@ -14,7 +14,8 @@ patched Llama-like model (Llama, Mistral, Qwen2/2.5, Qwen3) that runs the decode
   an NF4 base run through ``kernels.nf4_matmul`` (NF4 dequantised in registers, never stored
   dense) when it is available on CUDA and is right and faster than dequantise + GEMM on that
   weight shape and GPU (``fused_ok``, decided once per shape); otherwise the base weight is dequantised (or read dense,
-  cached by gencache) and multiplied. LoRA: ``y += s (x A^T) B^T`` with the active adapter.
+  cached by gencache) and multiplied. LoRA: ``y += s (x A^T) B^T`` with the active adapter (A, B
+  cast to the compute dtype once per call; x A^T of q, k, v, and of gate, up, as one GEMM each).
 * **CUDA graph**: the decode step (embedding, every layer, the logits) is captured once per call
   and replayed for each later token (:class:`_Stepper`), so a token costs its GPU time, not ~1,600
   Python-level kernel launches; ``WHETSTONE_DECODE_GRAPHS=0`` runs it eagerly.
@@ -38,7 +39,8 @@ import types
 import torch
 import torch.nn.functional as F
 
-from worker.engine.decode_proj import decode_proj, fused_ok, nf4_matmul_kernel
+from worker.engine.decode_proj import (decode_proj, fused_ok, nf4_matmul_kernel, shared_lora_a,
+                                      split_lora_a)
 from worker.engine.sampling import NEUTRAL, _eos_ids, resolve_config, sample, warp  # noqa: F401
 
 log = logging.getLogger("worker.engine.decode")
@@ -64,11 +66,13 @@ def unsupported(model, generation_config=None, kwargs=None, prompt_len: int | No
         return "the engine is not patched on this model"
     if st.arch.model_type not in LLAMA_LIKE:
         return f"fast decoding covers {', '.join(LLAMA_LIKE)}, not {st.arch.model_type}"
-    extra = sorted(k for k in (kwargs or {}) if k not in ("input_ids", "attention_mask"))
-    if extra:
-        return f"generate() arguments {extra}"
+    kwargs = {k: v for k, v in (kwargs or {}).items() if k not in ("input_ids", "attention_mask")}
     try:
-        gc = resolve_config(model, generation_config)
+        gc = resolve_config(model, generation_config, **kwargs)
+    except ValueError as e:
+        if str(e).startswith("generate() arguments"):
+            return str(e)
+        return f"generation config: {e}"
     except Exception as e:  # noqa: BLE001 (HF refuses the config: let HF's generate say why)
         return f"generation config: {e}"
     other = sorted(k for k, neutral in NEUTRAL.items()
@@ -112,11 +116,14 @@ class _Model:
         on_cuda = dev.type == "cuda"
         self.fused = nf4_matmul_kernel() if (st.impl == "triton" and on_cuda) else None
         self.layers = []
-        for layer in inner.layers:
-            projs = {n: decode_proj(layer.get_submodule(path), st.impl, on_cuda)
-                     for n, path in PROJ_PATHS.items()}
-            self.layers.append(types.SimpleNamespace(mod=layer, attn=layer.self_attn, **projs))
         dtype = inner.embed_tokens.weight.dtype
+        for layer in inner.layers:
+            projs = {n: decode_proj(layer.get_submodule(path), st.impl, on_cuda, dtype)
+                     for n, path in PROJ_PATHS.items()}
+            L = types.SimpleNamespace(mod=layer, attn=layer.self_attn, **projs)
+            L.qkv_A = shared_lora_a([L.q, L.k, L.v])  # x A^T of q, k, v (and of gate, up): one GEMM
+            L.gu_A = shared_lora_a([L.gate, L.up])
+            self.layers.append(L)
         for L in self.layers if self.fused is not None else ():
             for name in PROJ_PATHS:
                 lin = getattr(L, name)
@@ -143,9 +150,10 @@ class _Model:
         B, S, _ = h.shape
         D = a.head_dim
         x = self.norm(L.mod.input_layernorm, h)
-        q = L.q(x, self.fused).view(B, S, -1, D)
-        k = L.k(x, self.fused).view(B, S, -1, D)
-        v = L.v(x, self.fused).view(B, S, -1, D).transpose(1, 2)
+        xa = split_lora_a(self._xa(x, L.qkv_A), (L.q, L.k, L.v))
+        q = L.q(x, self.fused, xa[0]).view(B, S, -1, D)
+        k = L.k(x, self.fused, xa[1]).view(B, S, -1, D)
+        v = L.v(x, self.fused, xa[2]).view(B, S, -1, D).transpose(1, 2)
         if self.st.arch.qk_norm:
             q, k = self.norm(a.q_norm, q), self.norm(a.k_norm, k)
         q, k = rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin, impl=self.impl)
@@ -167,8 +175,14 @@ class _Model:
         h = h + L.o(o, self.fused)
         x = self.norm(L.mod.post_attention_layernorm, h)
         glu = _glu(self.impl)[0]
-        act = glu(L.gate(x, self.fused), L.up(x, self.fused), self.st.arch.activation)
+        xa = split_lora_a(self._xa(x, L.gu_A), (L.gate, L.up))
+        act = glu(L.gate(x, self.fused, xa[0]), L.up(x, self.fused, xa[1]), self.st.arch.activation)
         return h + L.down(act, self.fused)
+
+    @staticmethod
+    def _xa(x, A):
+        """x [..., in] @ A^T as [rows, sum r] (None when A is None)."""
+        return None if A is None else x.reshape(-1, x.shape[-1]) @ A.to(x.dtype).t()
 
     def logits(self, h_last):
         """fp32 logits [B, V] of the last position's hidden state h_last [B, H]."""
@@ -245,14 +259,15 @@ def generate(model, input_ids, attention_mask=None, generation_config=None, chec
     why = unsupported(model, generation_config, kwargs, input_ids.shape[1])
     if why:
         raise ValueError(f"fast decoding: {why}")
-    return _decode(model, input_ids, attention_mask, generation_config, check)
+    return _decode(model, input_ids, attention_mask, generation_config, check, **kwargs)
 
 
 @torch.no_grad()
-def _decode(model, input_ids, attention_mask, generation_config, check):
-    """:func:`generate` after :func:`unsupported` has said yes (no second check)."""
+def _decode(model, input_ids, attention_mask, generation_config, check, **kwargs):
+    """:func:`generate` after :func:`unsupported` has said yes (no second check); ``kwargs`` are
+    generation options (``max_new_tokens=...``) over ``generation_config``, as in HF."""
     hf = model.get_base_model() if hasattr(model, "get_base_model") else model
-    cfg = resolve_config(model, generation_config)
+    cfg = resolve_config(model, generation_config, **kwargs)
     T = cfg.max_new_tokens if cfg.max_new_tokens is not None \
         else cfg.max_length - input_ids.shape[1]
     B, P = input_ids.shape
@@ -334,7 +349,7 @@ def fast_generate(model, on_log=None, check=None):
                 kw["stopping_criteria"] = _stop_criteria(check)
             return orig(input_ids=input_ids, attention_mask=attention_mask,
                         generation_config=generation_config, **kw)
-        return _decode(model, input_ids, attention_mask, generation_config, check)
+        return _decode(model, input_ids, attention_mask, generation_config, check, **kw)
 
     hf.generate = types.MethodType(gen, hf)
     try:

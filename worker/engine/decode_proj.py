@@ -39,7 +39,9 @@ class DecodeProj:
     scale: float
     state: object = None  # NF4State for the fused NF4 matmul
 
-    def __call__(self, x: torch.Tensor, fused) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, fused, xa: torch.Tensor | None = None) -> torch.Tensor:
+        """y [..., out] for x [..., in]; ``xa`` [rows, r]: x A^T when the caller computed it
+        (one GEMM for the projections that share x, see :func:`shared_lora_a`)."""
         from worker.engine.quant import dense_weight
 
         x2 = x.reshape(-1, x.shape[-1])
@@ -56,7 +58,8 @@ class DecodeProj:
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         if self.A is not None:
-            y.addmm_(x2 @ self.A.to(x2.dtype).t(), self.B.to(x2.dtype).t(), alpha=self.scale)
+            xa = x2 @ self.A.to(x2.dtype).t() if xa is None else xa
+            y.addmm_(xa, self.B.to(x2.dtype).t(), alpha=self.scale)
         return y.view(*x.shape[:-1], y.shape[-1])
 
 
@@ -114,12 +117,37 @@ def fused_ok(fused, lin, dtype, rows: int = 8, timer=None) -> bool:
     return CHECKED[key]
 
 
-def decode_proj(module, impl: str, on_cuda: bool) -> DecodeProj:
+def decode_proj(module, impl: str, on_cuda: bool, dtype: torch.dtype | None = None) -> DecodeProj:
+    """The :class:`DecodeProj` of a (PEFT LoRA) linear ``module``. With ``dtype`` (the compute
+    dtype) the adapter's A, B and the bias are cast once here, not at every token (the weights do
+    not change during a generate call). Raises ValueError for a LoRA variant the fused path
+    cannot run (see ``lora_ops.lora_params``)."""
     from worker.engine.lora_ops import lora_params
     from worker.engine.quant import NF4Linear
 
-    lp = lora_params(module)  # raises ValueError for a variant the fused path cannot run
+    lp = lora_params(module)
     base = getattr(module, "base_layer", module)
     A, B, s = lp if lp is not None else (None, None, 0.0)
+    bias = getattr(base, "bias", None)
+    if dtype is not None:
+        A, B = (t.detach().to(dtype) if t is not None else None for t in (A, B))
+        bias = bias.detach().to(dtype) if bias is not None else None
     state = base.state() if isinstance(base, NF4Linear) and impl == "triton" and on_cuda else None
-    return DecodeProj(base, getattr(base, "bias", None), A, B, s, state)
+    return DecodeProj(base, bias, A, B, s, state)
+
+
+def shared_lora_a(projs) -> torch.Tensor | None:
+    """[sum r, in]: the A matrices of ``projs`` (DecodeProjs that read the same x: q, k, v; or
+    gate, up) stacked, so x A^T for all of them is one GEMM; None unless every one has an adapter
+    with A in one dtype. Split the product with :func:`split_lora_a`."""
+    As = [p.A for p in projs]
+    if any(a is None for a in As) or len({a.dtype for a in As}) != 1:
+        return None
+    return torch.cat(As, 0)
+
+
+def split_lora_a(xa: torch.Tensor | None, projs) -> list:
+    """The column blocks of ``xa`` = x [shared_lora_a]^T, one per projection (None: no sharing)."""
+    if xa is None:
+        return [None] * len(projs)
+    return list(torch.split(xa, [p.A.shape[0] for p in projs], dim=1))

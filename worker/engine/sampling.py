@@ -27,11 +27,16 @@ NEUTRAL = {"num_beams": 1, "num_return_sequences": 1, "no_repeat_ngram_size": 0,
            "prompt_lookup_num_tokens": None, "assistant_model": None}
 
 
-def resolve_config(model, generation_config):
+def resolve_config(model, generation_config, **kwargs):
     """The GenerationConfig HF's ``generate`` would use: the given one with the model's and the
-    global defaults filled in (e.g. ``top_k`` 50 when the caller left it None)."""
+    global defaults filled in (e.g. ``top_k`` 50 when the caller left it None), then ``kwargs``
+    that name generation options (``max_new_tokens=...``), as HF does. Raises ValueError naming
+    any other keyword (a model input or a ``generate()`` argument such as ``streamer``)."""
     hf = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return hf._prepare_generation_config(generation_config)[0]
+    cfg, rest = hf._prepare_generation_config(generation_config, **kwargs)
+    if rest:
+        raise ValueError(f"generate() arguments {sorted(rest)}")
+    return cfg
 
 
 def _eos_ids(cfg):
