@@ -8,7 +8,7 @@ divided by the copies. GB/s = NF4 bytes read (N*K/2 + absmax) / time. ``per-toke
 Llama-3.1-8B decode step's 224 distinct weights (32 layers x q, k, v, o, gate, up, down) in one
 graph. ``--sweep`` tries tile configs per shape at M=8 (BLOCK_N, BLOCK_K, SPLIT_K, warps, stages)
 and uses each shape's best in the per-token line. Each measurement is a JSON line appended to
---out (default bench/results.jsonl).
+--out (default $OUT/nf4_matmul.jsonl when $OUT is set, as on a device call; else bench/results.jsonl).
 
     python bench/nf4_matmul_bench.py [--m 1 8 16] [--sweep]
     python bench/nf4_matmul_bench.py --smoke                  # CPU, interpreter, tiny shapes: script check
@@ -94,7 +94,8 @@ def main():
     ap.add_argument("--m", type=int, nargs="+", default=[1, 8, 16])
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results.jsonl"))
+    ap.add_argument("--out", default=os.path.join(os.environ["OUT"], "nf4_matmul.jsonl") if os.environ.get("OUT")
+                    else os.path.join(ROOT, "bench", "results.jsonl"))
     args = ap.parse_args()
     dev = "cpu" if args.smoke else "cuda"
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
