@@ -16,7 +16,8 @@ k order in registers (tl.join):
 
     acc[n, m] += W[n, k0:k0+BLOCK_K] . x[m, k0:k0+BLOCK_K]
 
-Grid: (ceil(N / BLOCK_N), SPLIT_K, ceil(M / BLOCK_M)) (SPLIT_K a runtime argument); M is padded to BLOCK_M = 16/32/64 (masked).
+Grid: (ceil(N / BLOCK_N), SPLIT_K, ceil(M / BLOCK_M)), SPLIT_K a runtime argument; M is padded to
+BLOCK_M = 16/32/64 (masked).
 With SPLIT_K > 1 every program writes its fp32 partial [M, BLOCK_N] to a workspace and increments a
 per-tile counter (acq_rel atomic); the program that arrives last sums the SPLIT_K partials in fixed
 order (deterministic: the same result every call), adds the bias, casts, stores y and resets the
@@ -122,8 +123,9 @@ def pick_config(M: int, N: int, K: int, blocksize: int, device) -> dict:
     """Tile sizes and split-K by shape (no autotuning: the first call compiles one kernel per shape class).
 
     BLOCK_M: M padded to 16/32/64. BLOCK_N x BLOCK_K: the tile of W per loop step, dequantised in
-    registers (the launcher halves BLOCK_K until it divides K). SPLIT_K: doubled while there are fewer than 4 programs
-    per SM and every split keeps >= 2 K chunks (a 1024 x 4096 weight has only 16 N tiles)."""
+    registers (the launcher halves BLOCK_K until it divides K). SPLIT_K: doubled while there are
+    fewer than 4 programs per SM and every split keeps >= 2 K chunks (a 1024 x 4096 weight has only
+    16 N tiles)."""
     block_m = 16 if M <= 16 else 32 if M <= 32 else 64
     if INTERPRET or device.type != "cuda":
         block_n, block_k, warps, stages = 32, 64, 4, 1

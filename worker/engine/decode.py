@@ -21,9 +21,9 @@ patched Llama-like model (Llama, Mistral, Qwen2/2.5, Qwen3) that runs the decode
   Python-level kernel launches; ``WHETSTONE_DECODE_GRAPHS=0`` runs it eagerly.
 * **Sampling** (:mod:`worker.engine.sampling`) follows HF's processors in HF's order: EOS held
   back until ``min_length`` / ``min_new_tokens``, repetition penalty, temperature, top-k, top-p,
-  min-p, then ``torch.multinomial`` (``do_sample``) or argmax. A row that emits an EOS id emits ``pad_token_id`` afterwards; the loop stops once
-  every row has finished (checked every :data:`SYNC_EVERY` steps, so a few trailing pad columns
-  may follow; callers cut at the first EOS).
+  min-p, then ``torch.multinomial`` (``do_sample``) or argmax. A row that emits an EOS id emits
+  ``pad_token_id`` afterwards; the loop stops once every row has finished (checked every
+  :data:`SYNC_EVERY` steps, so a few trailing pad columns may follow; callers cut at the first EOS).
 
 Returns ids [B, P + n] int64 like HF (prompt then generated tokens). :func:`unsupported` says why a
 model/config cannot take this path (the caller then uses HF's ``generate``): another architecture,

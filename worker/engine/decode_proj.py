@@ -52,7 +52,7 @@ class DecodeProj:
             except Exception as e:  # noqa: BLE001 (a kernel that cannot run this shape)
                 log.warning("decode: NF4 matmul failed (%s); dequantising this weight instead", e)
                 self.state = None
-                return self(x, fused)
+                return self(x, fused, xa)
         else:
             y = x2 @ dense_weight(self.base, x2.dtype).t()
         if self.bias is not None:
