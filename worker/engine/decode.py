@@ -69,12 +69,8 @@ def unsupported(model, generation_config=None, kwargs=None, prompt_len: int | No
     kwargs = {k: v for k, v in (kwargs or {}).items() if k not in ("input_ids", "attention_mask")}
     try:
         gc = resolve_config(model, generation_config, **kwargs)
-    except ValueError as e:
-        if str(e).startswith("generate() arguments"):
-            return str(e)
-        return f"generation config: {e}"
     except Exception as e:  # noqa: BLE001 (HF refuses the config: let HF's generate say why)
-        return f"generation config: {e}"
+        return str(e) if str(e).startswith("generate() arguments") else f"generation config: {e}"
     other = sorted(k for k, neutral in NEUTRAL.items()
                    if getattr(gc, k, neutral) not in (neutral, None, False, 0))
     if other:
