@@ -23,10 +23,17 @@ stage() {  # NAME TIMEOUT CMD...
 for s in ${STAGES:-tests nf4 gen grpo train}; do
   case $s in
     tests) TAIL=30 stage gpu_tests 200 python3 -m pytest -q --import-mode=append -p no:cacheprovider \
-             tests/gpu/test_decode_gpu.py tests/gpu/test_engine_gpu.py tests/gpu/test_kernels_gpu.py ;;
+             tests/gpu/test_decode_gpu.py tests/gpu/test_engine_gpu.py tests/gpu/test_kernels_gpu.py \
+             tests/gpu/test_attention_gpu.py ;;
+    etests) TAIL=30 stage gpu_engine_tests 200 python3 -m pytest -q --import-mode=append -p no:cacheprovider \
+              tests/gpu/test_engine_gpu.py tests/gpu/test_attention_gpu.py tests/gpu/test_grpo_gpu.py ;;
     dtests) TAIL=30 stage gpu_decode_tests 200 python3 -m pytest -q --import-mode=append -p no:cacheprovider \
               tests/gpu/test_decode_gpu.py tests/gpu/test_grpo_gpu.py \
               tests/gpu/test_kernels_gpu.py -k "nf4 or cross_entropy" ;;
+    probe) TAIL=30 stage probe 90 python3 bench/probe_attention.py ;;
+    ptrain) TAIL=60 stage prof_train 120 python3 bench/profile_step.py train qlora 2048 2 ;;
+    pbudget) TAIL=60 BUDGET=40 stage prof_budget 120 python3 bench/profile_step.py train qlora 2048 2 ;;
+    p16k) TAIL=60 stage prof_16k 150 python3 bench/profile_step.py train qlora 16384 1 ;;
     nf4) stage nf4_bench 200 python3 bench/nf4_matmul_bench.py --sweep ;;
     gen) TAIL=20 stage gen_profile 120 python3 bench/profile_step.py gen qlora 256 8 64 ;;
     grpo) stage grpo_256 170 python3 bench/grpo_step.py --prompt-len 256 --completion-len 256 \
@@ -35,14 +42,14 @@ for s in ${STAGES:-tests nf4 gen grpo train}; do
               --num-generations 8 --prompts-per-step 2 --steps 4 ;;
     grpo1k) stage grpo_1024 200 python3 bench/grpo_step.py --prompt-len 1024 --completion-len 1024 \
               --num-generations 8 --steps 3 ;;
-    train) stage train_2048 120 python3 bench/train_step.py qlora 2048 2 6 ;;
-    train16k) stage train_16k 120 python3 bench/train_step.py qlora 16384 1 5 ;;
-    trainbudget) stage train_budget 120 python3 bench/train_step.py qlora 2048 2 6 --budget 40 ;;
-    lora) stage train_lora 120 python3 bench/train_step.py lora 2048 2 6 ;;
+    train) stage train_2048 120 python3 bench/train_step.py qlora 2048 2 8 ;;
+    train16k) stage train_16k 120 python3 bench/train_step.py qlora 16384 1 6 ;;
+    trainbudget) stage train_budget 120 python3 bench/train_step.py qlora 2048 2 8 --budget 40 ;;
+    lora) stage train_lora 120 python3 bench/train_step.py lora 2048 2 8 ;;
     # anchors (../shared/bench copied to .anchors, carried): the random 8B model once, then Unsloth
     make) stage anchors_make 150 python3 .anchors/anchors.py make ;;
     u_train) stage unsloth_train 150 python3 .anchors/anchors.py run unsloth_qlora 2048 2 8 ;;
-    u_train16k) stage unsloth_train16k 150 python3 .anchors/anchors.py run unsloth_qlora 16384 1 5 ;;
+    u_train16k) stage unsloth_train16k 150 python3 .anchors/anchors.py run unsloth_qlora 16384 1 6 ;;
     u_lora) stage unsloth_lora 150 python3 .anchors/anchors.py run unsloth_lora 2048 2 8 ;;
     u_grpo) stage unsloth_grpo 200 python3 .anchors/grpo_anchor.py unsloth_qlora 256 256 8 4 ;;
     u_grpo1k) stage unsloth_grpo1k 300 python3 .anchors/grpo_anchor.py unsloth_qlora 1024 1024 8 3 ;;

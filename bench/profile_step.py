@@ -63,6 +63,48 @@ def summarise(prof, wall_s: float, per: int, label: str) -> None:
         print(f"| {n[:110]} | {t / 1e3 / per:.3f} | {t / total_us:.3f} |")
 
 
+def gaps(prof, per: int, label: str, top: int = 15) -> None:
+    """GPU idle time of the compute kernels (copies excluded) and the largest gaps, each with the
+    innermost CPU-side op running when it began (a sync, a Python stretch, a launch-bound stretch);
+    writes the Chrome trace gzipped to $OUT when OUT is set."""
+    from torch.autograd import DeviceType
+
+    ks = sorted((ev.time_range.start, ev.time_range.end) for ev in prof.events()
+                if ev.device_type == DeviceType.CUDA and kind(ev.name) != "memcpy")
+    cpu = [ev for ev in prof.events() if ev.device_type == DeviceType.CPU]
+    busy, found, end = 0.0, [], None
+    for s, e in ks:
+        if end is None or s > end:
+            if end is not None:
+                found.append((s - end, end))
+            busy += e - s
+            end = e
+        elif e > end:
+            busy += e - end
+            end = e
+    span = (ks[-1][1] - ks[0][0]) if ks else 0.0
+    idle = sum(g for g, _ in found)
+    print(f"\n## {label}: compute-kernel span {span / 1e3 / per:.2f} ms, busy {busy / 1e3 / per:.2f}, "
+          f"idle {idle / 1e3 / per:.2f} ms per unit in {len(found)} gaps "
+          f"({sum(g for g, _ in found if g > 50) / 1e3 / per:.2f} ms in gaps > 50 us)")
+    print("| gap us | at ms | CPU ops running (innermost last) |\n|---|---|---|")
+    t0 = ks[0][0] if ks else 0.0
+    for g, at in sorted(found, reverse=True)[:top]:
+        on = sorted((ev for ev in cpu if ev.time_range.start <= at <= ev.time_range.end),
+                    key=lambda ev: ev.time_range.start)
+        names = " > ".join(ev.name[:40] for ev in on[-4:])
+        print(f"| {g:.0f} | {(at - t0) / 1e3:.1f} | {names} |")
+    out = os.environ.get("OUT")
+    if out:
+        import gzip
+        import shutil
+        tmp = os.path.join(out, f"trace_{label.split()[0]}.json")
+        prof.export_chrome_trace(tmp)
+        with open(tmp, "rb") as fi, gzip.open(tmp + ".gz", "wb") as fo:
+            shutil.copyfileobj(fi, fo)
+        os.remove(tmp)
+
+
 def train(config: str, seq: int, bs: int) -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -85,13 +127,16 @@ def train(config: str, seq: int, bs: int) -> None:
     for _ in range(3):
         step()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                 record_shapes=True) as prof:
         t0 = time.perf_counter()
         for _ in range(2):
             step()
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
+    tag = os.environ.get("TAG", f"{config}{seq}x{bs}" + (f"b{budget:g}" if budget else ""))
     summarise(prof, wall, 2, f"train {config} {seq}x{bs} (per step)")
+    gaps(prof, 2, f"{tag} train (per step)")
 
 
 def gen(config: str, prompt: int, rows: int, new: int) -> None:
