@@ -86,8 +86,10 @@ def test_policy_and_reference_logps_and_grads(arch, nf4):
     assert (le - lr).abs().max().item() <= TOL
     gr, ge = lora_grads(ref), lora_grads(eng)
     assert gr.keys() == ge.keys() and gr
-    assert max((gr[k] - ge[k]).abs().max().item() for k in gr) <= TOL
-    assert max(g.abs().max().item() for g in gr.values()) > 1e-3
+    # relative to the largest gradient (here ~5): fp32 sums in another order differ by ~1e-6 of it
+    gmax = max(g.abs().max().item() for g in gr.values())
+    assert max((gr[k] - ge[k]).abs().max().item() for k in gr) <= TOL * max(1.0, gmax)
+    assert gmax > 1e-3
 
     with torch.no_grad():  # the reference policy: the adapter-disabled base
         with ref.disable_adapter():
