@@ -5,10 +5,10 @@
    (relative to the gradient's scale), and the bf16 *reference* path must be no closer than that.
 2. An 8-step loss curve (AdamW, same seed and data) of the engine vs HF + PEFT in bf16: the two
    curves agree within bf16 noise and both fall.
-3. Offloaded checkpointing with the H2D prefetch and the recompute's down-projection skip (4 layers,
-   2 steps, so the second step's saves reuse the pinned buffers the first step's prefetches read)
-   vs no checkpointing: the same loss and LoRA gradients (within the backward kernels' run-to-run
-   noise), and every load of a backward served by a prefetch.
+3. Offloaded checkpointing with the H2D prefetch, the attention stash and the recompute's skips
+   (4 layers, 2 steps, so the second step's saves reuse the pinned buffers the first step's
+   prefetches read) vs no checkpointing: the same loss and LoRA gradients (within the backward
+   kernels' run-to-run noise), and every load of a backward served by a prefetch.
 """
 import copy
 
@@ -128,9 +128,12 @@ def _deep_llama(n_layers=4, hidden=512, inter=1024):
 @pytest.mark.parametrize("impl, dtype, rel", [("reference", torch.float32, 1e-4),
                                               ("triton", torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("nf4", [False, True])
-def test_offload_prefetch_matches_no_checkpointing(impl, dtype, rel, nf4):
+@pytest.mark.parametrize("padded", [True, False])
+def test_offload_prefetch_matches_no_checkpointing(impl, dtype, rel, nf4, padded):
     """Two steps on the same weights (an optimizer step would amplify the backward kernels'
-    run-to-run noise: two plain bf16 runs already differ by ~1e-2 of a gradient's scale)."""
+    run-to-run noise: two plain bf16 runs already differ by ~1e-2 of a gradient's scale).
+    Unpadded bf16 batches take the attention stash (Q, K, V, O offloaded with the two segment
+    inputs of each layer); every load is served by a copy started ahead of it."""
     if nf4:
         pytest.importorskip("bitsandbytes")
     base = _deep_llama()
@@ -143,13 +146,18 @@ def test_offload_prefetch_matches_no_checkpointing(impl, dtype, rel, nf4):
         steps = []
         for step in range(2):
             ids, mask, labels = _batch(S=1024, seed=step)
+            if not padded:
+                mask, labels = torch.ones_like(mask), ids
             loss = pm(input_ids=ids, attention_mask=mask, labels=labels).loss
             loss.backward()
             steps.append((loss.item(), lora_grads(pm)))
             pm.zero_grad(set_to_none=True)
         runs.append((steps, engine.engine_state(pm).offloader))
     (plain, _), (ck, off) = runs
-    assert off.enabled and off.prefetches == 2 * 4, off.prefetches  # every load of both steps
+    stash = not padded and dtype == torch.bfloat16  # cuDNN attention: bf16/fp16 only
+    per_layer = 2 + (4 if stash else 0)  # attention and MLP inputs [+ Q, K, V, O]
+    assert off.enabled and off.loads == 2 * 4 * per_layer, off.loads
+    assert off.prefetches == off.loads  # every load of both steps was copied ahead
     for step, ((l0, g0), (l1, g1)) in enumerate(zip(plain, ck)):
         assert abs(l0 - l1) <= rel * abs(l0), (step, l0, l1)
         for k in g0:

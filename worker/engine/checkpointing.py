@@ -1,34 +1,41 @@
-"""Per-decoder-layer activation checkpointing, offloaded to pinned CPU memory, under a VRAM budget.
+"""Activation checkpointing per layer segment, offloaded to pinned CPU memory, under a VRAM budget.
 
-:func:`checkpoint_layer` runs ``fn(h)`` (one decoder layer, h [B, S, H]) without keeping its
-activations: forward runs under ``no_grad`` and saves only the layer input h; backward recomputes the
-layer with grad enabled and back-propagates through it (reentrant style: the LoRA parameters' .grad
-are accumulated by that inner backward, dh is returned). The RNG state is restored for the recompute
-when ``preserve_rng`` (dropout).
+:func:`checkpoint_layer` runs ``fn(h)`` (one segment of a decoder layer: its attention block or its
+MLP block, h [B, S, H]) without keeping its activations: forward runs under ``no_grad`` and saves
+the segment input h (and what the segment stashes, below); backward recomputes the segment with grad
+enabled and back-propagates through it (reentrant style: the LoRA parameters' .grad are accumulated
+by that inner backward, dh is returned). The RNG state is restored for the recompute when
+``preserve_rng`` (dropout).
 
-Offload (:class:`Offloader`, CUDA only; elsewhere the input stays where it is and nothing changes):
-forward copies h to a pinned host buffer on a D2H side stream (``non_blocking``; the GPU copy is
-released once the copy is done via ``record_stream``). Buffers come from a free list per
-(layer, shape, dtype), reused across steps. Backward copies h back on a separate H2D side stream and
-prefetches: the checkpointed layers of one forward form a chain (:meth:`Offloader.start_chain`, then
-one ``save`` per layer in order), and the backward of layer i, which loads its own input, also starts
-the H2D copy of layer i-1's (the next one backward reaches), so that copy (B*S*H elements:
-2 x 2048 x 4096 bf16 = 32 MiB, ~0.6 ms over PCIe) overlaps layer i's recompute and backward instead
+Stash: while the segment's forward runs, :func:`stash_mode` is ("record", its :class:`Stash`); an op
+may leave tensors there that its backward needs and whose recompute is costly
+(:class:`~worker.engine.attention.SDPAFunction` leaves the attention output, its logsumexp and
+Q, K, V). In the recompute the mode is ("replay", the same stash) and the op takes them back instead
+of computing. Stashed tensors are offloaded like the input.
+
+Offload (:class:`Offloader`, CUDA only; elsewhere tensors stay where they are and nothing changes):
+forward copies each saved tensor to a pinned host buffer on a D2H side stream (``non_blocking``; the
+GPU copy is released once the copy is done via ``record_stream``; a permuted dense tensor travels in
+its memory order). Buffers come from a free list per (segment, shape, dtype), reused across steps.
+Backward copies them back on a separate H2D side stream and prefetches: the saves of one forward form
+a chain (:meth:`Offloader.start_chain`, then every ``save`` in order), and each load also starts the
+H2D copies of the saves before it (what backward reaches next) until ``window`` bytes are in flight,
+one layer's worth (its two segment inputs and stash: 144 MiB for Llama-8B at 4096 tokens with
+Q, K, V, O stashed), so the copies (~55 GB/s over PCIe) overlap the recompute and backward instead
 of stalling the compute stream. :meth:`Offloader.prefetch_last` (after the forward's last layer)
-starts the first one, so every load of a backward can be a prefetch; one extra layer input is live
-on the GPU at a time. Ordering is by events: the H2D stream waits for the buffer's D2H; the compute
+starts the first ones. Ordering is by events: the H2D stream waits for the buffer's D2H; the compute
 stream waits for the H2D before using the tensor (allocated on the H2D stream, then
 ``record_stream``-ed on the compute stream so the caching allocator cannot hand it out early); the
 buffer goes back to its free list with its H2D event, which the next save into it (step N+1's
 forward) waits for on the D2H stream. A buffer is in one handle at a time, so two forwards before
 one backward get two buffers.
 
-Recompute skip: while backward recomputes a layer, :func:`recomputing` is true (thread-local: the
+Recompute skip: while backward recomputes a segment, :func:`recomputing` is true (thread-local: the
 autograd worker thread). The value ``fn`` returns then is discarded (only the graph it builds is
-back-propagated), so work that feeds *only* that value may be skipped: :func:`~worker.engine.patch.
-run_layer` skips the MLP's down projection (its output goes straight into ``h + m``), see
-:mod:`worker.engine.lora_ops`. A ``fn`` that reads the flag must be one layer whose return is that
-value (not several layers chained in one checkpoint).
+back-propagated), so work that feeds *only* that value may be skipped: the attention block's o_proj
+and the MLP's down projection (their outputs go straight into ``h + x``), see
+:mod:`worker.engine.patch` and :mod:`worker.engine.lora_ops`. A ``fn`` that reads the flag must be
+one segment whose return is that value (not several chained in one checkpoint).
 
 :func:`plan_layers` is the budget: given the bytes one layer's activations take when *not*
 checkpointed (:func:`layer_activation_bytes`), the memory already in use and the budget, it returns
@@ -52,6 +59,22 @@ def recomputing() -> bool:
     return getattr(_local, "recompute", False)
 
 
+def stash_mode():
+    """("record" | "replay" | None, :class:`Stash` or None) of the checkpointed segment running on
+    this thread: "record" in its forward, "replay" in its recompute (see the module docstring)."""
+    return getattr(_local, "stash", (None, None))
+
+
+@contextlib.contextmanager
+def _stashing(mode, stash):
+    prev = stash_mode()
+    _local.stash = (mode, stash)
+    try:
+        yield
+    finally:
+        _local.stash = prev
+
+
 @contextlib.contextmanager
 def _recompute():
     prev = recomputing()
@@ -63,18 +86,68 @@ def _recompute():
 
 
 class _Saved:
-    """One saved layer input: ``dev`` (kept as is), or a pinned ``buf`` with its D2H event, the
-    H2D copy once started (``copy``, ``h2d`` event) and a weak link to the previous layer's handle."""
+    """One saved tensor: ``dev`` (kept as is), or a pinned ``buf`` with its D2H event, the H2D copy
+    once started (``copy``, ``h2d`` event), a weak link to the handle saved before it, its size and
+    the permutation that restores a non-contiguous tensor's layout (``perm``)."""
 
-    __slots__ = ("dev", "buf", "key", "d2h", "device", "prev", "copy", "h2d", "__weakref__")
+    __slots__ = ("dev", "buf", "key", "d2h", "device", "prev", "copy", "h2d", "nbytes", "perm",
+                 "__weakref__")
 
-    def __init__(self, dev=None, buf=None, key=None, d2h=None, device=None, prev=None):
+    def __init__(self, dev=None, buf=None, key=None, d2h=None, device=None, prev=None,
+                 perm=None):
         self.dev, self.buf, self.key, self.d2h = dev, buf, key, d2h
         self.device, self.prev, self.copy, self.h2d = device, prev, None, None
+        self.nbytes = buf.numel() * buf.element_size() if buf is not None else 0
+        self.perm = perm
+
+
+class Stash:
+    """What a checkpointed segment's forward leaves for its recompute besides its input.
+
+    :meth:`put` offloads tensors through the segment's :class:`Offloader` (they join the prefetch
+    chain in save order) and keeps small ones (``keep``) where they are; :meth:`take` returns them
+    all once, on the device, in the order given. ``qkv``: the attention stashed Q, K, V too.
+    """
+
+    __slots__ = ("offloader", "key", "handles", "keep", "qkv")
+
+    def __init__(self, offloader: "Offloader", key):
+        self.offloader, self.key = offloader, key
+        self.handles, self.keep, self.qkv = [], (), False
+
+    def put(self, *tensors, keep=()):
+        self.handles = [self.offloader.save(self.key, t) for t in tensors]
+        self.keep = tuple(keep)
+
+    def pending(self) -> bool:
+        return bool(self.handles) or bool(self.keep)
+
+    def take(self) -> list:
+        out = [self.offloader.load(h) for h in self.handles] + list(self.keep)
+        self.handles, self.keep = [], ()
+        return out
+
+
+def _dense_order(t: torch.Tensor):
+    """(t as a contiguous permutation of itself, the permutation back) or (t.contiguous(), None)."""
+    if t.is_contiguous():
+        return t, None
+    order = sorted(range(t.dim()), key=lambda d: (-t.stride(d), -t.shape[d]))
+    base = t.permute(order)
+    if not base.is_contiguous():
+        return t.contiguous(), None
+    back = [0] * t.dim()
+    for i, d in enumerate(order):
+        back[d] = i
+    return base, back
 
 
 class Offloader:
-    """Pinned host buffers (a free list per (layer, shape, dtype)), a D2H and an H2D side stream."""
+    """Pinned host buffers (a free list per (segment, shape, dtype)), a D2H and an H2D side stream.
+
+    ``window``: bytes of H2D copies kept in flight ahead of the backward (set per chain to one
+    layer's worth of saves: its two segments' inputs and stash).
+    """
 
     def __init__(self, enabled: bool):
         self.enabled = enabled and torch.cuda.is_available()
@@ -82,16 +155,28 @@ class Offloader:
         self.stream = torch.cuda.Stream() if self.enabled else None  # D2H
         self.h2d = torch.cuda.Stream() if self.enabled else None
         self._last = None  # weakref to the last handle saved in the current chain
-        self.prefetches = 0  # loads served by a copy started ahead (by the next layer's backward)
+        self.prefetches = 0  # loads served by a copy started ahead of the load
+        self.loads = 0  # loads of offloaded tensors
+        self.window = 0
+        self.ahead = 0  # bytes of started, not yet loaded H2D copies
+        self._chain_bytes = 0
+        self._segments = 0
 
     def start_chain(self):
         """The next ``save`` starts a new forward's chain (no prefetch link to an older one)."""
         self._last = None
+        self.ahead = self._chain_bytes = self._segments = 0
+
+    def note_segment(self):
+        """One more checkpointed segment in this chain (sizes the prefetch window)."""
+        self._segments += 1
 
     def save(self, key, h: torch.Tensor) -> _Saved:
-        """Returns a handle; with offloading the GPU tensor may be freed by the caller at once."""
+        """Returns a handle; with offloading the GPU tensor may be freed by the caller at once.
+        A non-contiguous tensor that is a permutation of a dense one travels in its memory order."""
         if not (self.enabled and h.is_cuda):
             return _Saved(dev=h)
+        h, perm = _dense_order(h)
         k = (key, tuple(h.shape), h.dtype)
         pool = self.free.setdefault(k, [])
         if pool:
@@ -106,21 +191,32 @@ class Offloader:
             ev = torch.cuda.Event()
             ev.record()
         h.record_stream(self.stream)
-        hd = _Saved(buf=buf, key=k, d2h=ev, device=h.device, prev=self._last)
+        hd = _Saved(buf=buf, key=k, d2h=ev, device=h.device, prev=self._last, perm=perm)
         self._last = weakref.ref(hd)
+        self._chain_bytes += hd.nbytes
         return hd
 
     def prefetch_last(self):
-        """Start the H2D copy of the chain's last input (the first that backward loads), so that it
-        overlaps what runs between the forward and that backward (final norm, LM head, loss)."""
+        """Start the H2D copies of the chain's last saves (the first that backward loads), so that
+        they overlap what runs between the forward and that backward (final norm, LM head, loss)."""
+        self.window = 2 * self._chain_bytes // max(1, self._segments)
         last = self._last() if self._last is not None else None
         if last is not None:
             self._start_h2d(last)
+            self._prefetch_before(last)
+
+    def _prefetch_before(self, hd: _Saved):
+        """Start copies of the saves before hd (what backward loads next) up to ``window`` bytes."""
+        p = hd.prev() if hd.prev is not None else None
+        while p is not None and self.ahead < self.window:
+            self._start_h2d(p)
+            p = p.prev() if p.prev is not None else None
 
     def _start_h2d(self, hd: _Saved):
         """Queue hd's host->device copy on the H2D stream (once); the buffer returns to its pool."""
         if hd.buf is None:
             return
+        self.ahead += hd.nbytes
         self.h2d.wait_event(hd.d2h)
         with torch.cuda.stream(self.h2d):
             hd.copy = hd.buf.to(hd.device, non_blocking=True)
@@ -130,22 +226,23 @@ class Offloader:
         hd.buf = None
 
     def load(self, hd: _Saved) -> torch.Tensor:
-        """The saved tensor on its device, ready on the current stream; prefetches the previous
-        layer's input (see the module docstring). Each handle is loaded once."""
+        """The saved tensor on its device, ready on the current stream, in its saved layout; starts
+        the copies of the saves before it up to ``window`` bytes (see the module docstring). Each
+        handle is loaded once."""
         if hd.dev is not None:
             return hd.dev
+        self.loads += 1
         if hd.buf is None:
             self.prefetches += 1
         self._start_h2d(hd)
-        prev = hd.prev() if hd.prev is not None else None
-        if prev is not None:
-            self._start_h2d(prev)
+        self.ahead -= hd.nbytes
+        self._prefetch_before(hd)
         cur = torch.cuda.current_stream()
         cur.wait_event(hd.h2d)
         t = hd.copy
         t.record_stream(cur)
         hd.copy = hd.h2d = hd.prev = None
-        return t
+        return t.permute(hd.perm) if hd.perm is not None else t
 
 
 def _rng_state(device):
@@ -169,9 +266,11 @@ class _CheckpointFunction(torch.autograd.Function):
             if h.is_cuda else (False, None)
         if preserve_rng:
             ctx.rng = _rng_state(h.device)
-        with torch.no_grad():
+        stash = Stash(offloader, key)
+        with torch.no_grad(), _stashing("record", stash):
             out = fn(h)
-        ctx.offloader, ctx.handle = offloader, offloader.save(key, h.detach())
+        offloader.note_segment()
+        ctx.offloader, ctx.handle, ctx.stash = offloader, offloader.save(key, h.detach()), stash
         return out
 
     @staticmethod
@@ -185,8 +284,9 @@ class _CheckpointFunction(torch.autograd.Function):
         try:
             with torch.enable_grad(), torch.autocast("cuda", enabled=ctx.autocast[0],
                                                      dtype=ctx.autocast[1] or torch.bfloat16), \
-                    _recompute():
+                    _recompute(), _stashing("replay", ctx.stash):
                 out = ctx.fn(h)
+            ctx.stash = None
             torch.autograd.backward(out, dout)
         finally:
             if state is not None:

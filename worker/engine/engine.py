@@ -37,7 +37,8 @@ from typing import Any, Callable
 import torch
 
 from worker.engine import checkpointing as ckpt
-from worker.engine.patch import ArchSpec, Unsupported, arch_spec, norm, run_layer, step_inputs
+from worker.engine.patch import (ArchSpec, Unsupported, arch_spec, attn_block, mlp_block, norm,
+                                 run_layer, step_inputs)
 
 log = logging.getLogger("worker.engine")
 
@@ -202,9 +203,10 @@ def hidden_states(model, input_ids=None, attention_mask=None, position_ids=None,
     inner = model.model
     h = inputs_embeds if inputs_embeds is not None else inner.embed_tokens(input_ids)
     B, S, H = h.shape
-    if position_ids is None:
+    arange = position_ids is None
+    if arange:
         position_ids = torch.arange(S, device=h.device).expand(B, S)
-    step = step_inputs(model, st.arch, h, position_ids, attention_mask)
+    step = step_inputs(model, st.arch, h, position_ids, attention_mask, arange)
     kept = _kept_layers(model, st, B * S, h.dtype)
     st.kept_layers = kept
     st.fused_calls += 1
@@ -212,11 +214,12 @@ def hidden_states(model, input_ids=None, attention_mask=None, position_ids=None,
     if use_ckpt:  # the checkpointed layers below are one prefetch chain (backward: i -> i-1)
         st.offloader.start_chain()
     for i, layer in enumerate(inner.layers):
-        fn = partial(run_layer, layer, step=step, arch=st.arch, impl=st.impl)
-        if use_ckpt and i >= kept:
-            h = ckpt.checkpoint_layer(fn, h, st.offloader, i, st.preserve_rng)
+        if use_ckpt and i >= kept:  # two segments: attention (stashes its output), MLP
+            for j, block in enumerate((attn_block, mlp_block)):
+                fn = partial(block, layer, step=step, arch=st.arch, impl=st.impl)
+                h = ckpt.checkpoint_layer(fn, h, st.offloader, (i, j), st.preserve_rng)
         else:
-            h = fn(h)
+            h = run_layer(layer, h, step, st.arch, st.impl)
     if use_ckpt:  # the last layer's input comes back while the head and loss run
         st.offloader.prefetch_last()
     return norm(inner.norm, h, st.arch.gemma_norm, st.impl)

@@ -8,18 +8,20 @@ RoPE (local/global). Anything else (Phi-3's fused qkv/gate_up, MoE, multimodal) 
 :class:`Unsupported`, and the engine leaves the model on PEFT's plain modules.
 
 :func:`run_layer` is one decoder layer, h [B, S, H] -> [B, S, H], reading the weights of the HF layer
-module and its PEFT LoRA wrappers:
+module and its PEFT LoRA wrappers, as two blocks (each one checkpointed segment):
 
-    x = norm(h); q, k, v = LoRAProj(x) (one pass); [q/k norm]; RoPE (kernels.rope, q and k at once)
-    o = SDPA(q, k, v) (flash/cuDNN when the mask is plain causal; a boolean block mask for padding,
-        packed sequences whose position_ids restart, or sliding windows; an explicit soft-capped
-        softmax for Gemma 2); h = h + [norm](LoRAProj_o(o))
-    h = h + [norm](LoRAMLP(norm(h)))   (gate, up, GLU, down in one autograd function)
+    attn_block: x = norm(h); q, k, v = LoRAProj(x) (one pass); [q/k norm]; RoPE (kernels.rope);
+        o = attention(q, k, v) (:mod:`~worker.engine.attention`: fused causal SDPA with a hand-held
+        backward, or a boolean block mask for padding, packed sequences and sliding windows, or an
+        explicit soft-capped softmax for Gemma 2); h = h + [norm](LoRAProj_o(o))
+    mlp_block:  h = h + [norm](LoRAMLP(norm(h)))   (gate, up, GLU, down in one autograd function)
 
-In a checkpointed layer's recompute (:func:`~worker.engine.checkpointing.recomputing`) the layer's
-output value is discarded, so without a sandwich norm the MLP skips its down projection and returns
-an uninitialised [B, S, H] (only ``h + m``'s graph is back-propagated, and an add's backward reads no
-values). Gemma's post-feedforward norm reads m in its backward, so sandwich layers compute it.
+In a checkpointed segment's recompute (:func:`~worker.engine.checkpointing.recomputing`) the block's
+output value is discarded, so without a sandwich norm the last projection (o_proj, down_proj) skips
+its base GEMM and returns an uninitialised tensor (only ``h + o``'s graph is back-propagated, and an
+add's backward reads no values); attention returns the output its forward stashed, and when it also
+stashed Q, K, V the q/k/v projections skip their base GEMMs. Gemma's post-attention and
+post-feedforward norms read their input in backward, so sandwich layers compute it.
 
 Norms are kernels.rms_norm, dtypes follow h. A projection group whose LoRA cannot be fused (dropout,
 DoRA) runs through its PEFT modules instead; the rest of the layer stays fused.
@@ -29,8 +31,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
+from worker.engine import checkpointing as ckpt
+from worker.engine.attention import attention, build_mask, mask_kind
 from worker.engine.checkpointing import recomputing
 from worker.engine.lora_ops import LoRAMLPFunction, LoRAProjFunction, make_proj
 
@@ -110,12 +113,13 @@ def _collect(modules):
     return tuple(projs), ab
 
 
-def _group(x, modules):
-    """Outputs of several projections of x: fused LoRAProj, or the PEFT modules as a fallback."""
+def _group(x, modules, need_y=True):
+    """Outputs of several projections of x: fused LoRAProj, or the PEFT modules as a fallback.
+    ``need_y`` False: the fused outputs are uninitialised (only their graph is used)."""
     got = _collect(modules)
     if got is None:
         return tuple(m(x) for m in modules)
-    return LoRAProjFunction.apply(x, got[0], *got[1])
+    return LoRAProjFunction.apply(x, got[0], need_y, *got[1])
 
 
 def _mlp(x, mlp, activation, impl, need_y=True):
@@ -136,71 +140,25 @@ class StepInputs:
     mask: dict
 
 
-def build_mask(position_ids, attention_mask, S, window, device):
-    """Boolean [B, 1, S, S] (True = attend) or None when plain causal attention is exact.
+def attn_block(layer, h, step: StepInputs, arch: ArchSpec, impl: str):
+    """h + [norm](o_proj(attention(rope(q, k), v))) with q, k, v from norm(h); h [B, S, H].
 
-    Segments start where position_ids do not increase (padding-free packing); keys with
-    attention_mask 0 are masked; window w keeps keys with q - k < w. Each query keeps itself, so a
-    fully padded row never yields NaN (its outputs carry no loss).
+    In a checkpointed recompute (:func:`~worker.engine.checkpointing.recomputing`) the block's
+    output is discarded: o_proj skips its base GEMM (not with a sandwich norm, whose backward reads
+    o), and when the attention stashed Q, K, V in the forward (no q/k norm, whose backward reads
+    the projections) the q/k/v projections skip theirs too: attention returns the stashed output.
     """
-    packed = position_ids is not None and S > 1 and bool(
-        (position_ids[:, 1:] <= position_ids[:, :-1]).any())
-    padded = attention_mask is not None and not bool(attention_mask.all())
-    windowed = window is not None and S > window
-    if not (packed or padded or windowed):
-        return None
-    i = torch.arange(S, device=device)
-    m = (i[:, None] >= i[None, :])[None]
-    if packed:
-        start = torch.ones_like(position_ids, dtype=torch.bool)
-        start[:, 1:] = position_ids[:, 1:] <= position_ids[:, :-1]
-        seg = start.long().cumsum(-1)
-        m = m & (seg[:, :, None] == seg[:, None, :])
-    if padded:
-        m = m & attention_mask[:, None, :].bool()
-    if windowed:
-        m = m & ((i[:, None] - i[None, :]) < window)[None]
-    m = m | torch.eye(S, dtype=torch.bool, device=device)[None]
-    return m[:, None]
-
-
-def attention(q, k, v, mask, scaling, softcap):
-    """q [B, Hq, S, D], k/v [B, Hk, S, D] -> [B, S, Hq*D]."""
-    B, Hq, S, D = q.shape
-    groups = Hq // k.shape[1]
-    if softcap is not None:
-        if groups > 1:
-            k = k.repeat_interleave(groups, 1)
-            v = v.repeat_interleave(groups, 1)
-        s = (q @ k.transpose(-1, -2)) * scaling
-        s = torch.tanh(s / softcap) * softcap
-        if mask is None:
-            i = torch.arange(S, device=q.device)
-            mask = (i[:, None] >= i[None, :])[None, None]
-        s = s.masked_fill(~mask, torch.finfo(s.dtype).min)
-        p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
-        o = p @ v
-    elif mask is None:
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling,
-                                           enable_gqa=groups > 1)
-    else:
-        if groups > 1:  # the masked (memory-efficient) backend wants equal head counts
-            k = k.repeat_interleave(groups, 1)
-            v = v.repeat_interleave(groups, 1)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
-    return o.transpose(1, 2).reshape(B, S, Hq * D)
-
-
-def run_layer(layer, h, step: StepInputs, arch: ArchSpec, impl: str):
-    """One decoder layer (see the module docstring); h [B, S, H] in the compute dtype."""
     from kernels.rope import rope
 
     attn = layer.self_attn
     ltype = arch.layer_types[attn.layer_idx] if hasattr(attn, "layer_idx") else "full_attention"
     B, S, _ = h.shape
     D = attn.head_dim
+    rec = recomputing()
+    mode, stash = ckpt.stash_mode()
+    skip_qkv = rec and mode == "replay" and stash.pending() and stash.qkv
     x = norm(layer.input_layernorm, h, arch.gemma_norm, impl)
-    q, k, v = _group(x, (attn.q_proj, attn.k_proj, attn.v_proj))
+    q, k, v = _group(x, (attn.q_proj, attn.k_proj, attn.v_proj), need_y=not skip_qkv)
     del x
     q, k, v = q.view(B, S, -1, D), k.view(B, S, -1, D), v.view(B, S, -1, D)
     if arch.qk_norm:
@@ -208,17 +166,20 @@ def run_layer(layer, h, step: StepInputs, arch: ArchSpec, impl: str):
         k = norm(attn.k_norm, k, arch.gemma_norm, impl)
     cos, sin = step.rope[ltype if arch.rope_per_type else "full_attention"]
     q, k = rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin, impl=impl)
-    o = attention(q, k, v.transpose(1, 2), step.mask[ltype], attn.scaling, arch.attn_softcap)
+    o = attention(q, k, v.transpose(1, 2), step.mask[ltype], attn.scaling, arch.attn_softcap,
+                  stash_qkv=not arch.qk_norm)
     del q, k, v
-    (o,) = _group(o, (attn.o_proj,))
+    (o,) = _group(o, (attn.o_proj,), need_y=arch.sandwich or not rec)
     if arch.sandwich:
         o = norm(layer.post_attention_layernorm, o, True, impl)
-    h = h + o
-    del o
+    return h + o
+
+
+def mlp_block(layer, h, step: StepInputs, arch: ArchSpec, impl: str):
+    """h + [norm](mlp(norm(h))); in a recompute the MLP skips its down projection (its output only
+    feeds the discarded h + m), except with a sandwich norm, whose backward reads m."""
     pre = layer.pre_feedforward_layernorm if arch.sandwich else layer.post_attention_layernorm
     x = norm(pre, h, arch.gemma_norm, impl)
-    # recompute (checkpointing.recomputing()): this layer's output is discarded, and so is m when
-    # it goes straight into h + m; not with a sandwich norm, whose backward reads m
     m = _mlp(x, layer.mlp, arch.activation, impl, need_y=arch.sandwich or not recomputing())
     del x
     if arch.sandwich:
@@ -226,8 +187,16 @@ def run_layer(layer, h, step: StepInputs, arch: ArchSpec, impl: str):
     return h + m
 
 
-def step_inputs(model, arch: ArchSpec, h, position_ids, attention_mask) -> StepInputs:
-    """RoPE tables from the model's own rotary module and the masks, once per forward."""
+def run_layer(layer, h, step: StepInputs, arch: ArchSpec, impl: str):
+    """One decoder layer, h [B, S, H] in the compute dtype: :func:`attn_block` then
+    :func:`mlp_block` (each is one checkpointed segment when the layer is checkpointed)."""
+    return mlp_block(layer, attn_block(layer, h, step, arch, impl), step, arch, impl)
+
+
+def step_inputs(model, arch: ArchSpec, h, position_ids, attention_mask,
+                arange_positions: bool = False) -> StepInputs:
+    """RoPE tables from the model's own rotary module and the masks, once per forward.
+    ``arange_positions``: position_ids are arange(S) per row (no packing check, no sync)."""
     inner = model.model
     S = h.shape[1]
     rope = {}
@@ -236,6 +205,7 @@ def step_inputs(model, arch: ArchSpec, h, position_ids, attention_mask) -> StepI
             rope[t] = inner.rotary_emb(h, position_ids, t)
     else:
         rope["full_attention"] = inner.rotary_emb(h, position_ids)
-    masks = {t: build_mask(position_ids, attention_mask, S, arch.windows.get(t), h.device)
+    kind = mask_kind(None if arange_positions else position_ids, attention_mask, S)
+    masks = {t: build_mask(position_ids, attention_mask, S, arch.windows.get(t), h.device, kind)
              for t in set(arch.layer_types)}
     return StepInputs(rope, masks)

@@ -1,0 +1,173 @@
+"""Attention of the fused layers: masks, and causal SDPA with a hand-held backward.
+
+:func:`attention` takes q [B, Hq, S, D], k/v [B, Hk, S, D] (Hq a multiple of Hk: GQA) and returns
+[B, S, Hq*D] in q's dtype. Plain causal attention without soft-capping runs through
+:class:`SDPAFunction`, which calls the fused attention kernel itself (cuDNN's flash attention on
+CUDA, ATen's flash kernel on the CPU: the ones ``F.scaled_dot_product_attention`` picks) and keeps
+the output O and the logsumexp L [B, Hq, S] (fp32) for its backward, which calls the matching fused
+backward (dQ, dK, dV from dO, Q, K, V, O, L; FlashAttention-2, Dao 2023, section 3.1.2).
+
+Because O and L are all the backward needs, a checkpointed layer need not run attention again in its
+recompute (:mod:`~worker.engine.checkpointing`, "stash"): while the checkpointed forward runs,
+:class:`SDPAFunction` hands O (and Q, K, V when the layer asks, see :func:`run_attention_stash`) to
+the segment's stash, which offloads them like the segment input; in the recompute it returns the
+stashed O instead of computing it, and its backward uses the stashed tensors. The result is bit for
+bit the recomputed one (the forward kernel is deterministic), without the attention forward (about
+a third of attention time) and, with Q, K, V stashed, without the q/k/v projections either.
+
+Masked attention (padding, packed sequences whose position_ids restart, sliding windows) runs
+through ``F.scaled_dot_product_attention`` with a boolean mask from :func:`build_mask`, and
+Gemma 2's soft-capped attention as an explicit softmax; both are recomputed as before.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from worker.engine import checkpointing as ckpt
+
+_CUDNN_OK = [True]  # set False after the cuDNN op raises once; then F.sdpa (recomputed) is used
+
+
+def mask_kind(position_ids, attention_mask, S) -> tuple[bool, bool]:
+    """(packed, padded): position_ids [B, S] restart somewhere (padding-free packing), and
+    attention_mask [B, S] has a 0. Each reads a value back from the device (a sync): call once per
+    forward, and not at all for position_ids the caller made with arange (pass None)."""
+    packed = position_ids is not None and S > 1 and bool(
+        (position_ids[:, 1:] <= position_ids[:, :-1]).any())
+    padded = attention_mask is not None and not bool(attention_mask.all())
+    return packed, padded
+
+
+def build_mask(position_ids, attention_mask, S, window, device, kind=None):
+    """Boolean [B, 1, S, S] (True = attend) or None when plain causal attention is exact.
+
+    Segments start where position_ids do not increase (padding-free packing); keys with
+    attention_mask 0 are masked; window w keeps keys with q - k < w. Each query keeps itself, so a
+    fully padded row never yields NaN (its outputs carry no loss). ``kind``: :func:`mask_kind`'s
+    answer when the caller has it.
+    """
+    packed, padded = kind if kind is not None else mask_kind(position_ids, attention_mask, S)
+    windowed = window is not None and S > window
+    if not (packed or padded or windowed):
+        return None
+    i = torch.arange(S, device=device)
+    m = (i[:, None] >= i[None, :])[None]
+    if packed:
+        start = torch.ones_like(position_ids, dtype=torch.bool)
+        start[:, 1:] = position_ids[:, 1:] <= position_ids[:, :-1]
+        seg = start.long().cumsum(-1)
+        m = m & (seg[:, :, None] == seg[:, None, :])
+    if padded:
+        m = m & attention_mask[:, None, :].bool()
+    if windowed:
+        m = m & ((i[:, None] - i[None, :]) < window)[None]
+    m = m | torch.eye(S, dtype=torch.bool, device=device)[None]
+    return m[:, None]
+
+
+def _fwd(q, k, v, scale):
+    """(O [B, Hq, S, D], L [B, Hq, S] fp32, aux for the backward)."""
+    if q.is_cuda:
+        r = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q, k, v, None, True, 0.0, True, False, scale=scale)
+        return r[0], r[1], (r[6], r[7], r[2], r[3], r[4], r[5])
+    o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True,
+                                                                         scale=scale)
+    return o, lse, ()
+
+
+def _bwd(do, q, k, v, o, lse, aux, scale):
+    if do.stride() != o.stride():  # the kernels want dO laid out like O
+        do = torch.empty_like(o).copy_(do)
+    if q.is_cuda:
+        seed, offset, cq, ck, mq, mk = aux
+        return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            do, q, k, v, o, lse, seed, offset, None, cq, ck, mq, mk, 0.0, True, scale=scale)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        do, q, k, v, o, lse, 0.0, True, scale=scale)
+
+
+class SDPAFunction(torch.autograd.Function):
+    """Causal attention, forward(q, k, v, scale, stash_qkv) -> O [B, Hq, S, D] (see module doc).
+
+    In a checkpointed segment's forward (``ckpt.stash_mode() == "record"``) O, L and, with
+    ``stash_qkv``, Q, K, V go to the stash; in its recompute (``"replay"``) they come back from it
+    and nothing is computed (with ``stash_qkv`` the q, k, v given may be uninitialised: only their
+    graph is used). Saved for backward: Q, K, V, O, L and the kernel's rng/sequence tensors.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale, stash_qkv):
+        mode, stash = ckpt.stash_mode()
+        if mode == "replay":
+            got = stash.take()
+            if stash_qkv:
+                q, k, v, o, lse, *aux = got
+            else:
+                o, lse, *aux = got
+        else:
+            o, lse, aux = _fwd(q, k, v, scale)
+            if mode == "record":
+                stash.put(*((q, k, v) if stash_qkv else ()), o, keep=(lse, *aux))
+                stash.qkv = stash_qkv
+        ctx.scale, ctx.aux = scale, tuple(aux)
+        ctx.save_for_backward(q, k, v, o, lse)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = _bwd(do, q, k, v, o, lse, ctx.aux, ctx.scale)
+        return dq, dk, dv, None, None
+
+
+def fused_ok(q, mask, softcap) -> bool:
+    """True when :class:`SDPAFunction` runs this attention (plain causal, no soft-cap, fp16/bf16
+    on CUDA while cuDNN works, any float dtype on the CPU)."""
+    if mask is not None or softcap is not None:
+        return False
+    if q.is_cuda:
+        return _CUDNN_OK[0] and q.dtype in (torch.float16, torch.bfloat16)
+    return q.dtype in (torch.float32, torch.float64, torch.bfloat16)
+
+
+def attention(q, k, v, mask, scaling, softcap, stash_qkv=False):
+    """q [B, Hq, S, D], k/v [B, Hk, S, D] -> [B, S, Hq*D] (see the module docstring).
+
+    ``stash_qkv``: in a checkpointed segment, Q, K, V are stashed with O (the caller may then feed
+    uninitialised q, k, v in the recompute); ignored when :func:`fused_ok` is false.
+    """
+    B, Hq, S, D = q.shape
+    groups = Hq // k.shape[1]
+    mode, stash = ckpt.stash_mode()
+    replay = mode == "replay" and stash.pending()
+    if replay or fused_ok(q, mask, softcap):
+        try:
+            o = SDPAFunction.apply(q, k, v, scaling, stash_qkv)
+            return o.transpose(1, 2).reshape(B, S, Hq * D)
+        except RuntimeError:
+            if replay or not q.is_cuda:
+                raise
+            _CUDNN_OK[0] = False  # no cuDNN attention on this GPU / build: F.sdpa from now on
+    if softcap is not None:
+        if groups > 1:
+            k = k.repeat_interleave(groups, 1)
+            v = v.repeat_interleave(groups, 1)
+        s = (q @ k.transpose(-1, -2)) * scaling
+        s = torch.tanh(s / softcap) * softcap
+        if mask is None:
+            i = torch.arange(S, device=q.device)
+            mask = (i[:, None] >= i[None, :])[None, None]
+        s = s.masked_fill(~mask, torch.finfo(s.dtype).min)
+        p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
+        o = p @ v
+    elif mask is None:
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling,
+                                           enable_gqa=groups > 1)
+    else:
+        if groups > 1:  # the masked (memory-efficient) backend wants equal head counts
+            k = k.repeat_interleave(groups, 1)
+            v = v.repeat_interleave(groups, 1)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
+    return o.transpose(1, 2).reshape(B, S, Hq * D)
