@@ -29,7 +29,7 @@ def test_sdpa_function_matches_autograd_sdpa(B, Hq, Hk, S, D, dtype, tol):
     # q/k/v in the engine's layout: [B, S, H, D] memory viewed as [B, H, S, D]
     q, k, v = (torch.randn(B, S, h, D, generator=g, dtype=dtype).transpose(1, 2)
                for h in (Hq, Hk, Hk))
-    do = torch.randn(B, Hq, S, D, generator=g, dtype=dtype)
+    do = torch.randn(B, S, Hq, D, generator=g, dtype=dtype).transpose(1, 2)  # as the layer's
     scale = D ** -0.5 * 1.3
     ins = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
     ref = F.scaled_dot_product_attention(*ins, is_causal=True, scale=scale, enable_gqa=Hq != Hk)

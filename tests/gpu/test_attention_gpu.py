@@ -20,13 +20,20 @@ def _rel(a, b):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("B,Hq,Hk,S,D", [(1, 8, 8, 1, 64), (2, 32, 8, 77, 128), (1, 16, 4, 1000, 64),
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+@pytest.mark.parametrize("B,Hq,Hk,S,D", [(1, 8, 8, 2, 64), (2, 32, 8, 77, 128), (1, 16, 4, 1000, 64),
                                          (2, 12, 2, 513, 128), (1, 32, 8, 4096, 128)])
-def test_fused_attention_matches_sdpa(B, Hq, Hk, S, D, dtype):
+def test_fused_attention_matches_sdpa(B, Hq, Hk, S, D, dtype, layout):
+    """layout "bshd": q, k, v and dO are [B, S, H, D] memory seen as [B, H, S, D], as the engine's
+    layers hand them over (dO from o.transpose(1, 2).reshape's backward); "bhsd": dense."""
     g = torch.Generator(device="cuda").manual_seed(S + Hq)
-    q, k, v = (torch.randn(B, S, h, D, device="cuda", generator=g).transpose(1, 2)
-               for h in (Hq, Hk, Hk))
-    do = torch.randn(B, Hq, S, D, device="cuda", generator=g)
+
+    def make(h):
+        if layout == "bshd":
+            return torch.randn(B, S, h, D, device="cuda", generator=g).transpose(1, 2)
+        return torch.randn(B, h, S, D, device="cuda", generator=g)
+    q, k, v = make(Hq), make(Hk), make(Hk)
+    do = make(Hq)
     scale = D ** -0.5
 
     def run(fn, dt):

@@ -78,8 +78,10 @@ def _fwd(q, k, v, scale):
 
 
 def _bwd(do, q, k, v, o, lse, aux, scale):
-    if do.stride() != o.stride():  # the kernels want dO laid out like O
-        do = torch.empty_like(o).copy_(do)
+    # dO as a dense [B, Hq, S, D]: on torch 2.11 + cuDNN (H200) a dO strided like a [B, S, Hq, D]
+    # O (what o.transpose(1, 2).reshape() hands back) gives wrong dQ/dK/dV (rel. error ~1.4, device
+    # check s4-c3); a contiguous one is exact against autograd SDPA
+    do = do.contiguous()
     if q.is_cuda:
         seed, offset, cq, ck, mq, mk = aux
         return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
@@ -123,12 +125,12 @@ class SDPAFunction(torch.autograd.Function):
 
 
 def fused_ok(q, mask, softcap) -> bool:
-    """True when :class:`SDPAFunction` runs this attention (plain causal, no soft-cap, fp16/bf16
-    on CUDA while cuDNN works, any float dtype on the CPU)."""
+    """True when :class:`SDPAFunction` runs this attention (plain causal, no soft-cap; on CUDA
+    fp16/bf16, more than one position, while cuDNN works; any float dtype on the CPU)."""
     if mask is not None or softcap is not None:
         return False
-    if q.is_cuda:
-        return _CUDNN_OK[0] and q.dtype in (torch.float16, torch.bfloat16)
+    if q.is_cuda:  # cuDNN: fp16/bf16, and it refuses s_q = s_kv = 1
+        return _CUDNN_OK[0] and q.dtype in (torch.float16, torch.bfloat16) and q.shape[2] > 1
     return q.dtype in (torch.float32, torch.float64, torch.bfloat16)
 
 
