@@ -43,6 +43,7 @@ for s in ${STAGES:-tests nf4 gen grpo train}; do
     grpo1k) stage grpo_1024 200 python3 bench/grpo_step.py --prompt-len 1024 --completion-len 1024 \
               --num-generations 8 --steps 3 ;;
     train) stage train_2048 120 python3 bench/train_step.py qlora 2048 2 8 ;;
+    traingc) BENCH_GC_FREEZE=1 stage train_2048_gc 120 python3 bench/train_step.py qlora 2048 2 8 ;;
     train16k) stage train_16k 120 python3 bench/train_step.py qlora 16384 1 6 ;;
     trainbudget) stage train_budget 120 python3 bench/train_step.py qlora 2048 2 8 --budget 40 ;;
     lora) stage train_lora 120 python3 bench/train_step.py lora 2048 2 8 ;;

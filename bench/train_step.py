@@ -87,6 +87,11 @@ def run(config: str, seq: int, bs: int, steps: int, budget, offload: bool) -> di
     t_load = time.time() - t_load
     params = [p for p in pm.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=2e-4, fused=True)
+    if os.environ.get("BENCH_GC_FREEZE"):  # experiment: are slow outlier steps Python GC passes?
+        import gc
+
+        gc.collect()
+        gc.freeze()
     g = torch.Generator(device="cuda").manual_seed(1)
     batches = [torch.randint(0, 4000, (bs, seq), device="cuda", generator=g) for _ in range(4)]
     mem_after_load = torch.cuda.memory_allocated() / 2**30
@@ -121,6 +126,7 @@ def run(config: str, seq: int, bs: int, steps: int, budget, offload: bool) -> di
         kept_layers=kept, offload=offload, step_times=[round(t, 4) for t in times],
         device=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(),
         commit=_commit(), call_id=os.environ.get("CALL_ID", ""),
+        gc_freeze=bool(os.environ.get("BENCH_GC_FREEZE")),
         torch=torch.__version__)
 
 

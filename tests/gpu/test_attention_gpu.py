@@ -2,7 +2,9 @@
 hand-held backward) against F.scaled_dot_product_attention: forward and dQ, dK, dV over a grid of
 shapes (GQA, odd lengths, head dims 64/128) in bf16 and fp16, each compared with an fp32 reference:
 the fused path's error must be within 2x (+ a rounding) of autograd SDPA's own error in the same
-dtype. CUDA only; never in CI."""
+dtype. dO is laid out like O in both (see attention._bwd: torch 2.11's cuDNN backward caches its plan
+per shape without dO's strides, so one process must not mix dO layouts for a shape). CUDA only;
+never in CI."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -33,7 +35,7 @@ def test_fused_attention_matches_sdpa(B, Hq, Hk, S, D, dtype, layout):
             return torch.randn(B, S, h, D, device="cuda", generator=g).transpose(1, 2)
         return torch.randn(B, h, S, D, device="cuda", generator=g)
     q, k, v = make(Hq), make(Hk), make(Hk)
-    do = make(Hq)
+    do = make(Hq)  # laid out like O (cuDNN's O follows Q), as autograd hands it over
     scale = D ** -0.5
 
     def run(fn, dt):
