@@ -106,10 +106,14 @@ def _attn_bases(pm):
             for l in pm.get_base_model().model.layers]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2"])
+@pytest.mark.parametrize("arch,stash", [("llama", "qkvo"), ("qwen3", "qkvo"), ("gemma2", "qkvo"),
+                                        ("llama", "o"), ("llama", "off")])
 @pytest.mark.parametrize("nf4", [False, True])
 @pytest.mark.parametrize("padded", [False, True])
-def test_recompute_reuses_attention(arch, nf4, padded, counters):
+def test_recompute_reuses_attention(arch, stash, nf4, padded, counters, monkeypatch):
+    """stash "qkvo" (default): no attention forward and no q/k/v/o base GEMM in the recompute;
+    "o": q/k/v recomputed; "off": attention recomputed too. o_proj's skip holds in every mode."""
+    monkeypatch.setattr(attn_mod, "STASH", stash)
     seen, fwd = counters
     base = tiny_model(arch)
     plain, ck = _engine(base, False, nf4), _engine(base, True, nf4)
@@ -123,9 +127,10 @@ def test_recompute_reuses_attention(arch, nf4, padded, counters):
         assert max((gr[k] - gc[k]).abs().max().item() for k in gr) <= 1e-6
     layers = len(_attn_bases(ck))
     fused = not padded and arch != "gemma2"  # Gemma 2: soft-capped (and windowed) attention
-    # fused: one attention forward per layer and step, none in the recompute
-    assert fwd[0] == (2 * layers if fused else 0)
-    qkv_fetches = 2 * (2 if fused and arch != "qwen3" else 3)  # qwen3's q/k norms need q, k
+    # fused: one attention forward per layer and step, none in the recompute (unless "off")
+    assert fwd[0] == ((4 if stash == "off" else 2) * layers if fused else 0)
+    skip_qkv = fused and arch != "qwen3" and stash == "qkvo"  # qwen3's q/k norms need q, k
+    qkv_fetches = 2 * (2 if skip_qkv else 3)
     o_fetches = 2 * (3 if arch == "gemma2" else 2)  # gemma2's post-attention norm reads o
     for q, k, v, o in _attn_bases(ck):
         assert [seen[id(m)] for m in (q, k, v)] == [qkv_fetches] * 3, arch

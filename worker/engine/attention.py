@@ -21,12 +21,17 @@ Gemma 2's soft-capped attention as an explicit softmax; both are recomputed as b
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
 from worker.engine import checkpointing as ckpt
 
 _CUDNN_OK = [True]  # set False after the cuDNN op raises once; then F.sdpa (recomputed) is used
+# what a checkpointed attention segment stashes: "qkvo" (default), "o" (O and L only: q/k/v are
+# recomputed, a third of the PCIe traffic) or "off" (attention recomputed as well)
+STASH = os.environ.get("WHETSTONE_ATTN_STASH", "qkvo")
 
 
 def mask_kind(position_ids, attention_mask, S) -> tuple[bool, bool]:
@@ -105,17 +110,17 @@ class SDPAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, scale, stash_qkv):
         mode, stash = ckpt.stash_mode()
-        if mode == "replay":
+        if mode == "replay" and stash.pending():
             got = stash.take()
-            if stash_qkv:
+            if stash.qkv:
                 q, k, v, o, lse, *aux = got
             else:
                 o, lse, *aux = got
         else:
             o, lse, aux = _fwd(q, k, v, scale)
-            if mode == "record":
-                stash.put(*((q, k, v) if stash_qkv else ()), o, keep=(lse, *aux))
-                stash.qkv = stash_qkv
+            if mode == "record" and STASH != "off":
+                stash.qkv = stash_qkv and STASH == "qkvo"
+                stash.put(*((q, k, v) if stash.qkv else ()), o, keep=(lse, *aux))
         ctx.scale, ctx.aux = scale, tuple(aux)
         ctx.save_for_backward(q, k, v, o, lse)
         return o
