@@ -138,6 +138,30 @@ def test_recompute_reuses_attention(arch, stash, nf4, padded, counters, monkeypa
     assert ckpt.stash_mode() == (None, None) and not ckpt.recomputing()
 
 
+def test_stash_choice_follows_the_pcie_load():
+    """Llama-3.1-8B shapes: 2048 x 2 would load PCIe ~98 % of the forward (off), 16384 x 1 ~78 %
+    (stash); a tiny model's layer moves far more bytes than it computes (off)."""
+    params = 4096 * 4096 * 2 + 4096 * 1024 * 2 + 3 * 4096 * 14336
+    assert attn_mod.stash_choice(2, 2048, 4096, 4096, 1024, params) == "off"
+    assert attn_mod.stash_choice(1, 16384, 4096, 4096, 1024, params) == "qkvo"
+    assert attn_mod.stash_choice(2, 17, 64, 64, 32, 64 * 96 * 3 + 64 * 64 * 3) == "off"
+
+
+def test_auto_stash_follows_stash_choice(monkeypatch, counters):
+    """STASH "auto": a layer stashes what stash_choice says for its shapes."""
+    seen, fwd = counters
+    monkeypatch.setattr(attn_mod, "STASH", "auto")
+    monkeypatch.setattr(attn_mod, "STASH_MAX_LOAD", 1e9)  # the tiny layer then counts as cheap
+    base = tiny_model("llama")
+    ck = _engine(base, True, False)
+    _steps(ck, n=1)
+    assert fwd[0] == len(_attn_bases(ck))  # no attention forward in the recompute
+    monkeypatch.setattr(attn_mod, "STASH_MAX_LOAD", 0.85)
+    fwd[0] = 0
+    _steps(ck, n=1)
+    assert fwd[0] == 2 * len(_attn_bases(ck))  # the real threshold: recomputed
+
+
 def test_stash_is_taken_once_and_keeps_order():
     off = ckpt.Offloader(enabled=False)
     st = ckpt.Stash(off, (0, 0))

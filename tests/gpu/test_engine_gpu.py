@@ -129,13 +129,16 @@ def _deep_llama(n_layers=4, hidden=512, inter=1024):
                                               ("triton", torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("nf4", [False, True])
 @pytest.mark.parametrize("padded", [True, False])
-def test_offload_prefetch_matches_no_checkpointing(impl, dtype, rel, nf4, padded):
+def test_offload_prefetch_matches_no_checkpointing(impl, dtype, rel, nf4, padded, monkeypatch):
     """Two steps on the same weights (an optimizer step would amplify the backward kernels'
     run-to-run noise: two plain bf16 runs already differ by ~1e-2 of a gradient's scale).
     Unpadded bf16 batches take the attention stash (Q, K, V, O offloaded with the two segment
     inputs of each layer); every load is served by a copy started ahead of it."""
     if nf4:
         pytest.importorskip("bitsandbytes")
+    from worker.engine import attention
+
+    monkeypatch.setattr(attention, "STASH", "qkvo")  # "auto" leaves this small model unstashed
     base = _deep_llama()
     runs = []
     for checkpointing in (False, True):

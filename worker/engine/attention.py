@@ -29,9 +29,26 @@ import torch.nn.functional as F
 from worker.engine import checkpointing as ckpt
 
 _CUDNN_OK = [True]  # set False after the cuDNN op raises once; then F.sdpa (recomputed) is used
-# what a checkpointed attention segment stashes: "qkvo" (default), "o" (O and L only: q/k/v are
-# recomputed, a third of the PCIe traffic) or "off" (attention recomputed as well)
-STASH = os.environ.get("WHETSTONE_ATTN_STASH", "qkvo")
+# what a checkpointed attention segment stashes: "auto" (default: :func:`stash_choice`), "qkvo",
+# "o" (O and L only: q/k/v are recomputed) or "off" (attention recomputed as well)
+STASH = os.environ.get("WHETSTONE_ATTN_STASH", "auto")
+PCIE_BYTES_S = 50e9  # pinned host <-> device, one direction (H200 host: 54 GB/s measured, s4-c1)
+GEMM_FLOPS_S = 600e12  # bf16 matmul rate the layer's GEMMs reach (H200: 600-800, s4-c1)
+STASH_MAX_LOAD = 0.85  # the stash is used while the offload takes under this share of forward time
+
+
+def stash_choice(B: int, S: int, hidden: int, q_dim: int, kv_dim: int, params: int) -> str:
+    """"qkvo" when a checkpointed layer's offloaded saves with Q, K, V, O stashed (its two segment
+    inputs [B, S, hidden] and Q, K, V, O, bf16) cross PCIe in under ``STASH_MAX_LOAD`` of the
+    layer's forward time (linear FLOPs 2 B S params plus causal attention 2 B S^2 q_dim), else
+    "off". The D2H copies run beside the forward; near saturation they stalled it: Llama-8B at
+    2048 x 2 (load 0.98) ran noisier and no faster with the stash (s4-c5, s4-c6), at 16384 x 1
+    (load 0.78) the stash gave 1.60 s a step against Unsloth's 1.95 s (s4-c4)."""
+    T = B * S
+    nbytes = 2 * T * (2 * hidden + 2 * q_dim + 2 * kv_dim)
+    flops = 2 * T * params + 2 * B * S * S * q_dim
+    load = (nbytes / PCIE_BYTES_S) / (flops / GEMM_FLOPS_S)
+    return "qkvo" if load < STASH_MAX_LOAD else "off"
 
 
 def mask_kind(position_ids, attention_mask, S) -> tuple[bool, bool]:
@@ -99,7 +116,7 @@ def _bwd(do, q, k, v, o, lse, aux, scale):
 
 
 class SDPAFunction(torch.autograd.Function):
-    """Causal attention, forward(q, k, v, scale, stash_qkv) -> O [B, Hq, S, D] (see module doc).
+    """Causal attention, forward(q, k, v, scale, stash_qkv, stash_policy) -> O [B, Hq, S, D].
 
     In a checkpointed segment's forward (``ckpt.stash_mode() == "record"``) O, L and, with
     ``stash_qkv``, Q, K, V go to the stash; in its recompute (``"replay"``) they come back from it
@@ -108,7 +125,7 @@ class SDPAFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, scale, stash_qkv):
+    def forward(ctx, q, k, v, scale, stash_qkv, stash_policy="qkvo"):
         mode, stash = ckpt.stash_mode()
         if mode == "replay" and stash.pending():
             got = stash.take()
@@ -118,8 +135,9 @@ class SDPAFunction(torch.autograd.Function):
                 o, lse, *aux = got
         else:
             o, lse, aux = _fwd(q, k, v, scale)
-            if mode == "record" and STASH != "off":
-                stash.qkv = stash_qkv and STASH == "qkvo"
+            policy = stash_policy if STASH == "auto" else STASH
+            if mode == "record" and policy != "off":
+                stash.qkv = stash_qkv and policy == "qkvo"
                 stash.put(*((q, k, v) if stash.qkv else ()), o, keep=(lse, *aux))
         ctx.scale, ctx.aux = scale, tuple(aux)
         ctx.save_for_backward(q, k, v, o, lse)
@@ -129,7 +147,7 @@ class SDPAFunction(torch.autograd.Function):
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
         dq, dk, dv = _bwd(do, q, k, v, o, lse, ctx.aux, ctx.scale)
-        return dq, dk, dv, None, None
+        return dq, dk, dv, None, None, None
 
 
 def fused_ok(q, mask, softcap) -> bool:
@@ -142,11 +160,12 @@ def fused_ok(q, mask, softcap) -> bool:
     return q.dtype in (torch.float32, torch.float64, torch.bfloat16)
 
 
-def attention(q, k, v, mask, scaling, softcap, stash_qkv=False):
+def attention(q, k, v, mask, scaling, softcap, stash_qkv=False, stash_policy="qkvo"):
     """q [B, Hq, S, D], k/v [B, Hk, S, D] -> [B, S, Hq*D] (see the module docstring).
 
     ``stash_qkv``: in a checkpointed segment, Q, K, V are stashed with O (the caller may then feed
     uninitialised q, k, v in the recompute); ignored when :func:`fused_ok` is false.
+    ``stash_policy``: what is stashed when ``STASH`` is "auto" (the layer's :func:`stash_choice`).
     """
     B, Hq, S, D = q.shape
     groups = Hq // k.shape[1]
@@ -154,7 +173,7 @@ def attention(q, k, v, mask, scaling, softcap, stash_qkv=False):
     replay = mode == "replay" and stash.pending()
     if replay or fused_ok(q, mask, softcap):
         try:
-            o = SDPAFunction.apply(q, k, v, scaling, stash_qkv)
+            o = SDPAFunction.apply(q, k, v, scaling, stash_qkv, stash_policy)
             return o.transpose(1, 2).reshape(B, S, Hq * D)
         except RuntimeError:
             if replay or not q.is_cuda:

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from worker.engine import checkpointing as ckpt
-from worker.engine.attention import attention, build_mask, mask_kind
+from worker.engine.attention import attention, build_mask, mask_kind, stash_choice
 from worker.engine.checkpointing import recomputing
 from worker.engine.lora_ops import LoRAMLPFunction, LoRAProjFunction, make_proj
 
@@ -140,6 +140,11 @@ class StepInputs:
     mask: dict
 
 
+def _in_out(module) -> int:
+    base = getattr(module, "base_layer", module)
+    return base.in_features * base.out_features
+
+
 def attn_block(layer, h, step: StepInputs, arch: ArchSpec, impl: str):
     """h + [norm](o_proj(attention(rope(q, k), v))) with q, k, v from norm(h); h [B, S, H].
 
@@ -166,8 +171,14 @@ def attn_block(layer, h, step: StepInputs, arch: ArchSpec, impl: str):
         k = norm(attn.k_norm, k, arch.gemma_norm, impl)
     cos, sin = step.rope[ltype if arch.rope_per_type else "full_attention"]
     q, k = rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin, impl=impl)
+    policy = "off"
+    if mode == "record":
+        params = sum(_in_out(m) for m in (
+            attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, layer.mlp.gate_proj,
+            layer.mlp.up_proj, layer.mlp.down_proj))
+        policy = stash_choice(B, S, h.shape[-1], q.shape[1] * D, k.shape[1] * D, params)
     o = attention(q, k, v.transpose(1, 2), step.mask[ltype], attn.scaling, arch.attn_softcap,
-                  stash_qkv=not arch.qk_norm)
+                  stash_qkv=not arch.qk_norm, stash_policy=policy)
     del q, k, v
     (o,) = _group(o, (attn.o_proj,), need_y=arch.sandwich or not rec)
     if arch.sandwich:
