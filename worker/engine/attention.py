@@ -9,11 +9,13 @@ backward (dQ, dK, dV from dO, Q, K, V, O, L; FlashAttention-2, Dao 2023, section
 
 Because O and L are all the backward needs, a checkpointed layer need not run attention again in its
 recompute (:mod:`~worker.engine.checkpointing`, "stash"): while the checkpointed forward runs,
-:class:`SDPAFunction` hands O (and Q, K, V when the layer asks, see :func:`run_attention_stash`) to
-the segment's stash, which offloads them like the segment input; in the recompute it returns the
-stashed O instead of computing it, and its backward uses the stashed tensors. The result is bit for
-bit the recomputed one (the forward kernel is deterministic), without the attention forward (about
-a third of attention time) and, with Q, K, V stashed, without the q/k/v projections either.
+:class:`SDPAFunction` hands O and L (and Q, K, V, unless the layer has q/k norms) to the segment's
+stash, which offloads them like the segment input; in the recompute it returns the stashed O
+instead of computing it, and its backward uses the stashed tensors. The result is bit for bit the
+recomputed one (the forward kernel is deterministic), without the attention forward (about a third
+of attention time) and, with Q, K, V stashed, without the q/k/v projections either. What is
+stashed follows ``STASH`` (env ``WHETSTONE_ATTN_STASH``): by default :func:`stash_choice` per
+layer shape, since the offload competes for PCIe with the segment inputs' own copies.
 
 Masked attention (padding, packed sequences whose position_ids restart, sliding windows) runs
 through ``F.scaled_dot_product_attention`` with a boolean mask from :func:`build_mask`, and
