@@ -16,11 +16,13 @@ transformers' loss does). It returns ``CausalLMOutputWithPast(loss=..., logits=N
 NF4Linear bases) unchanged; :mod:`worker.engine.gencache` keeps those bases dequantised once per
 generation phase.
 
-Backward of the checkpointed layers (:mod:`~worker.engine.checkpointing`): layer i's backward starts
-the H2D copy of layer i-1's offloaded input on a side stream (one prefetch chain per forward,
-started here; the last layer's copy starts when the forward leaves the stack), so the copy overlaps
-layer i's recompute; the recompute skips the MLP down projection, whose output only feeds the
-discarded layer output (not for sandwich-norm archs).
+Backward of the checkpointed layers (:mod:`~worker.engine.checkpointing`): each layer is two
+checkpointed segments (attention block, MLP block; :mod:`~worker.engine.patch`). Loads start the
+H2D copies of the saves backward reaches next on a side stream (one prefetch chain per forward,
+started here; the last saves' copies start when the forward leaves the stack), so the copies
+overlap the recompute. The recompute skips the o_proj and down_proj base GEMMs, whose outputs only
+feed a discarded segment output (not for sandwich-norm archs), and the attention segment may reuse
+what its forward stashed (:mod:`~worker.engine.attention`).
 
 :func:`hidden_states` is the same fused stack without the head: final-normed h [B, S, H] in the
 compute dtype. GRPO's policy and reference log-probs (:mod:`worker.engine.logps`) run through it.
