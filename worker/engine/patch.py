@@ -30,8 +30,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from worker.engine import checkpointing as ckpt
 from worker.engine.attention import attention, build_mask, mask_kind, stash_choice
 from worker.engine.checkpointing import recomputing
