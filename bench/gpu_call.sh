@@ -33,6 +33,7 @@ for s in ${STAGES:-tests nf4 gen grpo train}; do
     probe) TAIL=30 stage probe 90 python3 bench/probe_attention.py ;;
     ptrain) TAIL=60 stage prof_train 120 python3 bench/profile_step.py train qlora 2048 2 ;;
     pbudget) TAIL=60 BUDGET=40 stage prof_budget 120 python3 bench/profile_step.py train qlora 2048 2 ;;
+    plora) TAIL=60 stage prof_lora 120 python3 bench/profile_step.py train lora 2048 2 ;;
     p16k) TAIL=60 stage prof_16k 150 python3 bench/profile_step.py train qlora 16384 1 ;;
     nf4) stage nf4_bench 200 python3 bench/nf4_matmul_bench.py --sweep ;;
     gen) TAIL=20 stage gen_profile 120 python3 bench/profile_step.py gen qlora 256 8 64 ;;

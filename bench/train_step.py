@@ -78,6 +78,22 @@ def build(config: str, budget, offload: bool):
     return pm
 
 
+def _gc_timer() -> list:
+    """[seconds spent in Python GC passes, number of passes] since the last reset, via gc.callbacks."""
+    import gc
+
+    acc, t = [0.0, 0], [0.0]
+
+    def cb(phase, info):
+        if phase == "start":
+            t[0] = time.perf_counter()
+        else:
+            acc[0] += time.perf_counter() - t[0]
+            acc[1] += 1
+    gc.callbacks.append(cb)
+    return acc
+
+
 def run(config: str, seq: int, bs: int, steps: int, budget, offload: bool) -> dict:
     import torch
 
@@ -92,12 +108,14 @@ def run(config: str, seq: int, bs: int, steps: int, budget, offload: bool) -> di
 
         gc.collect()
         gc.freeze()
+    gc_s = _gc_timer()
     g = torch.Generator(device="cuda").manual_seed(1)
     batches = [torch.randint(0, 4000, (bs, seq), device="cuda", generator=g) for _ in range(4)]
     mem_after_load = torch.cuda.memory_allocated() / 2**30
     torch.cuda.reset_peak_memory_stats()
-    times, losses = [], []
+    times, losses, gc_ms = [], [], []
     for step in range(steps):
+        gc_s[0], gc_s[1] = 0.0, 0
         ids = batches[step % len(batches)]
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -107,6 +125,7 @@ def run(config: str, seq: int, bs: int, steps: int, budget, offload: bool) -> di
         opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
+        gc_ms.append((round(gc_s[0] * 1e3, 1), gc_s[1]))
         losses.append(float(out.loss))
     timed = sorted(times[2:])
     med = timed[len(timed) // 2]
@@ -126,7 +145,7 @@ def run(config: str, seq: int, bs: int, steps: int, budget, offload: bool) -> di
         kept_layers=kept, offload=offload, step_times=[round(t, 4) for t in times],
         device=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(),
         commit=_commit(), call_id=os.environ.get("CALL_ID", ""),
-        gc_freeze=bool(os.environ.get("BENCH_GC_FREEZE")),
+        gc_freeze=bool(os.environ.get("BENCH_GC_FREEZE")), gc_ms_collections=gc_ms,
         torch=torch.__version__)
 
 
