@@ -11,7 +11,8 @@ Saved for backward: x (the input, which autograd keeps anyway), w, and rstd [M] 
 Recomputed in backward: xhat. dw is reduced without atomics: the backward grid has a few programs
 per SM, each walks a contiguous range of rows and writes one fp32 partial row into a [programs, N]
 buffer, which torch sums (a small reduction of programs x N). When w is frozen (LoRA) the backward
-runs one program per row and computes no dw at all.
+runs one program per row and computes no dw at all. ``rms_norm_residual`` is the pre-norm block's
+form (y, x): x's second gradient (the residual branch) is added in the backward kernel.
 
 Shapes: x [..., N] (last dim contiguous; leading dims flattened to M rows), w [N]. Dtypes: fp32,
 fp16, bf16 for x; w any float dtype (dw is returned in w's dtype). Reference: kernels/rms_norm_ref.py.
@@ -43,8 +44,9 @@ def _rms_norm_fwd_kernel(X, W, Y, RSTD, stride_x, stride_y, N, eps, w_offset, BL
 
 
 @triton.jit
-def _rms_norm_bwd_kernel(DY, X, W, RSTD, DX, DW_PART, stride_dy, stride_x, stride_dx, M, N, w_offset,
-                         rows_per_prog, BLOCK_N: tl.constexpr, COMPUTE_DW: tl.constexpr):
+def _rms_norm_bwd_kernel(DY, X, W, RSTD, DX, DW_PART, DRES, stride_dy, stride_x, stride_dx, stride_dres, M, N,
+                         w_offset, rows_per_prog, BLOCK_N: tl.constexpr, COMPUTE_DW: tl.constexpr,
+                         HAS_DRES: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
@@ -60,6 +62,8 @@ def _rms_norm_bwd_kernel(DY, X, W, RSTD, DX, DW_PART, stride_dy, stride_x, strid
         g = dy * w
         c = tl.sum(g * xhat, axis=0) / N
         dx = (g - xhat * c) * rstd
+        if HAS_DRES:  # the residual branch's gradient, added before the one rounding
+            dx += tl.load(DRES + r * stride_dres + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(DX + r * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
         if COMPUTE_DW:
             dw_acc += dy * xhat
@@ -86,9 +90,11 @@ def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, gemma
 
 
 def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
-                 gemma: bool = False, need_dw: bool = True):
-    """Returns (dx with x's shape/dtype, dw in weight's dtype or None)."""
+                 gemma: bool = False, need_dw: bool = True, dres: torch.Tensor | None = None):
+    """Returns (dx with x's shape/dtype, dw in weight's dtype or None); ``dres`` (x's shape), when
+    given, is added to dx in the kernel (fp32, one rounding)."""
     x2, dy2 = _rows(x), _rows(dy)
+    dres2 = _rows(dres) if dres is not None else x2
     m, n = x2.shape
     dx = torch.empty((m, n), dtype=x.dtype, device=x.device)
     block = next_pow2(n)
@@ -100,9 +106,10 @@ def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: 
     else:  # frozen weight (LoRA): one program per row, no partial sums
         progs, rows_per_prog, part = m, 1, dx
     if m > 0:
-        _rms_norm_bwd_kernel[(progs,)](dy2, x2, weight, rstd, dx, part, dy2.stride(0), x2.stride(0), dx.stride(0),
-                                       m, n, 1.0 if gemma else 0.0, rows_per_prog, BLOCK_N=block,
-                                       COMPUTE_DW=need_dw, num_warps=warps_for(block))
+        _rms_norm_bwd_kernel[(progs,)](dy2, x2, weight, rstd, dx, part, dres2, dy2.stride(0), x2.stride(0),
+                                       dx.stride(0), dres2.stride(0), m, n, 1.0 if gemma else 0.0,
+                                       rows_per_prog, BLOCK_N=block, COMPUTE_DW=need_dw,
+                                       HAS_DRES=dres is not None, num_warps=warps_for(block))
     dw = (part.sum(0).to(weight.dtype) if m else torch.zeros_like(weight)) if need_dw else None
     return dx.view(x.shape), dw
 
@@ -122,6 +129,38 @@ class RMSNormFunction(torch.autograd.Function):
         x, weight, rstd = ctx.saved_tensors
         dx, dw = rms_norm_bwd(dy, x, weight, rstd, ctx.gemma, need_dw=ctx.needs_input_grad[1])
         return dx, dw, None, None
+
+
+class RMSNormResidualFunction(torch.autograd.Function):
+    """(y, x) for y = rms_norm(x): the second output is x itself (a view), the residual branch of a
+    pre-norm block. Backward gets both gradients and writes dx = norm_bwd(dy) + dres in one kernel
+    instead of autograd adding the two [M, N] gradients in a separate pass."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps=1e-6, gemma=False):
+        y, rstd = rms_norm_fwd(x, weight, eps, gemma)
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.gemma = gemma
+        return y, x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dy, dres):
+        x, weight, rstd = ctx.saved_tensors
+        if dy is None:
+            return dres, None, None, None
+        dx, dw = rms_norm_bwd(dy, x, weight, rstd, ctx.gemma, need_dw=ctx.needs_input_grad[1],
+                              dres=dres)
+        return dx, dw, None, None
+
+
+def rms_norm_residual(x, weight, eps: float = 1e-6, gemma: bool = False, impl: str = "triton"):
+    """(rms_norm(x), x) for a pre-norm block ``x + f(rms_norm(x))``: the same values as
+    ``rms_norm`` and x, but x's two gradients are summed inside the norm's backward kernel (Triton).
+    The reference returns x itself (autograd sums). x [..., N], weight [N]."""
+    check_impl(impl)
+    if impl == "reference":
+        return rms_norm_ref(x, weight, eps, gemma), x
+    return RMSNormResidualFunction.apply(x, weight, eps, gemma)
 
 
 def rms_norm(x, weight, eps: float = 1e-6, gemma: bool = False, impl: str = "triton"):

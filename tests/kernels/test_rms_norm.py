@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from kernels.rms_norm import rms_norm, rms_norm_bwd, rms_norm_fwd
+from kernels.rms_norm import rms_norm, rms_norm_bwd, rms_norm_fwd, rms_norm_residual
 from kernels.rms_norm_ref import rms_norm_ref, rms_norm_ref_bwd
 
 from kernel_test_util import assert_close_lowp
@@ -64,3 +64,30 @@ def test_launchers_and_noncontiguous_input():
     torch.testing.assert_close(gx, rms_norm_ref_bwd(dy, x, w, gemma=True)[0])
     with pytest.raises(ValueError):
         rms_norm(x, w, impl="cuda")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 3), (3, 5, 37), (19, 130)])
+@pytest.mark.parametrize("gemma", [False, True])
+@pytest.mark.parametrize("frozen", [False, True])
+def test_residual_form_matches_reference(dtype, shape, gemma, frozen):
+    """x + f(rms_norm(x)) through rms_norm_residual: the same value and the same dx (both branches
+    summed in the kernel), dw, as the reference with autograd summing the branches."""
+    n = shape[-1]
+    x = torch.randn(shape, dtype=dtype, requires_grad=True)
+    w = (torch.rand(n, dtype=dtype) * 2).requires_grad_(not frozen)
+    dy, dres = torch.randn(shape, dtype=dtype), torch.randn(shape, dtype=dtype)
+    outs = []
+    for impl in ("triton", "reference"):
+        y, res = rms_norm_residual(x, w, 1e-6, gemma, impl=impl)
+        assert torch.equal(res, x)
+        wrt = (x,) if frozen else (x, w)
+        outs.append((y, torch.autograd.grad((y * dy).sum() + (res * dres).sum(), wrt)))
+    (y, g), (yr, gr) = outs
+    assert_close_lowp(y, yr, dtype)
+    for a, b in zip(g, gr):
+        assert_close_lowp(a, b, dtype)
+    # only the residual branch used: dx is dres exactly
+    y, res = rms_norm_residual(x, w, 1e-6, gemma)
+    (gx,) = torch.autograd.grad((res * dres).sum(), x)
+    torch.testing.assert_close(gx, dres)
