@@ -6,8 +6,15 @@ Maths (bit-exact with bitsandbytes' dequantize_4bit; see kernels/nf4_ref.py for 
     W[2i]     = to_dtype(fl(NF4[byte[i] >> 4] * absmax[2i // 64]))
     W[2i+1]   = to_dtype(fl(NF4[byte[i] & 15] * absmax[2i // 64]))
 
-Each program takes a tile of 2048/blocksize quantisation blocks: the absmax is dequantised once per
-block, the two nibbles of each byte are looked up, joined and stored interleaved (contiguous stores). fp-contraction (FMA) is switched off at launch
+Each program takes a tile of ROWS = elems / blocksize quantisation blocks x blocksize / 2 packed
+bytes (one contiguous vector load per thread): the absmax is dequantised once per block, each byte's
+two nibbles are looked up (a 16-entry fp32 table), scaled and rounded to the output dtype, then either
+joined and stored interleaved (``pack=False``) or, with ``pack=True``, bit-packed into one 32-bit
+(16-bit dtypes) or 64-bit (fp32) word per byte, element 2i in the low half (little-endian: lower
+address), and stored through a word view of the output (an odd n stores its last element alone). Both
+stores are contiguous and give identical bits; tile size, num_warps and the store are launch knobs
+(``nf4_fwd(elems=, num_warps=, pack=)``; defaults NF4_ELEMS / NF4_WARPS / NF4_PACK, to be tuned with
+bench/nf4_dequant_sweep.py). fp-contraction (FMA) is switched off at launch
 (``enable_fp_fusion=False``) so the absmax is rounded twice, as bitsandbytes does. Traffic: n/2
 bytes read, n * sizeof(dtype) written (+ n/64 bytes of absmax).
 
@@ -25,7 +32,10 @@ import triton.language as tl
 from ._common import INTERPRET, check_impl
 from .nf4_ref import NF4State, nf4_code, nf4_dequantize_ref, nf4_linear_ref, nf4_state_from_bnb
 
-_ELEMS = 2048  # output elements per program (ROWS = _ELEMS / blocksize quantisation blocks)
+# launch defaults of the dequantisation (guesses from sm_90 SASS, not yet timed: see bench/nf4_dequant_sweep.py)
+NF4_ELEMS = 16384  # output elements per program (ROWS = NF4_ELEMS / blocksize quantisation blocks)
+NF4_WARPS = 8      # num_warps
+NF4_PACK = False   # store two outputs as one word (True) or join + interleave (False); same bits
 _CODE_CACHE: dict = {}
 
 
@@ -43,20 +53,44 @@ def block_absmax(ABSMAX, ABSMAX2, CODE2, OFFSET, blk, bm, BLOCKSIZE2: tl.constex
 
 
 @triton.jit
-def _nf4_dequant_kernel(Q, ABSMAX, ABSMAX2, CODE2, OFFSET, NF4, OUT, n_out, n_blocks, BLOCKSIZE: tl.constexpr,
-                        BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr, ROWS: tl.constexpr, HALF: tl.constexpr):
-    # a tile of ROWS quantisation blocks x HALF = BLOCKSIZE/2 packed bytes; absmax computed once per block
+def _pair_word(hi, lo, BITS: tl.constexpr):
+    """Two output values (already in the output dtype, BITS = 16 or 32 wide) as one unsigned word of
+    2 * BITS bits: ``hi`` (element 2i) in the low half, so it lands at the lower address (little-endian)."""
+    if BITS == 16:
+        word = hi.to(tl.uint16, bitcast=True).to(tl.uint32) | (lo.to(tl.uint16, bitcast=True).to(tl.uint32) << 16)
+    else:
+        word = hi.to(tl.uint32, bitcast=True).to(tl.uint64) | (lo.to(tl.uint32, bitcast=True).to(tl.uint64) << 32)
+    return word
+
+
+@triton.jit
+def _nf4_dequant_kernel(Q, ABSMAX, ABSMAX2, CODE2, OFFSET, NF4, OUT, n_out, n_bytes, n_blocks,
+                        BLOCKSIZE: tl.constexpr, BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr,
+                        ROWS: tl.constexpr, HALF: tl.constexpr, PACK: tl.constexpr, BITS: tl.constexpr,
+                        ODD: tl.constexpr):
+    """Q uint8 [n_bytes = ceil(n_out / 2)] -> OUT (BITS-wide float) [n_out]; NF4 the fp32 [16] code.
+    One program: a tile of ROWS quantisation blocks x HALF = BLOCKSIZE/2 packed bytes, absmax
+    computed once per block; ODD (PACK only): n_out is odd."""
     blk = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     bm = blk < n_blocks
     amax = block_absmax(ABSMAX, ABSMAX2, CODE2, OFFSET, blk, bm, BLOCKSIZE2, NESTED)
-    first = blk[:, None] * BLOCKSIZE + 2 * tl.arange(0, HALF)[None, :]  # element index of each high nibble
-    m = first < n_out
-    b = tl.load(Q + first // 2, mask=m, other=0).to(tl.int32)
-    hi = tl.load(NF4 + (b >> 4)) * amax[:, None]
-    lo = tl.load(NF4 + (b & 15)) * amax[:, None]
-    vals = tl.reshape(tl.join(hi, lo), [ROWS, BLOCKSIZE])
-    idx = blk[:, None] * BLOCKSIZE + tl.arange(0, BLOCKSIZE)[None, :]
-    tl.store(OUT + idx, vals.to(OUT.dtype.element_ty), mask=idx < n_out)
+    byte = blk[:, None] * HALF + tl.arange(0, HALF)[None, :]  # packed byte i holds elements 2i (high), 2i+1
+    b = tl.load(Q + byte, mask=byte < n_bytes, other=0).to(tl.int32)
+    hi = (tl.load(NF4 + (b >> 4)) * amax[:, None]).to(OUT.dtype.element_ty)
+    lo = (tl.load(NF4 + (b & 15)) * amax[:, None]).to(OUT.dtype.element_ty)
+    if PACK:
+        # word i of the output = elements (2i, 2i+1): one contiguous 2*BITS-bit store per byte, no shuffle
+        if BITS == 16:
+            words = OUT.to(tl.pointer_type(tl.uint32), bitcast=True)
+        else:
+            words = OUT.to(tl.pointer_type(tl.uint64), bitcast=True)
+        tl.store(words + byte, _pair_word(hi, lo, BITS), mask=byte < n_out // 2)
+        if ODD:  # n odd: the last byte's high nibble is the last element, its low nibble is padding
+            tl.store(OUT + 2 * byte, hi, mask=byte == n_out // 2)
+    else:
+        vals = tl.reshape(tl.join(hi, lo), [ROWS, BLOCKSIZE])
+        idx = blk[:, None] * BLOCKSIZE + tl.arange(0, BLOCKSIZE)[None, :]
+        tl.store(OUT + idx, vals, mask=idx < n_out)
 
 
 def _as_state(state) -> NF4State:
@@ -69,8 +103,14 @@ def _code(device) -> torch.Tensor:
     return _CODE_CACHE[device]
 
 
-def nf4_fwd(packed: torch.Tensor, state, dtype: torch.dtype | None = None, out: torch.Tensor | None = None):
-    """Dequantise bitsandbytes NF4 ``packed`` (uint8) with its QuantState / NF4State to ``dtype``."""
+def nf4_fwd(packed: torch.Tensor, state, dtype: torch.dtype | None = None, out: torch.Tensor | None = None, *,
+            elems: int | None = None, num_warps: int | None = None, pack: bool | None = None) -> torch.Tensor:
+    """Dequantise bitsandbytes NF4 ``packed`` (uint8, ceil(n/2) bytes) with its QuantState / NF4State to
+    ``dtype`` (fp32 / fp16 / bf16; default the state's), shape state.shape; ``out`` (contiguous) is
+    written if given. Launch knobs (results are bit-identical whatever they are): ``elems`` output
+    elements per program (power of two; default NF4_ELEMS), ``num_warps`` (default NF4_WARPS),
+    ``pack`` store each byte's two outputs as one 32/64-bit word, else join + interleaved store
+    (default NF4_PACK; an ``out`` not aligned to two elements always takes the interleaved store)."""
     st = _as_state(state)
     dtype = dtype or st.dtype
     n = 1
@@ -81,19 +121,24 @@ def nf4_fwd(packed: torch.Tensor, state, dtype: torch.dtype | None = None, out: 
     bs = st.blocksize
     if bs < 2 or bs & (bs - 1):
         raise ValueError("blocksize must be a power of two")
+    elems = elems or NF4_ELEMS
+    if elems < 1 or elems & (elems - 1):
+        raise ValueError("elems must be a power of two")
+    size = out.element_size()
+    pack = (NF4_PACK if pack is None else pack) and out.data_ptr() % (2 * size) == 0
     nested = st.nested
     absmax = st.absmax
     dummy = absmax
     offset = st.offset if not nested or st.offset.dtype == torch.float32 else st.offset.float()
     n_blocks = -(-n // bs)
-    rows = max(1, _ELEMS // bs)
+    rows = max(1, elems // bs)
     kwargs = {} if INTERPRET else {"enable_fp_fusion": False}
     if n:
         _nf4_dequant_kernel[(-(-n_blocks // rows),)](
             packed, absmax, st.absmax2 if nested else dummy, st.code2 if nested else dummy,
-            offset if nested else dummy, _code(packed.device), out, n, n_blocks,
+            offset if nested else dummy, _code(packed.device), out, n, (n + 1) // 2, n_blocks,
             BLOCKSIZE=bs, BLOCKSIZE2=st.blocksize2 if nested else 1, NESTED=nested, ROWS=rows, HALF=bs // 2,
-            num_warps=4, **kwargs)
+            PACK=pack, BITS=8 * size, ODD=pack and n % 2 == 1, num_warps=num_warps or NF4_WARPS, **kwargs)
     return out
 
 

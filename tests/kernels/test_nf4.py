@@ -80,6 +80,56 @@ def test_triton_bit_exact_with_reference(dtype, shape, double):
     assert torch.equal(nf4_dequantize(packed, st, impl="reference"), want)
 
 
+# n odd, n not a multiple of 64 (partial last block), two nested absmax2 groups (37 x 450: 261 blocks)
+STORE_SHAPES = [(1,), (3,), (3, 5), (2, 33), (7, 9), (5, 77), (37, 450)]
+
+
+@pytest.mark.parametrize("pack", [True, False])
+@pytest.mark.parametrize("double", [True, False])
+@pytest.mark.parametrize("shape", STORE_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_triton_store_paths_bit_exact_and_in_bounds(dtype, shape, double, pack):
+    """Word-packed and interleaved stores, several tile sizes / num_warps: same bits as the reference,
+    nothing written past the output (a sentinel tail after it stays NaN)."""
+    packed, st = nf4_quantize_ref((torch.randn(shape) * 0.05).to(dtype), double_quant=double)
+    want = nf4_dequantize_ref(packed, st)
+    n = want.numel()
+    for elems, warps in [(128, 1), (1024, 4), (None, None)]:
+        buf = torch.full((n + 8,), float("nan"), dtype=dtype)
+        out = buf[:n].view(shape)
+        got = nf4_fwd(packed, st, out=out, elems=elems, num_warps=warps, pack=pack)
+        assert got.data_ptr() == buf.data_ptr()
+        _assert_bit_exact(got, want)
+        assert buf[n:].isnan().all()
+
+
+@pytest.mark.parametrize("pack", [True, False])
+@pytest.mark.parametrize("blocksize", [2, 32, 128, 4096])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_other_blocksizes(dtype, blocksize, pack):
+    for shape in [(5, 77), (3, 1000)]:
+        packed, st = nf4_quantize_ref((torch.randn(shape) * 0.05).to(dtype), blocksize=blocksize)
+        for elems in [64, 8192]:  # fewer elements than a block: one block per program
+            _assert_bit_exact(nf4_fwd(packed, st, elems=elems, pack=pack), nf4_dequantize_ref(packed, st))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_misaligned_out_takes_interleaved_store(dtype):
+    """An ``out`` starting one element into its storage cannot take word stores; asked to pack, it still
+    gets the right values, and its neighbours are untouched."""
+    packed, st = nf4_quantize_ref((torch.randn(6, 35) * 0.05).to(dtype))
+    buf = torch.full((6 * 35 + 2,), float("nan"), dtype=dtype)
+    got = nf4_fwd(packed, st, out=buf[1:-1].view(6, 35), pack=True, elems=64)
+    _assert_bit_exact(got, nf4_dequantize_ref(packed, st))
+    assert buf[0].isnan() and buf[-1].isnan()
+
+
+def test_triton_rejects_bad_tile():
+    packed, st = nf4_quantize_ref(torch.randn(4, 64))
+    with pytest.raises(ValueError):
+        nf4_fwd(packed, st, elems=1000)
+
+
 @pytest.mark.parametrize("shape", [(96, 160), (64, 96)])
 def test_ref_bit_exact_with_bitsandbytes_generic_path(shape):
     F = _bnb()
