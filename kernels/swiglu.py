@@ -12,6 +12,8 @@ Maths (elementwise over gate g and up u, fp32 arithmetic, one rounding on store)
 
 Saved for backward: g and u only (the inputs). Memory traffic: forward reads 2 and writes 1 tensor,
 backward reads 3 and writes 2 (dg, du; ``inplace=True`` in the launcher writes them over g and u).
+``glu_bwd(..., emit_h=True)`` also writes h = act(g) * u (the forward's bits) over dh, for a caller
+that needs h again in backward (e.g. for a LoRA weight gradient) without a second pass over g and u.
 Shapes: g, u any shape, same shape and dtype (made contiguous); dtypes fp32 / fp16 / bf16.
 tanh is evaluated as 2 sigmoid(2z) - 1 (Triton has no portable tanh). Reference: kernels/swiglu_ref.py.
 Sources: Shazeer 2020 "GLU variants improve Transformer"; Hendrycks & Gimpel 2016 (GELU).
@@ -59,7 +61,9 @@ def _glu_fwd_kernel(G, U, H, n, ACT: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _glu_bwd_kernel(DH, G, U, DG, DU, n, ACT: tl.constexpr, BLOCK: tl.constexpr):
+def _glu_bwd_kernel(DH, G, U, DG, DU, H, n, ACT: tl.constexpr, BLOCK: tl.constexpr, EMIT_H: tl.constexpr):
+    """DG, DU [n] from DH, G, U [n] (one dtype); with EMIT_H also H [n] = act(G) * U, as _glu_fwd_kernel
+    rounds it. H may be DH (each program loads its DH tile before any store), DG / DU may be G / U."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     dh = tl.load(DH + offs, mask=mask, other=0.0).to(tl.float32)
@@ -68,6 +72,8 @@ def _glu_bwd_kernel(DH, G, U, DG, DU, n, ACT: tl.constexpr, BLOCK: tl.constexpr)
     a, da = _act_and_grad(g, ACT)
     tl.store(DG + offs, (dh * u * da).to(DG.dtype.element_ty), mask=mask)
     tl.store(DU + offs, (dh * a).to(DU.dtype.element_ty), mask=mask)
+    if EMIT_H:
+        tl.store(H + offs, (a * u).to(H.dtype.element_ty), mask=mask)
 
 
 def _act_id(activation: str) -> int:
@@ -88,8 +94,13 @@ def glu_fwd(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> t
     return h
 
 
-def glu_bwd(dh, gate, up, activation: str = "silu", inplace: bool = False):
-    """Returns (dgate, dup); with inplace=True they are written over gate and up (which must be contiguous)."""
+def glu_bwd(dh, gate, up, activation: str = "silu", inplace: bool = False, emit_h: bool = False):
+    """Returns (dgate, dup), same shape / dtype as gate; with inplace=True they are written over gate and
+    up (which must be contiguous). With emit_h=True returns (dgate, dup, h): h = act(gate) * up,
+    bit-identical to glu_fwd's, written over dh (consumed; dh must then have gate's shape and dtype, and
+    be contiguous for h to alias it). inplace=True with emit_h=True allocates nothing."""
+    if emit_h and (dh.shape != gate.shape or dh.dtype != gate.dtype):
+        raise ValueError("emit_h writes h over dh: dh must have gate's shape and dtype")
     dh, g, u = dh.contiguous(), gate.contiguous(), up.contiguous()
     if inplace:
         dg, du = g, u
@@ -97,9 +108,9 @@ def glu_bwd(dh, gate, up, activation: str = "silu", inplace: bool = False):
         dg, du = torch.empty_like(g), torch.empty_like(u)
     n = g.numel()
     if n:
-        _glu_bwd_kernel[(triton.cdiv(n, _BLOCK),)](dh, g, u, dg, du, n, ACT=_act_id(activation), BLOCK=_BLOCK,
-                                                   num_warps=8)
-    return dg, du
+        _glu_bwd_kernel[(triton.cdiv(n, _BLOCK),)](dh, g, u, dg, du, dh, n, ACT=_act_id(activation), BLOCK=_BLOCK,
+                                                   EMIT_H=emit_h, num_warps=8)
+    return (dg, du, dh) if emit_h else (dg, du)
 
 
 def swiglu_fwd(gate, up):

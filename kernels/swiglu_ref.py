@@ -59,9 +59,13 @@ def act_grad_ref(g: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     return 0.5 * (1 + t) + 0.5 * g * (1 - t * t) * k * (1 + 3 * 0.044715 * g * g)
 
 
-def glu_ref_bwd(dh, gate, up, activation: str = "silu"):
-    """Closed-form backward; returns (dgate, dup) in the inputs' dtypes."""
+def glu_ref_bwd(dh, gate, up, activation: str = "silu", emit_h: bool = False):
+    """Closed-form backward; returns (dgate, dup) in the inputs' dtypes. With emit_h=True returns
+    (dgate, dup, h), h = glu_ref(gate, up, activation) as a new tensor (dh is left as it is, unlike
+    kernels/swiglu.py's glu_bwd, which writes h over dh)."""
     g, u, d = _up(gate), _up(up), _up(dh)
     dg = d * u * act_grad_ref(g, activation)
     du = d * act_ref(g, activation)
+    if emit_h:
+        return dg.to(gate.dtype), du.to(up.dtype), glu_ref(gate, up, activation)
     return dg.to(gate.dtype), du.to(up.dtype)

@@ -61,3 +61,39 @@ def test_named_entries_and_inplace_backward():
     assert dg.data_ptr() == g2.data_ptr() and du.data_ptr() == u2.data_ptr()
     torch.testing.assert_close(dg, want[0])
     torch.testing.assert_close(du, want[1])
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1,), (3, 5, 7), (2, 2500)])
+@pytest.mark.parametrize("act", ACTS)
+def test_bwd_emit_h(act, shape, dtype, inplace):
+    """emit_h: h has glu_fwd's bits, lands in dh's storage (inplace too: nothing new is allocated), and
+    dgate / dup are those of emit_h=False; the reference's h is glu_ref's, dh left as it was."""
+    g = (torch.randn(shape) * 3).to(dtype)
+    u = torch.randn(shape, dtype=dtype)
+    dh = torch.randn(shape, dtype=dtype)
+    want_dg, want_du = glu_bwd(dh, g, u, act)
+    dh2, g2, u2 = dh.clone(), g.clone(), u.clone()
+    dg, du, h = glu_bwd(dh2, g2, u2, act, inplace=inplace, emit_h=True)
+    assert h.data_ptr() == dh2.data_ptr() and h.shape == g.shape and h.dtype == dtype
+    if inplace:
+        assert dg.data_ptr() == g2.data_ptr() and du.data_ptr() == u2.data_ptr()
+    assert torch.equal(h, glu_fwd(g, u, act))
+    assert torch.equal(dg, want_dg) and torch.equal(du, want_du)
+    rdg, rdu, rh = glu_ref_bwd(dh, g, u, act, emit_h=True)
+    assert torch.equal(rh, glu_ref(g, u, act))
+    assert_close_lowp(h, rh, dtype)
+    assert_close_lowp(dg, rdg, dtype)
+    assert_close_lowp(du, rdu, dtype)
+    assert rh.data_ptr() != dh.data_ptr()
+
+
+def test_bwd_emit_h_needs_dh_like_gate():
+    g, u = torch.randn(4, 8), torch.randn(4, 8)
+    with pytest.raises(ValueError):
+        glu_bwd(torch.randn(4, 8, dtype=torch.float16), g, u, emit_h=True)
+    with pytest.raises(ValueError):
+        glu_bwd(torch.randn(32), g, u, emit_h=True)
+    dg, du = glu_bwd(torch.randn(4, 8, dtype=torch.float16), g, u)  # without emit_h: unchanged behaviour
+    assert dg.dtype == torch.float32 and du.shape == (4, 8)
