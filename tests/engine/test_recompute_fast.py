@@ -45,9 +45,9 @@ def mlp_calls(monkeypatch):
     calls = []
     orig = patch._mlp
 
-    def spy(x, mlp, activation, impl, need_y=True):
+    def spy(x, mlp, activation, impl, casts=None, need_y=True, residual=None):
         calls.append(need_y)
-        return orig(x, mlp, activation, impl, need_y)
+        return orig(x, mlp, activation, impl, casts, need_y, residual)
 
     monkeypatch.setattr(patch, "_mlp", spy)
     return calls
@@ -137,11 +137,16 @@ def test_kept_layers_and_eval_do_not_skip(monkeypatch, mlp_calls):
     assert mlp_calls == [True, True] and torch.isfinite(loss)
 
 
-def test_mlp_function_skip_gives_the_same_gradients():
-    """LoRAMLPFunction with need_y False under ``h + m``: the same dX, dA, dB as need_y True."""
+@pytest.mark.parametrize("cache", [False, True])
+def test_mlp_function_skip_and_residual_give_the_same_gradients(cache):
+    """LoRAMLPFunction under ``h + m``: need_y False, and the residual h added inside the down GEMM
+    (need_y True and False), give the dX, dh, dA, dB of need_y True with the add outside; the
+    residual form's value is h + m. With a CastCache the casts are made once and reused."""
     torch.manual_seed(0)
     mlp = tiny_model("llama").model.layers[0].mlp
     from peft import LoraConfig, get_peft_model
+
+    from worker.engine.lora_ops import CastCache
 
     wrapped = get_peft_model(torch.nn.Sequential(mlp), LoraConfig(
         r=4, lora_alpha=8, target_modules=["gate_proj", "up_proj", "down_proj"]))
@@ -151,16 +156,24 @@ def test_mlp_function_skip_gives_the_same_gradients():
     ab = [t for pair in ab for t in pair]
     x = torch.randn(2, 5, 64)
     dout = torch.randn(2, 5, 64)
-    res = []
-    for need_y in (True, False):
+    casts = CastCache() if cache else None
+    res, values = [], []
+    for need_y, fused in ((True, False), (False, False), (True, True), (False, True)):
         X = x.clone().requires_grad_(True)
         h = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(1), requires_grad=True)
-        y = LoRAMLPFunction.apply(X, projs, "silu", "reference", need_y, *ab)
+        y = LoRAMLPFunction.apply(X, projs, "silu", "reference", need_y, casts, h if fused else None,
+                                  *ab)
         assert y.shape == (2, 5, 64) and y.dtype == x.dtype
-        grads = torch.autograd.grad(h + y, [X, h, *ab], dout)
-        res.append(grads)
-    for a, b in zip(*res):
-        assert torch.equal(a, b)
+        out = y if fused else h + y
+        if need_y:
+            values.append(out.detach())
+        res.append(torch.autograd.grad(out, [X, h, *ab], dout))
+    torch.testing.assert_close(values[0], values[1], rtol=1e-6, atol=1e-6)
+    for other in res[1:]:
+        for a, b in zip(res[0], other):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    if cache:
+        assert len(casts._d) == 2  # gate/up and down, each cast once for the four calls
 
 
 def test_disabled_offloader_is_a_no_op():

@@ -8,32 +8,36 @@ b, LoRA A [r, in], B [out, r] and scale s (alpha/r, or alpha/sqrt(r) with rsLoRA
                dX += dY W + s dYB A          dA = s dYB^T X          dB = s dY^T XA
 
 :class:`LoRAProjFunction` runs N projections that read the same X (q, k, v together; gate and up;
-o alone). In the order the GPU does it (:func:`_group_fwd`, :func:`_group_bwd`):
+o alone). In the order the GPU does it (:func:`_group_fwd`, :func:`_group_bwd`), with the group's
+weights cast once per model forward (:class:`CastCache`: A = [A_1; ...; A_N] [sum r, in] and
+s_p B_p in the compute dtype, shared by the forward, the recompute and the backward):
 
-    XAs = X [A_1; ...; A_N]^T [T, sum r], each r-column block scaled by its s (one GEMM, one pass
-          over X);  Y_p = XAs_p B_p^T (small-K GEMM, writes Y_p), then Y_p += X W_p^T in the base
-          GEMM's epilogue (beta 1): Y is written once, never re-read for the LoRA add
-    dYBs_p = s dY_p B_p;  dX = [dYBs_1 ... dYBs_N] [A_1; ...; A_N] (one GEMM writes dX), then
-          dX += dY_p W_p per projection (epilogue adds);  dA = [dYBs]^T X (one pass over X, split
-          by rows);  dB_p = dY_p^T XAs_p
-Saved: X (once) and XAs [T, sum r]; W is re-dequantised in backward, never saved or stored dense.
+    XA = X A^T [T, sum r] (one GEMM, one pass over X);  Y_p = [R +] XA_p (s_p B_p)^T (small-K
+          GEMM, writes Y_p, onto a residual R when given), then Y_p += X W_p^T in the base GEMM's
+          epilogue (beta 1): Y is written once, never re-read for the LoRA add or the residual
+    dYBs_p = dY_p s_p B_p, written side by side [T, sum r];  dX = dYBs A (one GEMM writes dX),
+          then dX += dY_p W_p per projection (epilogue adds);  dA = dYBs^T X (one pass over X,
+          split by rows);  dB_p = s_p dY_p^T XA_p;  dR = dY
+dA, dB come out of the GEMM in A's / B's dtype (fp32 master weights: cuBLAS writes fp32 directly).
+Saved: X (once) and XA [T, sum r]; W is re-dequantised in backward, never saved or stored dense.
 
-:class:`LoRAMLPFunction` is the whole gated MLP, Y = down(act(gate(X)) * up(X)) with act silu
+:class:`LoRAMLPFunction` is the whole gated MLP, Y = [R +] down(act(gate(X)) * up(X)) with act silu
 (SwiGLU) or gelu / gelu_tanh (GeGLU):
 
     forward:   G, U as one group of X;  H = act(G) U (kernels.swiglu);  Y = down group of H
-    backward:  dH = down group's dX;  H recomputed from G, U for dAd;  dG, dU = glu_bwd(dH, G, U)
-               then the gate/up group's backward (one dX).
-Saved: X, G, U [T, I], XAs of gate/up [T, 2r], HAs of down [T, r]; H is recomputed, not saved.
+    backward:  dH = down group's dX (needs no H);  dG, dU, H = glu_bwd(dH, G, U) (one kernel: dG,
+               dU over G, U, H over dH);  dAd = dYBd^T H;  then the gate/up group's backward.
+Saved: X, G, U [T, I], XA of gate/up [T, 2r], HA of down [T, r]; H is not saved.
 
 ``need_y`` False (a checkpointed layer's recompute, where an output only feeds a value that is
 discarded or replaced: :func:`~worker.engine.patch.run_layer`) skips the base projections: for the
 MLP no Wd dequant and no H Wd^T [T, I] x [I, H] matmul (~27 % of a Llama layer's linear FLOPs); for
-:class:`LoRAProjFunction` no base at all. XAs (what dB needs) is still computed and saved, and the
-outputs are ``torch.empty`` in X's dtype: uninitialised, never read. Backward is unchanged.
+:class:`LoRAProjFunction` no base at all; no residual add either. XA (what dB needs) is still
+computed and saved, and the outputs are ``torch.empty`` in X's dtype: uninitialised, never read.
+Backward is unchanged.
 
 Dtypes: the compute dtype is X's (bf16 on GPU, fp32 in tests); A, B (fp32 master weights or X's
-dtype) are cast to it, and dA, dB come back in A's / B's dtype. Only dX, dA, dB are computed: the base
+dtype) are cast to it (fp32 in fp32: no copy), and dA, dB come back in A's / B's dtype. Only dX, dA, dB are computed: the base
 weight and bias are frozen. ``impl`` picks the NF4 dequant and GLU kernels ("triton" | "reference");
 the matmuls are torch's either way. Shapes: X [..., in] is flattened to T rows; outputs keep X's
 leading dims.
@@ -87,77 +91,131 @@ def _grads(projs, grads):
     return res
 
 
-def _group_fwd(X, projs, pairs, need_y=True):
-    """Y_p = X W_p^T + b_p + XAs_p B_p^T for the projections of one input X [T, in].
+_MM_OUT_DTYPE = "dtype" in torch.ops.aten.mm.overloads()
 
-    XAs = X [A_1; A_2; ...]^T, scaled per projection (s_p XA_p), is one GEMM for the group
-    [T, sum r] and is what backward keeps. Each LoRA term is written first (a small-K GEMM) and the
-    base GEMM adds onto it in its epilogue (addmm_, beta 1), so Y is written once and never re-read
-    for the LoRA add. ``need_y`` False skips the base (no dequant, no GEMM): Y uninitialised.
-    Returns ([Y_p], XAs or None, [r_p]).
+
+def _mm_to(a, b, dtype):
+    """a @ b returned in ``dtype``: on CUDA a 16-bit GEMM writes fp32 directly (cuBLAS, no
+    rounding to 16 bits, no cast kernel); elsewhere the product is cast."""
+    if a.dtype == dtype:
+        return a @ b
+    if a.is_cuda and _MM_OUT_DTYPE and dtype == torch.float32:
+        return torch.mm(a, b, out_dtype=dtype)
+    return (a @ b).to(dtype)
+
+
+@dataclass(eq=False)
+class Casts:
+    """One projection group's LoRA weights in the compute dtype: ``A`` [sum r, in] = [A_1; ...]
+    and ``Bs[p]`` = s_p B_p [out_p, r_p] (None for a projection without LoRA); ``ranks`` [r_p]."""
+
+    A: torch.Tensor | None
+    Bs: list
+    ranks: list
+
+
+def make_casts(projs, pairs, dtype) -> Casts:
+    """:class:`Casts` of ``projs`` (their (A, B) ``pairs``) in ``dtype``; a fp32 weight in fp32 is
+    used as is (no copy)."""
+    As = [A.to(dtype) for p, (A, _) in zip(projs, pairs) if p.has_lora]
+    Bs = [None if not p.has_lora else (B * p.scale if p.scale != 1.0 else B).to(dtype)
+          for p, (_, B) in zip(projs, pairs)]
+    A = (torch.cat(As) if len(As) > 1 else As[0]) if As else None
+    return Casts(A, Bs, [a.shape[0] for a in As])
+
+
+class CastCache:
+    """Compute-dtype :class:`Casts` of each projection group, made once per model forward.
+
+    One instance lives in the forward's :class:`~worker.engine.patch.StepInputs`, so a layer's
+    forward, its checkpointed recompute and its backward share one copy (the weights cannot change
+    between a forward and its backward); the next forward starts a new cache after the optimizer
+    step. Memory: the LoRA weights once in the compute dtype (84 MB for Llama-8B r=16, bf16).
     """
-    As = [A.to(X.dtype) for p, (A, _) in zip(projs, pairs) if p.has_lora]
-    ranks = [A.shape[0] for A in As]
-    XAs = None
-    if As:
-        XAs = X @ (torch.cat(As) if len(As) > 1 else As[0]).t()
-        scales = [p.scale for p in projs if p.has_lora]
-        if len(set(scales)) == 1:
-            if scales[0] != 1.0:
-                XAs.mul_(scales[0])
-        else:
-            for xa, sc in zip(XAs.split(ranks, dim=1), scales):
-                xa.mul_(sc)
-    xas = iter(XAs.split(ranks, dim=1)) if XAs is not None else iter(())
+
+    def __init__(self):
+        self._d: dict = {}
+
+    def get(self, projs, pairs, dtype) -> Casts:
+        key = (dtype, tuple(id(p.base) for p in projs), tuple(id(A) for A, _ in pairs))
+        c = self._d.get(key)
+        if c is None:
+            c = self._d[key] = make_casts(projs, pairs, dtype)
+        return c
+
+
+def _casts(cache, projs, pairs, dtype) -> Casts:
+    return cache.get(projs, pairs, dtype) if cache is not None else make_casts(projs, pairs, dtype)
+
+
+def _group_fwd(X, projs, casts: Casts, need_y=True, R=None):
+    """Y_p = [R +] X W_p^T + b_p + XA_p (s_p B_p)^T for the projections of one input X [T, in].
+
+    XA = X [A_1; A_2; ...]^T [T, sum r] is one GEMM for the group (unscaled; backward keeps it).
+    Each LoRA term is written first (a small-K GEMM, onto the residual R [T, out] when given: one
+    projection only) and the base GEMM adds onto it in its epilogue (addmm_, beta 1), so Y is
+    written once and never re-read for the LoRA add. ``need_y`` False skips the base (no dequant,
+    no GEMM) and R: Y uninitialised. Returns ([Y_p], XA or None).
+    """
+    XA = X @ casts.A.t() if casts.A is not None else None
+    xas = iter(XA.split(casts.ranks, dim=1)) if XA is not None else iter(())
     outs = []
-    for p, (_, B) in zip(projs, pairs):
+    for p, Bs in zip(projs, casts.Bs):
         xa = next(xas) if p.has_lora else None
         if not need_y:
             outs.append(X.new_empty(X.shape[0], p.base.out_features))
             continue
         W = p.weight(X.dtype)
         if xa is not None:
-            Y = xa @ B.to(X.dtype).t()
+            Y = torch.addmm(R, xa, Bs.t()) if R is not None else xa @ Bs.t()
             Y.addmm_(X, W.t())
         else:
-            Y = X @ W.t()
+            Y = torch.addmm(R, X, W.t()) if R is not None else X @ W.t()
         del W
         if p.bias is not None:
             Y += p.bias.to(Y.dtype)
         outs.append(Y)
-    return outs, XAs, ranks
+    return outs, XA
 
 
-def _group_bwd(dys, X, XAs, ranks, projs, pairs):
-    """dX = sum_p dY_p W_p + s_p dY_p B_p A_p, and each (dA_p, dB_p); dys [T, out_p] in X's dtype.
-
-    dYBs_p = s_p dY_p B_p [T, r_p] are concatenated, so the LoRA part of dX is one GEMM
-    [T, sum r] x [sum r, in] that writes dX, and dA for the whole group is one pass over X; every
-    base dY_p W_p then adds onto dX in the GEMM epilogue.
-    """
-    dybs, As = [], []
-    xas = iter(XAs.split(ranks, dim=1)) if XAs is not None else iter(())
-    grads = []
-    for p, (A, B), dy in zip(projs, pairs, dys):
+def _lora_dy(dys, XA, projs, casts: Casts, pairs):
+    """The LoRA half of a group's backward that reads dY: dYBs = [dY_p s_p B_p] [T, sum r] and
+    each dB_p = s_p dY_p^T XA_p (in B's dtype); returns (dYBs or None, [dB_p or None])."""
+    if casts.A is None:
+        return None, [None] * len(projs)
+    T, R = dys[0].shape[0], sum(casts.ranks)
+    one = len(casts.ranks) == 1
+    dyb_all = None if one else dys[0].new_empty(T, R)
+    xas = iter(XA.split(casts.ranks, dim=1))
+    dBs, off = [], 0
+    for p, (_, B), Bs, dy in zip(projs, pairs, casts.Bs, dys):
         if not p.has_lora:
-            grads.append((None, None))
+            dBs.append(None)
             continue
-        xa = next(xas)
-        dyb = dy @ B.to(dy.dtype)
+        r = Bs.shape[1]
+        if one:
+            dyb_all = dy @ Bs
+        else:
+            torch.mm(dy, Bs, out=dyb_all[:, off:off + r])
+        off += r
+        dB = _mm_to(dy.t(), next(xas), B.dtype)
         if p.scale != 1.0:
-            dyb.mul_(p.scale)
-        dybs.append(dyb)
-        As.append(A.to(dy.dtype))
-        grads.append([None, (dy.t() @ xa).to(B.dtype)])
-    dX = None
-    if dybs:
-        dyb_all = torch.cat(dybs, dim=1) if len(dybs) > 1 else dybs[0]
-        dX = dyb_all @ (torch.cat(As) if len(As) > 1 else As[0])
-        dA_all = dyb_all.t() @ X
-        it = iter(dA_all.split(ranks, dim=0))
-        for p, g, (A, _) in zip(projs, grads, pairs):
-            if p.has_lora:
-                g[0] = next(it).to(A.dtype)
+            dB.mul_(p.scale)
+        dBs.append(dB)
+    return dyb_all, dBs
+
+
+def _lora_da(dyb_all, X, projs, casts: Casts, pairs):
+    """dA_p = s_p (dY_p B_p)^T X for the whole group in one pass over X; [dA_p or None]."""
+    if dyb_all is None:
+        return [None] * len(projs)
+    dA_all = _mm_to(dyb_all.t(), X, pairs[[p.has_lora for p in projs].index(True)][0].dtype)
+    it = iter(dA_all.split(casts.ranks, dim=0))
+    return [next(it).to(A.dtype) if p.has_lora else None for p, (A, _) in zip(projs, pairs)]
+
+
+def _base_dx(dX, dys, projs):
+    """dX (+)= sum_p dY_p W_p, each W dequantised in turn (epilogue adds onto dX when it exists)."""
     for p, dy in zip(projs, dys):
         W = p.weight(dy.dtype)
         if dX is None:
@@ -165,24 +223,40 @@ def _group_bwd(dys, X, XAs, ranks, projs, pairs):
         else:
             dX.addmm_(dy, W)
         del W
-    return dX, [tuple(g) for g in grads]
+    return dX
+
+
+def _group_bwd(dys, X, XA, projs, casts: Casts, pairs):
+    """dX = sum_p dY_p W_p + s_p dY_p B_p A_p and each (dA_p, dB_p); dys [T, out_p] in X's dtype.
+
+    The dY_p s_p B_p [T, r_p] are written side by side, so the LoRA part of dX is one GEMM
+    [T, sum r] x [sum r, in] that writes dX, and dA for the whole group is one pass over X; every
+    base dY_p W_p then adds onto dX in the GEMM epilogue.
+    """
+    dyb_all, dBs = _lora_dy(dys, XA, projs, casts, pairs)
+    dX = dyb_all @ casts.A if dyb_all is not None else None
+    dAs = _lora_da(dyb_all, X, projs, casts, pairs)
+    return _base_dx(dX, dys, projs), list(zip(dAs, dBs))
 
 
 class LoRAProjFunction(torch.autograd.Function):
-    """N LoRA projections of one input: forward(X, projs, need_y, *A_B) -> tuple of N outputs.
+    """N LoRA projections of one input: forward(X, projs, need_y, cache, R, *A_B) -> N outputs.
 
+    ``cache`` is the forward's :class:`CastCache` (or None: cast here). ``R`` (one projection only,
+    or None) is a residual added to the output in the GEMMs (Y = R + proj(X); dR = dY).
     ``need_y`` False (a checkpointed recompute whose outputs are replaced or discarded): only
-    XAs is computed and saved; the outputs are uninitialised (see the module docstring).
+    XA is computed and saved; the outputs are uninitialised (see the module docstring).
     """
 
     @staticmethod
-    def forward(ctx, X, projs, need_y, *ab):
+    def forward(ctx, X, projs, need_y, cache, R, *ab):
         X2 = _flat(X)
         pairs = _split_ab(projs, ab)
-        outs, XAs, ranks = _group_fwd(X2, projs, pairs, need_y)
-        ctx.projs, ctx.xshape, ctx.ranks = projs, X.shape, ranks
-        ctx.has_xa = XAs is not None
-        ctx.save_for_backward(X2, *([XAs] if XAs is not None else []), *ab)
+        casts = _casts(cache, projs, pairs, X.dtype)
+        outs, XA = _group_fwd(X2, projs, casts, need_y, None if R is None else _flat(R))
+        ctx.projs, ctx.xshape, ctx.casts, ctx.has_r = projs, X.shape, casts, R is not None
+        ctx.has_xa = XA is not None
+        ctx.save_for_backward(X2, *([XA] if XA is not None else []), *ab)
         return tuple(Y.view(*X.shape[:-1], Y.shape[-1]) for Y in outs)
 
     @staticmethod
@@ -190,7 +264,7 @@ class LoRAProjFunction(torch.autograd.Function):
         projs = ctx.projs
         saved = list(ctx.saved_tensors)
         X2 = saved.pop(0)
-        XAs = saved.pop(0) if ctx.has_xa else None
+        XA = saved.pop(0) if ctx.has_xa else None
         pairs = _split_ab(projs, saved)
         flat = []
         for p, dy in zip(projs, dys):
@@ -198,67 +272,76 @@ class LoRAProjFunction(torch.autograd.Function):
                 dy = torch.zeros(*ctx.xshape[:-1], p.base.out_features, dtype=X2.dtype,
                                  device=X2.device)
             flat.append(_flat(dy).to(X2.dtype))
-        dX, grads = _group_bwd(flat, X2, XAs, ctx.ranks, projs, pairs)
-        return (dX.view(ctx.xshape), None, None, *_grads(projs, grads))
+        dX, grads = _group_bwd(flat, X2, XA, projs, ctx.casts, pairs)
+        dR = dys[0] if ctx.has_r else None
+        return (dX.view(ctx.xshape), None, None, None, dR, *_grads(projs, grads))
 
 
 def _glu(impl):
+    """(fwd(G, U, act) -> H, bwd(dH, G, U, act) -> (dG, dU, H)) of ``impl``; the Triton backward
+    writes dG, dU over G, U and H over dH (nothing allocated)."""
     if impl == "triton":
         from kernels.swiglu import glu_bwd, glu_fwd
 
-        return glu_fwd, lambda dh, g, u, act: glu_bwd(dh, g, u, act, inplace=True)
+        return glu_fwd, lambda dh, g, u, act: glu_bwd(dh, g, u, act, inplace=True, emit_h=True)
     from kernels.swiglu_ref import glu_ref, glu_ref_bwd
 
-    return glu_ref, glu_ref_bwd
+    return glu_ref, lambda dh, g, u, act: glu_ref_bwd(dh, g, u, act, emit_h=True)
 
 
 class LoRAMLPFunction(torch.autograd.Function):
-    """forward(X, (gate, up, down), activation, impl, need_y, *A_B) -> Y (gated MLP with LoRA on
-    each); ``need_y`` False: Y is left uninitialised (see the module docstring)."""
+    """forward(X, (gate, up, down), activation, impl, need_y, cache, R, *A_B) -> Y = [R +] the
+    gated MLP with LoRA on each projection. ``cache``: the forward's :class:`CastCache` or None;
+    ``R``: a residual added in the down GEMM (dR = dY) or None; ``need_y`` False: Y is left
+    uninitialised (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, X, projs, activation, impl, need_y, *ab):
+    def forward(ctx, X, projs, activation, impl, need_y, cache, R, *ab):
         X2 = _flat(X)
         pg, pu, pd = projs
         pairs = _split_ab(projs, ab)
-        (G, U), XAs, ranks = _group_fwd(X2, (pg, pu), pairs[:2])
+        cgu = _casts(cache, (pg, pu), pairs[:2], X.dtype)
+        cd = _casts(cache, (pd,), pairs[2:], X.dtype)
+        (G, U), XA = _group_fwd(X2, (pg, pu), cgu)
         fwd, _ = _glu(impl)
         H = fwd(G, U, activation) if (need_y or pd.has_lora) else None
         if need_y:
-            (Y,), HAs, _ = _group_fwd(H, (pd,), pairs[2:])
-        else:  # recompute: Y's value is never read; only HAs (for dBd) is
-            _, HAs, _ = _group_fwd(H, (pd,), pairs[2:], need_y=False) if pd.has_lora \
-                else (None, None, None)
+            (Y,), HA = _group_fwd(H, (pd,), cd, R=None if R is None else _flat(R))
+        else:  # recompute: Y's value is never read; only HA (for dBd) is
+            HA = _group_fwd(H, (pd,), cd, need_y=False)[1] if pd.has_lora else None
             Y = X2.new_empty(X2.shape[0], pd.base.out_features)
         del H
-        ctx.projs, ctx.activation, ctx.impl, ctx.xshape, ctx.ranks = \
-            projs, activation, impl, X.shape, ranks
-        small = [t for t in (XAs, HAs) if t is not None]
-        ctx.has = [t is not None for t in (XAs, HAs)]
+        ctx.projs, ctx.activation, ctx.impl, ctx.xshape = projs, activation, impl, X.shape
+        ctx.casts, ctx.has_r = (cgu, cd), R is not None
+        small = [t for t in (XA, HA) if t is not None]
+        ctx.has = [t is not None for t in (XA, HA)]
         ctx.save_for_backward(X2, G, U, *small, *ab)
         return Y.view(*X.shape[:-1], Y.shape[-1])
 
     @staticmethod
     def backward(ctx, dY):
         pg, pu, pd = ctx.projs
+        cgu, cd = ctx.casts
         saved = list(ctx.saved_tensors)
         X2, G, U = saved[:3]
         rest = saved[3:]
         n = sum(ctx.has)
         it = iter(rest[:n])
-        XAs, HAs = (next(it) if h else None for h in ctx.has)
+        XA, HA = (next(it) if h else None for h in ctx.has)
         pairs = _split_ab(ctx.projs, rest[n:])
-        fwd, bwd = _glu(ctx.impl)
-        dY = _flat(dY).to(X2.dtype)
-        H = fwd(G, U, ctx.activation) if pd.has_lora else None
-        dH, (gd,) = _group_bwd([dY], H, HAs, [pairs[2][0].shape[0]] if pd.has_lora else [],
-                               (pd,), pairs[2:])
-        del H
-        dG, dU = bwd(dH, G, U, ctx.activation)
+        _, bwd = _glu(ctx.impl)
+        dY2 = _flat(dY).to(X2.dtype)
+        # down: dH = dY Wd + s dY Bd Ad (H is not needed yet), dBd
+        dyb, (dBd,) = _lora_dy([dY2], HA, (pd,), cd, pairs[2:])
+        dH = _base_dx(dyb @ cd.A if dyb is not None else None, [dY2], (pd,))
+        dG, dU, H = bwd(dH, G, U, ctx.activation)  # H = act(G) U, for dAd, in dH's memory
         del dH
-        dX, (gg, gu) = _group_bwd([dG, dU], X2, XAs, ctx.ranks, (pg, pu), pairs[:2])
-        grads = _grads(ctx.projs, [gg, gu, gd])
-        return (dX.view(ctx.xshape), None, None, None, None, *grads)
+        (dAd,) = _lora_da(dyb, H, (pd,), cd, pairs[2:])
+        del H, dyb
+        dX, (gg, gu) = _group_bwd([dG, dU], X2, XA, (pg, pu), cgu, pairs[:2])
+        grads = _grads(ctx.projs, [gg, gu, (dAd, dBd)])
+        dR = dY if ctx.has_r else None
+        return (dX.view(ctx.xshape), None, None, None, None, None, dR, *grads)
 
 
 def lora_params(module: nn.Module):

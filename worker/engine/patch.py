@@ -16,10 +16,12 @@ module and its PEFT LoRA wrappers, as two blocks (each one checkpointed segment)
         explicit soft-capped softmax for Gemma 2); h = h + [norm](LoRAProj_o(o))
     mlp_block:  h = h + [norm](LoRAMLP(norm(h)))   (gate, up, GLU, down in one autograd function)
 
+Without a sandwich norm the residual h is added inside the o_proj / down_proj GEMMs (no separate
+add kernel). The LoRA weights are cast to the compute dtype once per forward (``StepInputs.casts``).
 In a checkpointed segment's recompute (:func:`~worker.engine.checkpointing.recomputing`) the block's
 output value is discarded, so without a sandwich norm the last projection (o_proj, down_proj) skips
-its base GEMM and returns an uninitialised tensor (only ``h + o``'s graph is back-propagated, and an
-add's backward reads no values); attention returns the output its forward stashed, and when it also
+its base GEMM and the residual and returns an uninitialised tensor (only its graph is
+back-propagated: the residual's gradient is dY itself, no values are read); attention returns the output its forward stashed, and when it also
 stashed Q, K, V the q/k/v projections skip their base GEMMs. Gemma's post-attention and
 post-feedforward norms read their input in backward, so sandwich layers compute it.
 
@@ -33,7 +35,7 @@ from dataclasses import dataclass, field
 from worker.engine import checkpointing as ckpt
 from worker.engine.attention import attention, build_mask, mask_kind, stash_choice
 from worker.engine.checkpointing import recomputing
-from worker.engine.lora_ops import LoRAMLPFunction, LoRAProjFunction, make_proj
+from worker.engine.lora_ops import CastCache, LoRAMLPFunction, LoRAProjFunction, make_proj
 
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")
 GEMMA_LIKE = ("gemma2", "gemma3_text")
@@ -98,6 +100,15 @@ def norm(mod, x, gemma: bool, impl: str):
     return rms_norm(x, mod.weight, eps, gemma=gemma, impl=impl)
 
 
+def norm_residual(mod, x, gemma: bool, impl: str):
+    """(norm(x), x) where x's two gradients are summed in the norm's backward kernel
+    (kernels.rms_norm.rms_norm_residual): for a pre-norm block x + f(norm(x))."""
+    from kernels.rms_norm import rms_norm_residual
+
+    eps = getattr(mod, "variance_epsilon", None) or getattr(mod, "eps", 1e-6)
+    return rms_norm_residual(x, mod.weight, eps, gemma=gemma, impl=impl)
+
+
 def _collect(modules):
     """(projs, [A, B, ...]) for the fused functions, or None when a module's LoRA is not fusable."""
     projs, ab = [], []
@@ -111,31 +122,37 @@ def _collect(modules):
     return tuple(projs), ab
 
 
-def _group(x, modules, need_y=True):
+def _group(x, modules, casts=None, need_y=True, residual=None):
     """Outputs of several projections of x: fused LoRAProj, or the PEFT modules as a fallback.
-    ``need_y`` False: the fused outputs are uninitialised (only their graph is used)."""
+    ``need_y`` False: the fused outputs are uninitialised (only their graph is used).
+    ``residual`` (one module only): returns (residual + proj(x),), added inside the GEMMs."""
     got = _collect(modules)
     if got is None:
-        return tuple(m(x) for m in modules)
-    return LoRAProjFunction.apply(x, got[0], need_y, *got[1])
+        out = tuple(m(x) for m in modules)
+        return out if residual is None else (residual + out[0],)
+    return LoRAProjFunction.apply(x, got[0], need_y, casts, residual, *got[1])
 
 
-def _mlp(x, mlp, activation, impl, need_y=True):
+def _mlp(x, mlp, activation, impl, casts=None, need_y=True, residual=None):
+    """[residual +] the gated MLP of x: fused LoRAMLP, or the PEFT modules as a fallback."""
     mods = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
     got = _collect(mods)
     if got is None:
         from worker.engine.lora_ops import _glu
 
-        return mods[2](_glu(impl)[0](mods[0](x), mods[1](x), activation))
-    return LoRAMLPFunction.apply(x, got[0], activation, impl, need_y, *got[1])
+        m = mods[2](_glu(impl)[0](mods[0](x), mods[1](x), activation))
+        return m if residual is None else residual + m
+    return LoRAMLPFunction.apply(x, got[0], activation, impl, need_y, casts, residual, *got[1])
 
 
 @dataclass
 class StepInputs:
-    """Per-forward tables shared by all layers: rope[type] = (cos, sin), mask[type] (bool or None)."""
+    """Per-forward tables shared by all layers: rope[type] = (cos, sin), mask[type] (bool or None),
+    and the LoRA weights in the compute dtype (``casts``), made once per forward."""
 
     rope: dict
     mask: dict
+    casts: CastCache = field(default_factory=CastCache)
 
 
 def _in_out(module) -> int:
@@ -160,8 +177,8 @@ def attn_block(layer, h, step: StepInputs, arch: ArchSpec, impl: str):
     rec = recomputing()
     mode, stash = ckpt.stash_mode()
     skip_qkv = rec and mode == "replay" and stash.pending() and stash.qkv
-    x = norm(layer.input_layernorm, h, arch.gemma_norm, impl)
-    q, k, v = _group(x, (attn.q_proj, attn.k_proj, attn.v_proj), need_y=not skip_qkv)
+    x, h = norm_residual(layer.input_layernorm, h, arch.gemma_norm, impl)
+    q, k, v = _group(x, (attn.q_proj, attn.k_proj, attn.v_proj), step.casts, need_y=not skip_qkv)
     del x
     q, k, v = q.view(B, S, -1, D), k.view(B, S, -1, D), v.view(B, S, -1, D)
     if arch.qk_norm:
@@ -178,22 +195,23 @@ def attn_block(layer, h, step: StepInputs, arch: ArchSpec, impl: str):
     o = attention(q, k, v.transpose(1, 2), step.mask[ltype], attn.scaling, arch.attn_softcap,
                   stash_qkv=not arch.qk_norm, stash_policy=policy)
     del q, k, v
-    (o,) = _group(o, (attn.o_proj,), need_y=arch.sandwich or not rec)
-    if arch.sandwich:
-        o = norm(layer.post_attention_layernorm, o, True, impl)
-    return h + o
+    if not arch.sandwich:  # h + o_proj(o), the residual added in the GEMMs (none in a recompute)
+        return _group(o, (attn.o_proj,), step.casts, need_y=not rec, residual=h)[0]
+    (o,) = _group(o, (attn.o_proj,), step.casts)
+    return h + norm(layer.post_attention_layernorm, o, True, impl)
 
 
 def mlp_block(layer, h, step: StepInputs, arch: ArchSpec, impl: str):
-    """h + [norm](mlp(norm(h))); in a recompute the MLP skips its down projection (its output only
-    feeds the discarded h + m), except with a sandwich norm, whose backward reads m."""
+    """h + [norm](mlp(norm(h))); in a recompute the MLP skips its down projection and the residual
+    add (their output is the discarded block value), except with a sandwich norm, whose backward
+    reads m."""
     pre = layer.pre_feedforward_layernorm if arch.sandwich else layer.post_attention_layernorm
-    x = norm(pre, h, arch.gemma_norm, impl)
-    m = _mlp(x, layer.mlp, arch.activation, impl, need_y=arch.sandwich or not recomputing())
-    del x
-    if arch.sandwich:
-        m = norm(layer.post_feedforward_layernorm, m, True, impl)
-    return h + m
+    x, h = norm_residual(pre, h, arch.gemma_norm, impl)
+    if not arch.sandwich:  # the residual is added in the down GEMM (none in a recompute)
+        return _mlp(x, layer.mlp, arch.activation, impl, step.casts, need_y=not recomputing(),
+                    residual=h)
+    m = _mlp(x, layer.mlp, arch.activation, impl, step.casts)
+    return h + norm(layer.post_feedforward_layernorm, m, True, impl)
 
 
 def run_layer(layer, h, step: StepInputs, arch: ArchSpec, impl: str):
