@@ -30,6 +30,9 @@ for s in ${STAGES:-tests nf4 gen grpo train}; do
     dtests) TAIL=30 stage gpu_decode_tests 200 python3 -m pytest -q --import-mode=append -p no:cacheprovider \
               tests/gpu/test_decode_gpu.py tests/gpu/test_grpo_gpu.py \
               tests/gpu/test_kernels_gpu.py -k "nf4 or cross_entropy" ;;
+    ktests) TAIL=30 stage gpu_kernel_tests 200 python3 -m pytest -q --import-mode=append -p no:cacheprovider \
+              tests/gpu/test_kernels_gpu.py -k "rms or glu or nf4" ;;
+    nf4s) TAIL=40 stage nf4_sweep 150 python3 bench/nf4_dequant_sweep.py ;;
     probe) TAIL=30 stage probe 90 python3 bench/probe_attention.py ;;
     ptrain) TAIL=60 stage prof_train 120 python3 bench/profile_step.py train qlora 2048 2 ;;
     pbudget) TAIL=60 BUDGET=40 stage prof_budget 120 python3 bench/profile_step.py train qlora 2048 2 ;;

@@ -113,7 +113,7 @@ def run(config: str, seq: int, bs: int, steps: int, budget, offload: bool) -> di
     batches = [torch.randint(0, 4000, (bs, seq), device="cuda", generator=g) for _ in range(4)]
     mem_after_load = torch.cuda.memory_allocated() / 2**30
     torch.cuda.reset_peak_memory_stats()
-    times, losses, gc_ms = [], [], []
+    times, losses, gc_ms, issue = [], [], [], []
     for step in range(steps):
         gc_s[0], gc_s[1] = 0.0, 0
         ids = batches[step % len(batches)]
@@ -123,6 +123,7 @@ def run(config: str, seq: int, bs: int, steps: int, budget, offload: bool) -> di
         out.loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        issue.append(time.perf_counter() - t0)  # the CPU's time to queue the step's work
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         gc_ms.append((round(gc_s[0] * 1e3, 1), gc_s[1]))
@@ -146,6 +147,7 @@ def run(config: str, seq: int, bs: int, steps: int, budget, offload: bool) -> di
         device=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(),
         commit=_commit(), call_id=os.environ.get("CALL_ID", ""),
         gc_freeze=bool(os.environ.get("BENCH_GC_FREEZE")), gc_ms_collections=gc_ms,
+        issue_s=[round(t, 4) for t in issue],
         torch=torch.__version__)
 
 

@@ -22,11 +22,11 @@ from kernels.cross_entropy_ref import linear_cross_entropy_ref  # noqa: E402
 from kernels.nf4 import nf4_fwd, nf4_linear  # noqa: E402
 from kernels.nf4_matmul import nf4_matmul  # noqa: E402
 from kernels.nf4_ref import nf4_dequantize_ref, nf4_quantize_ref, nf4_state_from_bnb  # noqa: E402
-from kernels.rms_norm import rms_norm  # noqa: E402
+from kernels.rms_norm import rms_norm, rms_norm_residual  # noqa: E402
 from kernels.rms_norm_ref import rms_norm_ref  # noqa: E402
 from kernels.rope import rope  # noqa: E402
 from kernels.rope_ref import packed_position_ids, rope_cos_sin, rope_inv_freq, rope_ref  # noqa: E402
-from kernels.swiglu import glu  # noqa: E402
+from kernels.swiglu import glu, glu_bwd, glu_fwd  # noqa: E402
 from kernels.swiglu_ref import glu_ref  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -107,12 +107,39 @@ def test_rms_norm(dtype, shape, gemma, frozen_w):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 8), (3, 5, 37), (257, 5120), (4096, 4096)])
+@pytest.mark.parametrize("gemma", [False, True])
+def test_rms_norm_residual(dtype, shape, gemma):
+    """(norm(x), x) with both gradients summed in the backward kernel vs the reference + autograd."""
+    x = torch.randn(shape, device=DEV) * 3
+    w = torch.rand(shape[-1], device=DEV) + 0.5
+    compare(lambda a: rms_norm_residual(a, w.to(a.dtype), 1e-6, gemma),
+            lambda a: (rms_norm_ref(a, w.to(a.dtype), 1e-6, gemma), a.view_as(a)),
+            [x], dtype, _randn_like, f"rms_res{shape}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1,), (3, 7, 13), (4097, 11008), (2048, 14336)])
 @pytest.mark.parametrize("act", ["silu", "gelu", "gelu_tanh"])
 def test_glu(dtype, shape, act):
     g, u = torch.randn(shape, device=DEV) * 3, torch.randn(shape, device=DEV)
     compare(lambda a, b: glu(a, b, act), lambda a, b: glu_ref(a, b, act), [g, u], dtype, _randn_like,
             f"{act}{shape}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(3, 7, 13), (4097, 11008)])
+@pytest.mark.parametrize("act", ["silu", "gelu", "gelu_tanh"])
+def test_glu_bwd_emits_h(dtype, shape, act):
+    """glu_bwd(emit_h=True): the same dG, dU as without, and H over dh, bitwise glu_fwd's H."""
+    g, u = (torch.randn(shape, device=DEV) * 3).to(dtype), torch.randn(shape, device=DEV).to(dtype)
+    dh = torch.randn(shape, device=DEV).to(dtype)
+    dg, du = glu_bwd(dh, g, u, act)
+    dh2 = dh.clone()
+    dg2, du2, h = glu_bwd(dh2, g.clone(), u.clone(), act, inplace=True, emit_h=True)
+    assert h.data_ptr() == dh2.data_ptr()
+    assert torch.equal(dg2, dg) and torch.equal(du2, du)
+    assert torch.equal(h, glu_fwd(g, u, act))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
