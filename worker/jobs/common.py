@@ -7,6 +7,8 @@ either.
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import hashlib
 import json
 import os
@@ -29,6 +31,21 @@ def sha256(path: Path) -> str:
         for chunk in iter(lambda: fh.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+@contextlib.contextmanager
+def frozen_gc():
+    """Run the body (a training loop) with every object that exists now (the model, its modules,
+    the tokenizer, the dataset) moved out of Python's cyclic GC (``gc.freeze``): a full collection
+    then scans only what training creates. On the H200 bench one full collection over the loaded
+    Llama-8B process took 0.28 s inside a 0.33 s step (bench/results.jsonl s5-c2). The objects
+    return to the collector afterwards (``gc.unfreeze``), so a long-lived worker frees them."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def atomic_write(path: Path, text: str) -> None:

@@ -114,7 +114,8 @@ def run(ctx: JobContext) -> dict[str, Any]:
     last = common.last_checkpoint(ctx, ckpt_dir)
     t0 = time.monotonic()
     try:
-        trainer.train(resume_from_checkpoint=last)
+        with common.frozen_gc():
+            trainer.train(resume_from_checkpoint=last)
     except RewardError as e:
         raise JobError(f"stopped: {e}") from e
     finally:

@@ -85,7 +85,8 @@ def run(ctx: JobContext) -> dict[str, Any]:
     # ---- train (resume from the newest checkpoint of an earlier attempt) ------------------
     last = common.last_checkpoint(ctx, ckpt_dir)
     t0 = time.monotonic()
-    out = trainer.train(resume_from_checkpoint=last)
+    with common.frozen_gc():
+        out = trainer.train(resume_from_checkpoint=last)
     ctx.check()  # cancelled / shutdown (checkpoint already saved) / lease lost
     runtime = time.monotonic() - t0
 
