@@ -128,6 +128,21 @@ def run(config: str, seq: int, bs: int, steps: int, budget, offload: bool) -> di
         times.append(time.perf_counter() - t0)
         gc_ms.append((round(gc_s[0] * 1e3, 1), gc_s[1]))
         losses.append(float(out.loss))
+    # diagnostic after the timed steps: the CPU's issue time vs the GPU's time, forward and
+    # backward apart (a phase whose issue time is about its GPU time is CPU-bound)
+    ids = batches[0]
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = pm(input_ids=ids, labels=ids)
+    phases = [time.perf_counter() - t0]
+    torch.cuda.synchronize()
+    phases.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    out.loss.backward()
+    phases.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    phases.append(time.perf_counter() - t0)
+    opt.zero_grad(set_to_none=True)
     timed = sorted(times[2:])
     med = timed[len(timed) // 2]
     tps = bs * seq / med
@@ -148,6 +163,8 @@ def run(config: str, seq: int, bs: int, steps: int, budget, offload: bool) -> di
         commit=_commit(), call_id=os.environ.get("CALL_ID", ""),
         gc_freeze=bool(os.environ.get("BENCH_GC_FREEZE")), gc_ms_collections=gc_ms,
         issue_s=[round(t, 4) for t in issue],
+        fwd_issue_s=round(phases[0], 4), fwd_s=round(phases[1], 4),
+        bwd_issue_s=round(phases[2], 4), bwd_s=round(phases[3], 4),
         torch=torch.__version__)
 
 

@@ -160,6 +160,8 @@ def rms_norm_residual(x, weight, eps: float = 1e-6, gemma: bool = False, impl: s
     check_impl(impl)
     if impl == "reference":
         return rms_norm_ref(x, weight, eps, gemma), x
+    if not torch.is_grad_enabled():  # no autograd node to build (a checkpointed forward, eval)
+        return rms_norm_fwd(x, weight, eps, gemma)[0], x
     return RMSNormResidualFunction.apply(x, weight, eps, gemma)
 
 
@@ -168,4 +170,6 @@ def rms_norm(x, weight, eps: float = 1e-6, gemma: bool = False, impl: str = "tri
     check_impl(impl)
     if impl == "reference":
         return rms_norm_ref(x, weight, eps, gemma)
+    if not torch.is_grad_enabled():
+        return rms_norm_fwd(x, weight, eps, gemma)[0]
     return RMSNormFunction.apply(x, weight, eps, gemma)

@@ -133,4 +133,6 @@ def rope(q, k, cos, sin, impl: str = "triton"):
     check_impl(impl)
     if impl == "reference":
         return rope_ref(q, k, cos, sin)
+    if not torch.is_grad_enabled():  # no autograd node to build
+        return rope_fwd(q, k, cos, sin)
     return RoPEFunction.apply(q, k, cos, sin)

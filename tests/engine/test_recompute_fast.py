@@ -45,9 +45,9 @@ def mlp_calls(monkeypatch):
     calls = []
     orig = patch._mlp
 
-    def spy(x, mlp, activation, impl, casts=None, need_y=True, residual=None):
+    def spy(x, mlp, activation, impl, step=None, need_y=True, residual=None):
         calls.append(need_y)
-        return orig(x, mlp, activation, impl, casts, need_y, residual)
+        return orig(x, mlp, activation, impl, step, need_y, residual)
 
     monkeypatch.setattr(patch, "_mlp", spy)
     return calls

@@ -91,3 +91,15 @@ def test_residual_form_matches_reference(dtype, shape, gemma, frozen):
     y, res = rms_norm_residual(x, w, 1e-6, gemma)
     (gx,) = torch.autograd.grad((res * dres).sum(), x)
     torch.testing.assert_close(gx, dres)
+
+
+def test_no_grad_path_gives_the_autograd_values():
+    """Without grad the wrappers call the forward kernel directly (no autograd node): same bits."""
+    x, w = torch.randn(5, 37), torch.rand(37) + 0.5
+    with torch.no_grad():
+        y0 = rms_norm(x, w, 1e-6, True)
+        y1, r1 = rms_norm_residual(x, w, 1e-6, True)
+    y2 = rms_norm(x.requires_grad_(), w, 1e-6, True)
+    y3, _ = rms_norm_residual(x, w, 1e-6, True)
+    assert y0.grad_fn is None and y1.grad_fn is None and r1 is x
+    assert torch.equal(y0, y2) and torch.equal(y1, y3)

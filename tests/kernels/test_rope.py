@@ -112,3 +112,14 @@ def test_inplace_launchers_broadcast_tables_and_packed_positions():
     ref = rope_ref(qb, kb, cos, sin)
     torch.testing.assert_close(out[0], ref[0])
     torch.testing.assert_close(out[1], ref[1])
+
+
+def test_no_grad_path_gives_the_autograd_values():
+    """Without grad ``rope`` calls the forward kernel directly (no autograd node): same bits."""
+    q, k = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 5, 8)
+    cos, sin = rope_cos_sin(torch.rand(4), torch.arange(5).expand(2, 5))
+    with torch.no_grad():
+        q0, k0 = rope(q, k, cos, sin)
+    q1, k1 = rope(q.requires_grad_(), k, cos, sin)
+    assert q0.grad_fn is None and q1.grad_fn is not None
+    assert torch.equal(q0, q1) and torch.equal(k0, k1)

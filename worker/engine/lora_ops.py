@@ -239,6 +239,16 @@ def _group_bwd(dys, X, XA, projs, casts: Casts, pairs):
     return _base_dx(dX, dys, projs), list(zip(dAs, dBs))
 
 
+def proj_forward(X, projs, need_y, cache, R, ab):
+    """LoRAProjFunction's forward without autograd (also the no-grad path: no ctx, nothing saved):
+    (outputs [..., out_p] with X's leading dims, XA [T, sum r] or None, Casts)."""
+    X2 = _flat(X)
+    pairs = _split_ab(projs, ab)
+    casts = _casts(cache, projs, pairs, X.dtype)
+    outs, XA = _group_fwd(X2, projs, casts, need_y, None if R is None else _flat(R))
+    return tuple(Y.view(*X.shape[:-1], Y.shape[-1]) for Y in outs), XA, casts
+
+
 class LoRAProjFunction(torch.autograd.Function):
     """N LoRA projections of one input: forward(X, projs, need_y, cache, R, *A_B) -> N outputs.
 
@@ -250,14 +260,11 @@ class LoRAProjFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, X, projs, need_y, cache, R, *ab):
-        X2 = _flat(X)
-        pairs = _split_ab(projs, ab)
-        casts = _casts(cache, projs, pairs, X.dtype)
-        outs, XA = _group_fwd(X2, projs, casts, need_y, None if R is None else _flat(R))
+        outs, XA, casts = proj_forward(X, projs, need_y, cache, R, ab)
         ctx.projs, ctx.xshape, ctx.casts, ctx.has_r = projs, X.shape, casts, R is not None
         ctx.has_xa = XA is not None
-        ctx.save_for_backward(X2, *([XA] if XA is not None else []), *ab)
-        return tuple(Y.view(*X.shape[:-1], Y.shape[-1]) for Y in outs)
+        ctx.save_for_backward(_flat(X), *([XA] if XA is not None else []), *ab)
+        return outs
 
     @staticmethod
     def backward(ctx, *dys):
@@ -289,6 +296,25 @@ def _glu(impl):
     return glu_ref, lambda dh, g, u, act: glu_ref_bwd(dh, g, u, act, emit_h=True)
 
 
+def mlp_forward(X, projs, activation, impl, need_y, cache, R, ab):
+    """LoRAMLPFunction's forward without autograd (also the no-grad path): (Y [..., H] with X's
+    leading dims, (G, U [T, I], XA, HA, (Casts of gate/up, Casts of down)))."""
+    X2 = _flat(X)
+    pg, pu, pd = projs
+    pairs = _split_ab(projs, ab)
+    cgu = _casts(cache, (pg, pu), pairs[:2], X.dtype)
+    cd = _casts(cache, (pd,), pairs[2:], X.dtype)
+    (G, U), XA = _group_fwd(X2, (pg, pu), cgu)
+    fwd, _ = _glu(impl)
+    H = fwd(G, U, activation) if (need_y or pd.has_lora) else None
+    if need_y:
+        (Y,), HA = _group_fwd(H, (pd,), cd, R=None if R is None else _flat(R))
+    else:  # recompute: Y's value is never read; only HA (for dBd) is
+        HA = _group_fwd(H, (pd,), cd, need_y=False)[1] if pd.has_lora else None
+        Y = X2.new_empty(X2.shape[0], pd.base.out_features)
+    return Y.view(*X.shape[:-1], Y.shape[-1]), (G, U, XA, HA, (cgu, cd))
+
+
 class LoRAMLPFunction(torch.autograd.Function):
     """forward(X, (gate, up, down), activation, impl, need_y, cache, R, *A_B) -> Y = [R +] the
     gated MLP with LoRA on each projection. ``cache``: the forward's :class:`CastCache` or None;
@@ -297,26 +323,13 @@ class LoRAMLPFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, X, projs, activation, impl, need_y, cache, R, *ab):
-        X2 = _flat(X)
-        pg, pu, pd = projs
-        pairs = _split_ab(projs, ab)
-        cgu = _casts(cache, (pg, pu), pairs[:2], X.dtype)
-        cd = _casts(cache, (pd,), pairs[2:], X.dtype)
-        (G, U), XA = _group_fwd(X2, (pg, pu), cgu)
-        fwd, _ = _glu(impl)
-        H = fwd(G, U, activation) if (need_y or pd.has_lora) else None
-        if need_y:
-            (Y,), HA = _group_fwd(H, (pd,), cd, R=None if R is None else _flat(R))
-        else:  # recompute: Y's value is never read; only HA (for dBd) is
-            HA = _group_fwd(H, (pd,), cd, need_y=False)[1] if pd.has_lora else None
-            Y = X2.new_empty(X2.shape[0], pd.base.out_features)
-        del H
+        Y, (G, U, XA, HA, casts) = mlp_forward(X, projs, activation, impl, need_y, cache, R, ab)
         ctx.projs, ctx.activation, ctx.impl, ctx.xshape = projs, activation, impl, X.shape
-        ctx.casts, ctx.has_r = (cgu, cd), R is not None
+        ctx.casts, ctx.has_r = casts, R is not None
         small = [t for t in (XA, HA) if t is not None]
         ctx.has = [t is not None for t in (XA, HA)]
-        ctx.save_for_backward(X2, G, U, *small, *ab)
-        return Y.view(*X.shape[:-1], Y.shape[-1])
+        ctx.save_for_backward(_flat(X), G, U, *small, *ab)
+        return Y
 
     @staticmethod
     def backward(ctx, dY):

@@ -32,10 +32,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from worker.engine import checkpointing as ckpt
 from worker.engine.attention import attention, build_mask, mask_kind, stash_choice
 from worker.engine.checkpointing import recomputing
-from worker.engine.lora_ops import CastCache, LoRAMLPFunction, LoRAProjFunction, make_proj
+from worker.engine.lora_ops import (CastCache, LoRAMLPFunction, LoRAProjFunction, make_proj,
+                                    mlp_forward, proj_forward)
 
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")
 GEMMA_LIKE = ("gemma2", "gemma3_text")
@@ -109,50 +112,66 @@ def norm_residual(mod, x, gemma: bool, impl: str):
     return rms_norm_residual(x, mod.weight, eps, gemma=gemma, impl=impl)
 
 
-def _collect(modules):
-    """(projs, [A, B, ...]) for the fused functions, or None when a module's LoRA is not fusable."""
+def _collect(modules, memo=None):
+    """(projs, [A, B, ...]) for the fused functions, or None when a module's LoRA is not fusable.
+    ``memo`` (the forward's StepInputs.collected) keeps the answer for the recompute."""
+    key = tuple(id(m) for m in modules)
+    if memo is not None and key in memo:
+        return memo[key]
     projs, ab = [], []
     try:
         for m in modules:
             p, t = make_proj(m)
             projs.append(p)
             ab += t
+        got = tuple(projs), ab
     except ValueError:
-        return None
-    return tuple(projs), ab
+        got = None
+    if memo is not None:
+        memo[key] = got
+    return got
 
 
-def _group(x, modules, casts=None, need_y=True, residual=None):
+def _group(x, modules, step=None, need_y=True, residual=None):
     """Outputs of several projections of x: fused LoRAProj, or the PEFT modules as a fallback.
     ``need_y`` False: the fused outputs are uninitialised (only their graph is used).
-    ``residual`` (one module only): returns (residual + proj(x),), added inside the GEMMs."""
-    got = _collect(modules)
+    ``residual`` (one module only): returns (residual + proj(x),), added inside the GEMMs.
+    Without grad the fused forward runs without an autograd node."""
+    got = _collect(modules, step.collected if step is not None else None)
     if got is None:
         out = tuple(m(x) for m in modules)
         return out if residual is None else (residual + out[0],)
+    casts = step.casts if step is not None else None
+    if not torch.is_grad_enabled():
+        return proj_forward(x, got[0], need_y, casts, residual, got[1])[0]
     return LoRAProjFunction.apply(x, got[0], need_y, casts, residual, *got[1])
 
 
-def _mlp(x, mlp, activation, impl, casts=None, need_y=True, residual=None):
+def _mlp(x, mlp, activation, impl, step=None, need_y=True, residual=None):
     """[residual +] the gated MLP of x: fused LoRAMLP, or the PEFT modules as a fallback."""
     mods = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-    got = _collect(mods)
+    got = _collect(mods, step.collected if step is not None else None)
     if got is None:
         from worker.engine.lora_ops import _glu
 
         m = mods[2](_glu(impl)[0](mods[0](x), mods[1](x), activation))
         return m if residual is None else residual + m
+    casts = step.casts if step is not None else None
+    if not torch.is_grad_enabled():
+        return mlp_forward(x, got[0], activation, impl, need_y, casts, residual, got[1])[0]
     return LoRAMLPFunction.apply(x, got[0], activation, impl, need_y, casts, residual, *got[1])
 
 
 @dataclass
 class StepInputs:
     """Per-forward tables shared by all layers: rope[type] = (cos, sin), mask[type] (bool or None),
-    and the LoRA weights in the compute dtype (``casts``), made once per forward."""
+    and, made once per forward, the LoRA weights in the compute dtype (``casts``) and each
+    projection group's fused-path description (``collected``), both reused by the recompute."""
 
     rope: dict
     mask: dict
     casts: CastCache = field(default_factory=CastCache)
+    collected: dict = field(default_factory=dict)
 
 
 def _in_out(module) -> int:
@@ -178,7 +197,7 @@ def attn_block(layer, h, step: StepInputs, arch: ArchSpec, impl: str):
     mode, stash = ckpt.stash_mode()
     skip_qkv = rec and mode == "replay" and stash.pending() and stash.qkv
     x, h = norm_residual(layer.input_layernorm, h, arch.gemma_norm, impl)
-    q, k, v = _group(x, (attn.q_proj, attn.k_proj, attn.v_proj), step.casts, need_y=not skip_qkv)
+    q, k, v = _group(x, (attn.q_proj, attn.k_proj, attn.v_proj), step, need_y=not skip_qkv)
     del x
     q, k, v = q.view(B, S, -1, D), k.view(B, S, -1, D), v.view(B, S, -1, D)
     if arch.qk_norm:
@@ -196,8 +215,8 @@ def attn_block(layer, h, step: StepInputs, arch: ArchSpec, impl: str):
                   stash_qkv=not arch.qk_norm, stash_policy=policy)
     del q, k, v
     if not arch.sandwich:  # h + o_proj(o), the residual added in the GEMMs (none in a recompute)
-        return _group(o, (attn.o_proj,), step.casts, need_y=not rec, residual=h)[0]
-    (o,) = _group(o, (attn.o_proj,), step.casts)
+        return _group(o, (attn.o_proj,), step, need_y=not rec, residual=h)[0]
+    (o,) = _group(o, (attn.o_proj,), step)
     return h + norm(layer.post_attention_layernorm, o, True, impl)
 
 
@@ -208,9 +227,9 @@ def mlp_block(layer, h, step: StepInputs, arch: ArchSpec, impl: str):
     pre = layer.pre_feedforward_layernorm if arch.sandwich else layer.post_attention_layernorm
     x, h = norm_residual(pre, h, arch.gemma_norm, impl)
     if not arch.sandwich:  # the residual is added in the down GEMM (none in a recompute)
-        return _mlp(x, layer.mlp, arch.activation, impl, step.casts, need_y=not recomputing(),
+        return _mlp(x, layer.mlp, arch.activation, impl, step, need_y=not recomputing(),
                     residual=h)
-    m = _mlp(x, layer.mlp, arch.activation, impl, step.casts)
+    m = _mlp(x, layer.mlp, arch.activation, impl, step)
     return h + norm(layer.post_feedforward_layernorm, m, True, impl)
 
 
