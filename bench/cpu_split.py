@@ -53,11 +53,11 @@ def main(argv=None):
     pm = build(a.config, a.budget, not a.no_offload)
     pm.train()
 
-    import kernels.nf4 as knf4
-    import kernels.rms_norm as krms
-    import kernels.rope as krope
-    import kernels.swiglu as kglu
-    from kernels import cross_entropy
+    import importlib
+
+    # import_module: the kernels package re-exports functions named like its modules
+    knf4, krms, krope, kglu, cross_entropy = (importlib.import_module(f"kernels.{m}") for m in (
+        "nf4", "rms_norm", "rope", "swiglu", "cross_entropy"))
     from worker.engine import attention, checkpointing, engine, lora_ops, patch
 
     wrap(checkpointing.Offloader, "save", "Offloader.save")
