@@ -13,8 +13,8 @@ joined and stored interleaved (``pack=False``) or, with ``pack=True``, bit-packe
 (16-bit dtypes) or 64-bit (fp32) word per byte, element 2i in the low half (little-endian: lower
 address), and stored through a word view of the output (an odd n stores its last element alone). Both
 stores are contiguous and give identical bits; tile size, num_warps and the store are launch knobs
-(``nf4_fwd(elems=, num_warps=, pack=)``; defaults NF4_ELEMS / NF4_WARPS / NF4_PACK, to be tuned with
-bench/nf4_dequant_sweep.py). fp-contraction (FMA) is switched off at launch
+(``nf4_fwd(elems=, num_warps=, pack=)``; defaults NF4_ELEMS / NF4_WARPS / NF4_PACK, the fastest
+exact configuration of bench/nf4_dequant_sweep.py on an H200). fp-contraction (FMA) is switched off at launch
 (``enable_fp_fusion=False``) so the absmax is rounded twice, as bitsandbytes does. Traffic: n/2
 bytes read, n * sizeof(dtype) written (+ n/64 bytes of absmax).
 
