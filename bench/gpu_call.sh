@@ -37,7 +37,6 @@ for s in ${STAGES:-tests nf4 gen grpo train}; do
     csplit) TAIL=45 stage cpu_split 90 python3 bench/cpu_split.py qlora 2048 2 ;;
     csplit_nooff) TAIL=45 stage cpu_split_nooff 90 python3 bench/cpu_split.py qlora 2048 2 --no-offload ;;
     csplit_budget) TAIL=45 stage cpu_split_budget 90 python3 bench/cpu_split.py qlora 2048 2 --budget 40 ;;
-    cprof) TAIL=5 stage cpu_profile 120 python3 bench/cpu_profile.py qlora 2048 2 ;;
     probe) TAIL=30 stage probe 90 python3 bench/probe_attention.py ;;
     ptrain) TAIL=60 stage prof_train 120 python3 bench/profile_step.py train qlora 2048 2 ;;
     pbudget) TAIL=60 BUDGET=40 stage prof_budget 120 python3 bench/profile_step.py train qlora 2048 2 ;;
