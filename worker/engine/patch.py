@@ -21,8 +21,9 @@ add kernel). The LoRA weights are cast to the compute dtype once per forward (``
 In a checkpointed segment's recompute (:func:`~worker.engine.checkpointing.recomputing`) the block's
 output value is discarded, so without a sandwich norm the last projection (o_proj, down_proj) skips
 its base GEMM and the residual and returns an uninitialised tensor (only its graph is
-back-propagated: the residual's gradient is dY itself, no values are read); attention returns the output its forward stashed, and when it also
-stashed Q, K, V the q/k/v projections skip their base GEMMs. Gemma's post-attention and
+back-propagated: the residual's gradient is dY itself, no values are read); attention returns the
+output its forward stashed, and when it also stashed Q, K, V the q/k/v projections skip their base
+GEMMs. Gemma's post-attention and
 post-feedforward norms read their input in backward, so sandwich layers compute it.
 
 Norms are kernels.rms_norm, dtypes follow h. A projection group whose LoRA cannot be fused (dropout,
