@@ -37,10 +37,11 @@ computed and saved, and the outputs are ``torch.empty`` in X's dtype: uninitiali
 Backward is unchanged.
 
 Dtypes: the compute dtype is X's (bf16 on GPU, fp32 in tests); A, B (fp32 master weights or X's
-dtype) are cast to it (fp32 in fp32: no copy), and dA, dB come back in A's / B's dtype. Only dX, dA, dB are computed: the base
-weight and bias are frozen. ``impl`` picks the NF4 dequant and GLU kernels ("triton" | "reference");
-the matmuls are torch's either way. Shapes: X [..., in] is flattened to T rows; outputs keep X's
-leading dims.
+dtype) are cast to it (fp32 in fp32: no copy), and dA, dB come back in A's / B's dtype. Only dX,
+dA, dB are computed: the base weight and bias are frozen. ``impl`` picks the NF4 dequant and GLU
+kernels ("triton" | "reference"); the matmuls are torch's either way. Shapes: X [..., in] is
+flattened to T rows; outputs keep X's leading dims. :func:`proj_forward` / :func:`mlp_forward` are
+the forwards without autograd (the no-grad path: a checkpointed forward, eval).
 """
 from __future__ import annotations
 
