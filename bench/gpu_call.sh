@@ -54,6 +54,7 @@ for s in ${STAGES:-tests nf4 gen grpo train}; do
     traingc) BENCH_GC_FREEZE=1 stage train_2048_gc 120 python3 bench/train_step.py qlora 2048 2 8 ;;
     train_o) WHETSTONE_ATTN_STASH=o stage train_2048_stash_o 100 python3 bench/train_step.py qlora 2048 2 8 ;;
     train_off) WHETSTONE_ATTN_STASH=off stage train_2048_stash_off 100 python3 bench/train_step.py qlora 2048 2 8 ;;
+    traingrp) WHETSTONE_GROUP_DEQUANT=1 stage train_2048_group 120 python3 bench/train_step.py qlora 2048 2 8 ;;
     train16k) stage train_16k 120 python3 bench/train_step.py qlora 16384 1 6 ;;
     trainbudget) stage train_budget 120 python3 bench/train_step.py qlora 2048 2 8 --budget 40 ;;
     lora) stage train_lora 120 python3 bench/train_step.py lora 2048 2 8 ;;

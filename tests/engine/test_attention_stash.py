@@ -57,19 +57,21 @@ def test_dense_order_round_trip():
 
 @pytest.fixture
 def counters(monkeypatch):
-    """Dense-weight fetches per base module, and calls of the attention forward kernel."""
+    """Dense-weight fetches per base module (each base of a group fetch counts once, grouped
+    dequant or not), and calls of the attention forward kernel."""
     seen, fwd = Counter(), [0]
-    orig_w, orig_f = quant.dense_weight, attn_mod._fwd
+    orig_w, orig_f = quant.dense_weights, attn_mod._fwd
 
-    def counted_w(base, dtype):
-        seen[id(base)] += 1
-        return orig_w(base, dtype)
+    def counted_w(bases, dtype):
+        for b in bases:
+            seen[id(b)] += 1
+        return orig_w(bases, dtype)
 
     def counted_f(*a, **kw):
         fwd[0] += 1
         return orig_f(*a, **kw)
 
-    monkeypatch.setattr(quant, "dense_weight", counted_w)
+    monkeypatch.setattr(quant, "dense_weights", counted_w)
     monkeypatch.setattr(attn_mod, "_fwd", counted_f)
     return seen, fwd
 

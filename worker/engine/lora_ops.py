@@ -69,6 +69,14 @@ class Proj:
         return dense_weight(self.base, dtype)
 
 
+def _weights(projs, dtype) -> list:
+    """The group's base weights [W_p] (quant.dense_weights: one dequant launch for an NF4 group
+    when enabled)."""
+    from worker.engine.quant import dense_weights
+
+    return dense_weights([p.base for p in projs], dtype)
+
+
 def _flat(x):
     return x.reshape(-1, x.shape[-1])
 
@@ -161,12 +169,13 @@ def _group_fwd(X, projs, casts: Casts, need_y=True, R=None):
     XA = X @ casts.A.t() if casts.A is not None else None
     xas = iter(XA.split(casts.ranks, dim=1)) if XA is not None else iter(())
     outs = []
-    for p, Bs in zip(projs, casts.Bs):
+    Ws = _weights(projs, X.dtype) if need_y else None
+    for i, (p, Bs) in enumerate(zip(projs, casts.Bs)):
         xa = next(xas) if p.has_lora else None
         if not need_y:
             outs.append(X.new_empty(X.shape[0], p.base.out_features))
             continue
-        W = p.weight(X.dtype)
+        W, Ws[i] = Ws[i], None
         if xa is not None:
             Y = torch.addmm(R, xa, Bs.t()) if R is not None else xa @ Bs.t()
             Y.addmm_(X, W.t())
@@ -216,9 +225,11 @@ def _lora_da(dyb_all, X, projs, casts: Casts, pairs):
 
 
 def _base_dx(dX, dys, projs):
-    """dX (+)= sum_p dY_p W_p, each W dequantised in turn (epilogue adds onto dX when it exists)."""
-    for p, dy in zip(projs, dys):
-        W = p.weight(dy.dtype)
+    """dX (+)= sum_p dY_p W_p (the group's W from :func:`_weights`; epilogue adds onto dX when it
+    exists)."""
+    Ws = _weights(projs, dys[0].dtype)
+    for i, dy in enumerate(dys):
+        W, Ws[i] = Ws[i], None
         if dX is None:
             dX = dy @ W
         else:
