@@ -5,7 +5,8 @@ safetensors index or headers, so a typo is a field error at creation, not a work
 :func:`context_length` is the model's context window in tokens (``max_position_embeddings``, or a
 multimodal config's ``text_config`` entry), None when the folder or field is missing. A GRPO
 completion longer than it cannot be generated sensibly (positions past the window), so the web
-refuses such a run and the worker re-checks it when the model was not ready at creation.
+refuses such a run and the worker re-checks it when the model was not ready at creation. An SFT
+``max_seq_length`` past it only draws a warning in the run log (:func:`seq_longer_than_context`).
 """
 from __future__ import annotations
 
@@ -34,6 +35,18 @@ def completion_too_long(max_completion_length: int, model_dir, model_name: str) 
     if n is not None and max_completion_length > n:
         return (f"{max_completion_length} tokens is longer than {model_name}'s context window "
                 f"({n} tokens, max_position_embeddings); use at most {n}")
+    return None
+
+
+def seq_longer_than_context(max_seq_length: int, model_dir, model_name: str) -> str | None:
+    """A warning when an SFT run's ``max_seq_length`` (tokens) exceeds the model's context window
+    (``max_position_embeddings``), else None: rows longer than the window train on positions the
+    model was never trained at (RoPE extrapolates them; nothing fails, quality may)."""
+    n = context_length(model_dir)
+    if n is not None and max_seq_length > n:
+        return (f"max_seq_length {max_seq_length} is longer than {model_name}'s context window "
+                f"({n} tokens, max_position_embeddings): rows past {n} tokens train on positions "
+                f"the model never saw; {n} or less keeps them inside it")
     return None
 
 

@@ -39,6 +39,11 @@ def run(ctx: JobContext) -> dict[str, Any]:
         " with the kernel engine (fused LoRA, Triton kernels)" if sft.use_engine(cuda) else ""))
 
     # ---- data (same encoding as the web preview) ----------------------------------------
+    from app.data.model_config import seq_longer_than_context
+
+    too_long = seq_longer_than_context(spec.max_seq_length, model_row.path, model_row.name)
+    if too_long:
+        ctx.log(too_long, "warning")
     chosen = edata.choose_template(spec.chat_template, model_row.chat_template)
     if chosen.note:
         ctx.log(chosen.note, "warning")
