@@ -63,11 +63,6 @@ class Proj:
     scale: float
     has_lora: bool
 
-    def weight(self, dtype) -> torch.Tensor:
-        from worker.engine.quant import dense_weight
-
-        return dense_weight(self.base, dtype)
-
 
 def _weights(projs, dtype) -> list:
     """The group's base weights [W_p] (quant.dense_weights: one dequant launch for an NF4 group
@@ -219,7 +214,8 @@ def _lora_da(dyb_all, X, projs, casts: Casts, pairs):
     """dA_p = s_p (dY_p B_p)^T X for the whole group in one pass over X; [dA_p or None]."""
     if dyb_all is None:
         return [None] * len(projs)
-    dA_all = _mm_to(dyb_all.t(), X, pairs[[p.has_lora for p in projs].index(True)][0].dtype)
+    a_dtype = next(A.dtype for p, (A, _) in zip(projs, pairs) if p.has_lora)
+    dA_all = _mm_to(dyb_all.t(), X, a_dtype)
     it = iter(dA_all.split(casts.ranks, dim=0))
     return [next(it).to(A.dtype) if p.has_lora else None for p, (A, _) in zip(projs, pairs)]
 

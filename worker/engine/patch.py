@@ -97,11 +97,14 @@ def arch_spec(model) -> ArchSpec:
         layer_types=types, windows=windows, rope_per_type=mt == "gemma3_text")
 
 
+def _eps(mod) -> float:
+    return getattr(mod, "variance_epsilon", None) or getattr(mod, "eps", 1e-6)
+
+
 def norm(mod, x, gemma: bool, impl: str):
     from kernels.rms_norm import rms_norm
 
-    eps = getattr(mod, "variance_epsilon", None) or getattr(mod, "eps", 1e-6)
-    return rms_norm(x, mod.weight, eps, gemma=gemma, impl=impl)
+    return rms_norm(x, mod.weight, _eps(mod), gemma=gemma, impl=impl)
 
 
 def norm_residual(mod, x, gemma: bool, impl: str):
@@ -109,8 +112,7 @@ def norm_residual(mod, x, gemma: bool, impl: str):
     (kernels.rms_norm.rms_norm_residual): for a pre-norm block x + f(norm(x))."""
     from kernels.rms_norm import rms_norm_residual
 
-    eps = getattr(mod, "variance_epsilon", None) or getattr(mod, "eps", 1e-6)
-    return rms_norm_residual(x, mod.weight, eps, gemma=gemma, impl=impl)
+    return rms_norm_residual(x, mod.weight, _eps(mod), gemma=gemma, impl=impl)
 
 
 def _collect(modules, memo=None):
