@@ -73,6 +73,9 @@ def main(argv=None):
     wrap(lora_ops, "_base_dx")
     wrap(lora_ops, "make_casts")
     wrap(knf4, "nf4_fwd")
+    wrap(knf4, "nf4_fwd_group")
+    from worker.engine import quant
+    wrap(quant, "dense_weights")
     wrap(krms, "rms_norm_fwd")
     wrap(krms, "rms_norm_bwd")
     wrap(krope, "rope_fwd")

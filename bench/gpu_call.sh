@@ -34,6 +34,8 @@ for s in ${STAGES:-tests nf4 gen grpo train}; do
               tests/gpu/test_kernels_gpu.py -k "rms or glu or nf4" ;;
     nf4s) TAIL=40 stage nf4_sweep 150 python3 bench/nf4_dequant_sweep.py ;;
     lprobe) TAIL=20 stage launch_probe 90 python3 bench/launch_probe.py ;;
+    gprobe) TAIL=20 stage nf4_group_probe 90 python3 bench/nf4_group_probe.py ;;
+    csplit_grp) TAIL=45 WHETSTONE_GROUP_DEQUANT=1 stage cpu_split_group 90 python3 bench/cpu_split.py qlora 2048 2 ;;
     csplit) TAIL=45 stage cpu_split 90 python3 bench/cpu_split.py qlora 2048 2 ;;
     csplit_nooff) TAIL=45 stage cpu_split_nooff 90 python3 bench/cpu_split.py qlora 2048 2 --no-offload ;;
     csplit_budget) TAIL=45 stage cpu_split_budget 90 python3 bench/cpu_split.py qlora 2048 2 --budget 40 ;;
