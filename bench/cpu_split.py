@@ -73,7 +73,6 @@ def main(argv=None):
     wrap(lora_ops, "_base_dx")
     wrap(lora_ops, "make_casts")
     wrap(knf4, "nf4_fwd")
-    wrap(knf4, "nf4_fwd_group")
     from worker.engine import quant
     wrap(quant, "dense_weights")
     wrap(krms, "rms_norm_fwd")

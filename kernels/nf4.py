@@ -18,10 +18,6 @@ exact configuration of bench/nf4_dequant_sweep.py on an H200). fp-contraction (F
 (``enable_fp_fusion=False``) so the absmax is rounded twice, as bitsandbytes does. Traffic: n/2
 bytes read, n * sizeof(dtype) written (+ n/64 bytes of absmax).
 
-``nf4_fwd_group`` dequantises up to three weights of one input width (a layer's q/k/v, gate/up) in
-one launch (grid: tiles of the largest x weights) into W [sum out, in], each row block bit-identical
-to the weight's own ``nf4_fwd``: one launch instead of three when the step is launch-bound.
-
 As an autograd op, ``NF4LinearFunction`` computes y = x W^T with W dequantised into a temporary that
 is freed at once; backward re-dequantises W (nothing but x's shape is saved) and returns dx = dy W.
 W is frozen (no weight gradient). ``nf4_fwd`` is the dequantisation; ``nf4_bwd`` the linear backward.
@@ -109,31 +105,6 @@ def _nf4_dequant_kernel(Q, ABSMAX, ABSMAX2, CODE2, OFFSET, NF4, OUT, n_out, n_by
                   BLOCKSIZE, BLOCKSIZE2, NESTED, ROWS, HALF, PACK, BITS, ODD)
 
 
-@triton.jit
-def _nf4_dequant_group_kernel(Q0, A0, B0, C0, O0, OUT0, n0, nb0, nk0,
-                              Q1, A1, B1, C1, O1, OUT1, n1, nb1, nk1,
-                              Q2, A2, B2, C2, O2, OUT2, n2, nb2, nk2, NF4,
-                              NSEG: tl.constexpr, BLOCKSIZE: tl.constexpr, BLOCKSIZE2: tl.constexpr,
-                              NESTED: tl.constexpr, ROWS: tl.constexpr, HALF: tl.constexpr,
-                              BITS: tl.constexpr):
-    """Up to three weights in one launch: grid (tiles of the largest, NSEG); program (t, s) is tile
-    t of weight s (Q_s packed, A_s absmax, B_s absmax2, C_s code2, O_s offset -> OUT_s [n_s];
-    nb_s = ceil(n_s / 2) bytes, nk_s blocks). Interleaved store (PACK off); every n_s even."""
-    seg = tl.program_id(1)
-    pid = tl.program_id(0)
-    if seg == 0:
-        _dequant_tile(pid, Q0, A0, B0, C0, O0, NF4, OUT0, n0, nb0, nk0,
-                      BLOCKSIZE, BLOCKSIZE2, NESTED, ROWS, HALF, False, BITS, False)
-    if NSEG > 1:
-        if seg == 1:
-            _dequant_tile(pid, Q1, A1, B1, C1, O1, NF4, OUT1, n1, nb1, nk1,
-                          BLOCKSIZE, BLOCKSIZE2, NESTED, ROWS, HALF, False, BITS, False)
-    if NSEG > 2:
-        if seg == 2:
-            _dequant_tile(pid, Q2, A2, B2, C2, O2, NF4, OUT2, n2, nb2, nk2,
-                          BLOCKSIZE, BLOCKSIZE2, NESTED, ROWS, HALF, False, BITS, False)
-
-
 def _as_state(state) -> NF4State:
     return state if isinstance(state, NF4State) else nf4_state_from_bnb(state)
 
@@ -180,54 +151,6 @@ def nf4_fwd(packed: torch.Tensor, state, dtype: torch.dtype | None = None, out: 
             offset if nested else dummy, _code(packed.device), out, n, (n + 1) // 2, n_blocks,
             BLOCKSIZE=bs, BLOCKSIZE2=st.blocksize2 if nested else 1, NESTED=nested, ROWS=rows, HALF=bs // 2,
             PACK=pack, BITS=8 * size, ODD=pack and n % 2 == 1, num_warps=num_warps or NF4_WARPS, **kwargs)
-    return out
-
-
-def nf4_fwd_group(parts, dtype: torch.dtype, *, elems: int | None = None,
-                  num_warps: int | None = None) -> torch.Tensor:
-    """Dequantise up to three NF4 weights [out_s, in] (``parts`` = [(packed, state), ...], the same
-    in, blocksize, blocksize2 and nesting) in one launch into W [sum out_s, in] in ``dtype``; row
-    block s is weight s, bit-identical to :func:`nf4_fwd` of it. More parts, or parts that differ
-    in those, are dequantised one launch each into the same W. Raises ValueError on a blocksize
-    that is not a power of two."""
-    sts = [_as_state(st) for _, st in parts]
-    rows_in = sts[0].shape[1]
-    total = sum(int(st.shape[0]) for st in sts)
-    dev = parts[0][0].device
-    out = torch.empty((total, rows_in), dtype=dtype, device=dev)
-    views, r = [], 0
-    for st in sts:
-        views.append(out[r:r + int(st.shape[0])])
-        r += int(st.shape[0])
-    same = (len(parts) <= 3 and all(
-        st.shape[1] == rows_in and st.blocksize == sts[0].blocksize and st.nested == sts[0].nested
-        and (not st.nested or st.blocksize2 == sts[0].blocksize2)
-        and int(st.shape[0]) * rows_in % 2 == 0 for st in sts))
-    if not same:
-        for (packed, st), v in zip(parts, views):
-            nf4_fwd(packed, st, dtype, out=v, elems=elems, num_warps=num_warps)
-        return out
-    bs = sts[0].blocksize
-    if bs < 2 or bs & (bs - 1):
-        raise ValueError("blocksize must be a power of two")
-    elems = elems or NF4_ELEMS
-    rows = max(1, elems // bs)
-    args, tiles = [], 1
-    for (packed, st), v in zip(parts, views):
-        n = int(st.shape[0]) * rows_in
-        nb = -(-n // bs)
-        tiles = max(tiles, -(-nb // rows))
-        absmax = st.absmax
-        off = (st.offset if st.offset.dtype == torch.float32 else st.offset.float()) if st.nested else absmax
-        args += [packed, absmax, st.absmax2 if st.nested else absmax, st.code2 if st.nested else absmax,
-                 off, v, n, (n + 1) // 2, nb]
-    args += args[-9:] * (3 - len(parts))  # unused segments: any valid arguments
-    kwargs = {} if INTERPRET else {"enable_fp_fusion": False}
-    if total and rows_in:
-        _nf4_dequant_group_kernel[(tiles, len(parts))](
-            *args, _code(dev), NSEG=len(parts), BLOCKSIZE=bs,
-            BLOCKSIZE2=sts[0].blocksize2 if sts[0].nested else 1, NESTED=sts[0].nested, ROWS=rows,
-            HALF=bs // 2, BITS=8 * out.element_size(), num_warps=num_warps or NF4_WARPS, **kwargs)
     return out
 
 

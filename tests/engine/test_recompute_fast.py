@@ -186,28 +186,3 @@ def test_disabled_offloader_is_a_no_op():
     handles = [off.save(i, h + i) for i in range(3)]
     assert all(off.load(hd).equal(h + i) for i, hd in reversed(list(enumerate(handles))))
     assert off.load(off.save(0, h)) is h and off.prefetches == 0 and off.free == {}
-
-
-def test_group_dequant_gives_the_same_step(monkeypatch):
-    """quant.GROUP_DEQUANT (WHETSTONE_GROUP_DEQUANT=1): q/k/v and gate/up are dequantised as one W
-    per group (their W_p share one storage), and two checkpointed NF4 steps give the same losses
-    and LoRA gradients as one dequant per weight."""
-    base = tiny_model("llama")
-    monkeypatch.setattr(quant, "GROUP_DEQUANT", False)
-    ref = _steps(_engine(base, True, True), 2)
-    shared = []
-    orig = quant.dense_weights
-
-    def spy(bases, dtype):
-        ws = orig(bases, dtype)
-        if len(ws) > 1:
-            shared.append(len({w.untyped_storage().data_ptr() for w in ws}) == 1)
-        return ws
-
-    monkeypatch.setattr(quant, "GROUP_DEQUANT", True)
-    monkeypatch.setattr(quant, "dense_weights", spy)
-    got = _steps(_engine(base, True, True), 2)
-    assert shared and all(shared)
-    for (lr, gr), (lc, gc) in zip(ref, got):
-        assert abs(lr - lc) <= 1e-6 and gr.keys() == gc.keys()
-        assert max((gr[k] - gc[k]).abs().max().item() for k in gr) <= 1e-6

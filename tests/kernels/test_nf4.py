@@ -3,7 +3,7 @@ import os
 import pytest
 import torch
 
-from kernels.nf4 import nf4_bwd, nf4_dequantize, nf4_fwd, nf4_fwd_group, nf4_linear
+from kernels.nf4 import nf4_bwd, nf4_dequantize, nf4_fwd, nf4_linear
 from kernels.nf4_ref import (NF4_CODE, dynamic_map_signed, nf4_dequantize_ref, nf4_linear_ref, nf4_quantize_ref,
                              nf4_state_from_bnb)
 
@@ -169,32 +169,3 @@ def test_ref_linear_gradcheck():
     packed, st = nf4_quantize_ref(torch.randn(6, 8))
     x = torch.randn(2, 8, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda a: nf4_linear_ref(a, packed, st), (x,))
-
-
-GROUPS = [[(8, 64)], [(24, 64), (8, 64), (8, 64)], [(7, 96), (13, 96)], [(3, 130), (5, 130), (1, 130)]]
-
-
-@pytest.mark.parametrize("double", [True, False])
-@pytest.mark.parametrize("rows", GROUPS)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_group_dequant_is_the_stacked_single_dequants(dtype, rows, double):
-    """nf4_fwd_group: one launch for up to three weights of one input width (q/k/v, gate/up); row
-    block s is bit-identical to weight s's own dequantisation, for unequal row counts, odd widths
-    (a block straddling rows), several tile sizes."""
-    parts = [nf4_quantize_ref((torch.randn(shape) * 0.05).to(dtype), double_quant=double)
-             for shape in rows]
-    want = torch.cat([nf4_dequantize_ref(p, st) for p, st in parts])
-    for elems in (128, None):
-        got = nf4_fwd_group(parts, dtype, elems=elems)
-        assert got.shape == (sum(r for r, _ in rows), rows[0][1]) and got.dtype == dtype
-        _assert_bit_exact(got, want)
-
-
-def test_group_dequant_falls_back_for_mixed_parts():
-    """Different input widths, nesting, or four parts: one launch per part, same result."""
-    mixed = [nf4_quantize_ref(torch.randn(4, 64) * 0.05),
-             nf4_quantize_ref(torch.randn(2, 64) * 0.05, double_quant=False)]
-    four = [nf4_quantize_ref(torch.randn(2, 64) * 0.05) for _ in range(4)]
-    for parts in (mixed, four):
-        want = torch.cat([nf4_dequantize_ref(p, st, torch.bfloat16) for p, st in parts])
-        _assert_bit_exact(nf4_fwd_group(parts, torch.bfloat16), want)

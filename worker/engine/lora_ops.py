@@ -65,8 +65,7 @@ class Proj:
 
 
 def _weights(projs, dtype) -> list:
-    """The group's base weights [W_p] (quant.dense_weights: one dequant launch for an NF4 group
-    when enabled)."""
+    """The group's base weights [W_p] (quant.dense_weights)."""
     from worker.engine.quant import dense_weights
 
     return dense_weights([p.base for p in projs], dtype)

@@ -15,9 +15,6 @@ dense weight is never stored: ``dequant(dtype)`` materialises it in a temporary 
 ``kernels.nf4`` (impl "triton" on CUDA, "reference" elsewhere), which the fused LoRA functions call
 in forward and again in backward. Memory: 0.5 byte a weight + 1 byte per 64 (+ 4 bytes per 16384).
 
-:func:`dense_weights` fetches a projection group's weights at once; with ``GROUP_DEQUANT``
-(``WHETSTONE_GROUP_DEQUANT=1``) an NF4 group is one dequantisation launch (row blocks of one W).
-
 Generation cache (:mod:`worker.engine.gencache`): ``cache_dense()`` keeps one dense W [out, in] in
 the original dtype (bf16 on GPU: 2 bytes a weight) until ``drop_dense()``; while it is held,
 ``forward`` and ``dequant`` use it instead of dequantising. ``dequants`` counts the dequantisations
@@ -26,16 +23,11 @@ this module ran (tests assert decode does not re-dequantise per token).
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 from torch import nn
 
 log = logging.getLogger("worker.engine.quant")
-
-# one NF4 dequantisation launch per projection group (q/k/v, gate/up) instead of one per weight:
-# fewer launches for a CPU-bound step (bench/cpu_split.py); off until measured on a GPU
-GROUP_DEQUANT = os.environ.get("WHETSTONE_GROUP_DEQUANT", "0") == "1"
 
 
 class NF4Linear(nn.Module):
@@ -177,23 +169,6 @@ def dense_weight(base: nn.Module, dtype) -> torch.Tensor:
 
 
 def dense_weights(bases, dtype) -> list:
-    """[W_p [out_p, in] in ``dtype``] for the frozen bases of one projection group (one input).
-
-    With ``GROUP_DEQUANT`` and two or more NF4 bases of one input width (none holding a dense
-    cache), the group is dequantised at once into W [sum out_p, in] (Triton: one launch,
-    ``kernels.nf4.nf4_fwd_group``) and the W_p are its row blocks (views: the whole W lives while any
-    is held). Otherwise each is :func:`dense_weight`."""
-    if (GROUP_DEQUANT and len(bases) > 1 and len({getattr(b, "in_features", -1) for b in bases}) == 1
-            and all(isinstance(b, NF4Linear) and b._dense is None for b in bases)):
-        for b in bases:
-            b.dequants += 1
-        if all(b.impl == "triton" for b in bases):
-            from kernels.nf4 import nf4_fwd_group
-
-            W = nf4_fwd_group([(b.packed, b.state()) for b in bases], dtype)
-        else:
-            from kernels.nf4 import nf4_dequantize
-
-            W = torch.cat([nf4_dequantize(b.packed, b.state(), dtype, impl=b.impl) for b in bases])
-        return list(W.split([b.out_features for b in bases]))
+    """[W_p [out_p, in] in ``dtype``] for the frozen bases of one projection group, each
+    :func:`dense_weight` (one place to count or intercept a group's weight fetches)."""
     return [dense_weight(b, dtype) for b in bases]
