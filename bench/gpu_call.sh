@@ -24,18 +24,16 @@ for s in ${STAGES:-tests nf4 gen grpo train}; do
   case $s in
     tests) TAIL=30 stage gpu_tests 200 python3 -m pytest -q --import-mode=append -p no:cacheprovider \
              tests/gpu/test_decode_gpu.py tests/gpu/test_engine_gpu.py tests/gpu/test_kernels_gpu.py \
-             tests/gpu/test_attention_gpu.py ;;
+             tests/gpu/test_attention_gpu.py tests/gpu/test_launch_gpu.py ;;
     etests) TAIL=30 stage gpu_engine_tests 200 python3 -m pytest -q --import-mode=append -p no:cacheprovider \
               tests/gpu/test_engine_gpu.py tests/gpu/test_attention_gpu.py tests/gpu/test_grpo_gpu.py ;;
     dtests) TAIL=30 stage gpu_decode_tests 200 python3 -m pytest -q --import-mode=append -p no:cacheprovider \
               tests/gpu/test_decode_gpu.py tests/gpu/test_grpo_gpu.py \
               tests/gpu/test_kernels_gpu.py -k "nf4 or cross_entropy" ;;
     ktests) TAIL=30 stage gpu_kernel_tests 200 python3 -m pytest -q --import-mode=append -p no:cacheprovider \
-              tests/gpu/test_kernels_gpu.py -k "rms or glu or nf4" ;;
+              tests/gpu/test_launch_gpu.py tests/gpu/test_kernels_gpu.py -k "rms or glu or nf4 or rope or launch" ;;
     nf4s) TAIL=40 stage nf4_sweep 150 python3 bench/nf4_dequant_sweep.py ;;
     lprobe) TAIL=20 stage launch_probe 90 python3 bench/launch_probe.py ;;
-    gprobe) TAIL=20 stage nf4_group_probe 90 python3 bench/nf4_group_probe.py ;;
-    csplit_grp) TAIL=45 WHETSTONE_GROUP_DEQUANT=1 stage cpu_split_group 90 python3 bench/cpu_split.py qlora 2048 2 ;;
     csplit) TAIL=45 stage cpu_split 90 python3 bench/cpu_split.py qlora 2048 2 ;;
     csplit_nooff) TAIL=45 stage cpu_split_nooff 90 python3 bench/cpu_split.py qlora 2048 2 --no-offload ;;
     csplit_budget) TAIL=45 stage cpu_split_budget 90 python3 bench/cpu_split.py qlora 2048 2 --budget 40 ;;
@@ -53,10 +51,11 @@ for s in ${STAGES:-tests nf4 gen grpo train}; do
     grpo1k) stage grpo_1024 200 python3 bench/grpo_step.py --prompt-len 1024 --completion-len 1024 \
               --num-generations 8 --steps 3 ;;
     train) stage train_2048 120 python3 bench/train_step.py qlora 2048 2 8 ;;
+    train_tl) WHETSTONE_FAST_LAUNCH=0 stage train_2048_triton_launch 120 python3 bench/train_step.py qlora 2048 2 8 ;;
+    lora_tl) WHETSTONE_FAST_LAUNCH=0 stage train_lora_triton_launch 120 python3 bench/train_step.py lora 2048 2 8 ;;
     traingc) BENCH_GC_FREEZE=1 stage train_2048_gc 120 python3 bench/train_step.py qlora 2048 2 8 ;;
     train_o) WHETSTONE_ATTN_STASH=o stage train_2048_stash_o 100 python3 bench/train_step.py qlora 2048 2 8 ;;
     train_off) WHETSTONE_ATTN_STASH=off stage train_2048_stash_off 100 python3 bench/train_step.py qlora 2048 2 8 ;;
-    traingrp) WHETSTONE_GROUP_DEQUANT=1 stage train_2048_group 120 python3 bench/train_step.py qlora 2048 2 8 ;;
     train16k) stage train_16k 120 python3 bench/train_step.py qlora 16384 1 6 ;;
     trainbudget) stage train_budget 120 python3 bench/train_step.py qlora 2048 2 8 --budget 40 ;;
     lora) stage train_lora 120 python3 bench/train_step.py lora 2048 2 8 ;;

@@ -60,6 +60,15 @@ def main():
         nf4.INTERPRET = saved
     rows.append(("rms_norm_fwd", per_call(lambda: rms_norm_fwd(x, w[0]))))
     rows.append(("glu_fwd", per_call(lambda: glu_fwd(g, x, "silu"))))
+    import kernels.launch as L  # the same three through Triton's own launch (kernels.launch off)
+
+    L.FAST_LAUNCH = False
+    try:
+        rows.append(("nf4_fwd, Triton's launch", per_call(lambda: nf4.nf4_fwd(packed, st, torch.bfloat16))))
+        rows.append(("rms_norm_fwd, Triton's launch", per_call(lambda: rms_norm_fwd(x, w[0]))))
+        rows.append(("glu_fwd, Triton's launch", per_call(lambda: glu_fwd(g, x, "silu"))))
+    finally:
+        L.FAST_LAUNCH = True
     rows.append(("torch.mm 64x64", per_call(lambda: a @ a)))
     rows.append(("torch.empty", per_call(lambda: torch.empty(64, 4096, device=dev))))
     print("| launch | CPU us per call |\n|---|---|")

@@ -162,7 +162,7 @@ def run(config: str, seq: int, bs: int, steps: int, budget, offload: bool) -> di
         device=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(),
         commit=_commit(), call_id=os.environ.get("CALL_ID", ""),
         gc_freeze=bool(os.environ.get("BENCH_GC_FREEZE")), gc_ms_collections=gc_ms,
-        group_dequant=os.environ.get("WHETSTONE_GROUP_DEQUANT", "0") == "1",
+        fast_launch=os.environ.get("WHETSTONE_FAST_LAUNCH", "1") == "1",
         issue_s=[round(t, 4) for t in issue],
         fwd_issue_s=round(phases[0], 4), fwd_s=round(phases[1], 4),
         bwd_issue_s=round(phases[2], 4), bwd_s=round(phases[3], 4),

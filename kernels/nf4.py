@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from ._common import INTERPRET, check_impl
+from .launch import launch
 from .nf4_ref import NF4State, nf4_code, nf4_dequantize_ref, nf4_linear_ref, nf4_state_from_bnb
 
 # launch defaults of the dequantisation: the fastest exact config of bench/nf4_dequant_sweep.py on an H200
@@ -146,7 +147,7 @@ def nf4_fwd(packed: torch.Tensor, state, dtype: torch.dtype | None = None, out: 
     rows = max(1, elems // bs)
     kwargs = {} if INTERPRET else {"enable_fp_fusion": False}
     if n:
-        _nf4_dequant_kernel[(-(-n_blocks // rows),)](
+        launch(_nf4_dequant_kernel, (-(-n_blocks // rows),),
             packed, absmax, st.absmax2 if nested else dummy, st.code2 if nested else dummy,
             offset if nested else dummy, _code(packed.device), out, n, (n + 1) // 2, n_blocks,
             BLOCKSIZE=bs, BLOCKSIZE2=st.blocksize2 if nested else 1, NESTED=nested, ROWS=rows, HALF=bs // 2,

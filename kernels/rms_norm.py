@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from ._common import check_impl, next_pow2, num_sms, warps_for
+from .launch import launch
 from .rms_norm_ref import rms_norm_ref
 
 BWD_PROGS_PER_SM = 2  # backward programs per SM when dW is needed (partial-sum rows = this x SMs)
@@ -84,7 +85,7 @@ def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, gemma
     rstd = torch.empty(m, dtype=torch.float32, device=x.device)
     block = next_pow2(n)
     if m > 0:
-        _rms_norm_fwd_kernel[(m,)](x2, weight, y, rstd, x2.stride(0), y.stride(0), n, eps,
+        launch(_rms_norm_fwd_kernel, (m,), x2, weight, y, rstd, x2.stride(0), y.stride(0), n, eps,
                                    1.0 if gemma else 0.0, BLOCK_N=block, num_warps=warps_for(block))
     return y.view(x.shape), rstd
 
@@ -106,7 +107,7 @@ def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: 
     else:  # frozen weight (LoRA): one program per row, no partial sums
         progs, rows_per_prog, part = m, 1, dx
     if m > 0:
-        _rms_norm_bwd_kernel[(progs,)](dy2, x2, weight, rstd, dx, part, dres2, dy2.stride(0), x2.stride(0),
+        launch(_rms_norm_bwd_kernel, (progs,), dy2, x2, weight, rstd, dx, part, dres2, dy2.stride(0), x2.stride(0),
                                        dx.stride(0), dres2.stride(0), m, n, 1.0 if gemma else 0.0,
                                        rows_per_prog, BLOCK_N=block, COMPUTE_DW=need_dw,
                                        HAS_DRES=dres is not None, num_warps=warps_for(block))

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from ._common import check_impl, next_pow2
+from .launch import launch
 from .rope_ref import rope_ref
 
 
@@ -84,7 +85,7 @@ def _launch(q, k, cos, sin, qo, ko, sign):
     copy_pass = rot < d and qo.data_ptr() != q.data_ptr()
     if b * s == 0:
         return
-    _rope_kernel[(b * s,)](
+    launch(_rope_kernel, (b * s,),
         q, k, qo, ko, cos, sin, s, hq, hk,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         qo.stride(0), qo.stride(1), qo.stride(2), ko.stride(0), ko.stride(1), ko.stride(2), scb, cos.stride(1),

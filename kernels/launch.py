@@ -1,0 +1,127 @@
+"""Cheaper Triton launches: ``launch(kernel, grid, *args, **kw)`` does what ``kernel[grid](*args, **kw)``
+does, with less CPU work per call once a call of the same specialisation has been made.
+
+Why: a training step queues ~1,000 Triton launches, and ``JITFunction.run`` (binder, cache key,
+global-value check, the Python launcher wrapper) plus one ``cuPointerGetAttribute`` per pointer
+argument cost tens of microseconds each on the host — the step's CPU side, not its GPU side, bounds
+a checkpointed 2048 x 2 QLoRA step (bench/RESULTS.md, session 5).
+
+How: the first call of each specialisation goes through Triton (compiling if needed) and returns its
+``CompiledKernel``; that kernel's C launcher is kept under a key that holds everything Triton 3.6
+specialises on (``native_specialize_impl``): per tensor its dtype, whether it is on the GPU and
+whether its address is 16-byte aligned, per int whether it is 1, divisible by 16, and which of i32 / i64 / u64 holds it,
+the type of every other argument, the keyword arguments (constexprs and options) and the device.
+Later calls with the same key call that launcher directly with the tensors' addresses as ints.
+
+The direct path is skipped (plain ``kernel[grid](...)``) under ``TRITON_INTERPRET=1``, when Triton
+launch hooks are set (profilers), for kernels that need scratch memory, when a keyword names a
+runtime (non-constexpr) argument, when ``WHETSTONE_FAST_LAUNCH=0``, and for any Triton whose
+``CompiledKernel`` lacks the attributes used here. Results are the same either way (the same
+compiled kernel runs); ``tests/gpu/test_launch_gpu.py`` checks that.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+from ._common import INTERPRET
+
+FAST_LAUNCH = os.environ.get("WHETSTONE_FAST_LAUNCH", "1") == "1"
+
+_I32, _I64 = 2 ** 31, 2 ** 63
+_PLANS: dict = {}
+_NO_PLAN = object()
+
+try:  # what Triton itself uses for the current stream
+    from torch._C import _cuda_getCurrentRawStream as _raw_stream
+except ImportError:  # pragma: no cover - older torch
+    def _raw_stream(dev):
+        return torch.cuda.current_stream(dev).cuda_stream
+
+
+def _int_spec(v: int):
+    if v == 1:
+        return 1
+    rng = 0 if -_I32 <= v < _I32 else (1 if -_I64 <= v < _I64 else 2)
+    return (v % 16 == 0, rng)
+
+
+def spec_key(args, kw, device: int) -> tuple:
+    """The cache key of one launch: everything Triton specialises a compiled kernel on (module
+    docstring), plus the keywords and the device index. Pure Python, no CUDA calls."""
+    spec = []
+    for a in args:
+        t = type(a)
+        if t is torch.Tensor or isinstance(a, torch.Tensor):
+            spec.append((a.dtype, a.is_cuda, a.data_ptr() % 16 == 0))
+        elif t is int:
+            spec.append(_int_spec(a))
+        elif a is None:
+            spec.append(None)
+        else:
+            spec.append(t)
+    return (device, tuple(spec), tuple(kw.items()))
+
+
+def _hooks_set() -> bool:
+    """True when a launch hook is registered (Triton 3.6 keeps them in HookChains, empty when unused)."""
+    rt = triton.knobs.runtime
+    for h in (rt.launch_enter_hook, rt.launch_exit_hook):
+        if h is not None and getattr(h, "calls", True):
+            return True
+    return False
+
+
+def _plan(kernel, compiled, n_args: int, kw: dict):
+    """(C launch, function handle, packed metadata, cooperative, pdl, constexpr tail) or _NO_PLAN."""
+    try:
+        launcher = compiled.run
+        md = compiled.metadata
+        if md.global_scratch_size or md.profile_scratch_size or not hasattr(launcher, "launch"):
+            return _NO_PLAN
+        names = list(kernel.arg_names)
+        params = kernel.params
+        tail = []
+        for p in params[n_args:]:
+            name = names[p.num]
+            if name in kw:
+                if not p.is_constexpr:
+                    return _NO_PLAN
+                tail.append(kw[name])
+            elif p.has_default:
+                tail.append(p.default)
+            else:
+                return _NO_PLAN
+        if any(p.is_constexpr for p in params[:n_args]):
+            return _NO_PLAN
+        return (launcher.launch, compiled.function, compiled.packed_metadata,
+                md.launch_cooperative_grid, md.launch_pdl, tuple(tail))
+    except AttributeError:
+        return _NO_PLAN
+
+
+def launch(kernel, grid, *args, **kw):
+    """Launch the ``@triton.jit`` ``kernel`` on ``grid`` (a tuple of 1-3 ints) with runtime
+    arguments ``args`` (positional, in the kernel's order) and constexprs / launch options ``kw``
+    (``num_warps=...`` etc.), on the current device and stream. Same effect as
+    ``kernel[grid](*args, **kw)``; raises what Triton raises for bad arguments (the first call of a
+    specialisation always goes through Triton)."""
+    if not FAST_LAUNCH or INTERPRET:
+        kernel[grid](*args, **kw)
+        return
+    dev = torch.cuda.current_device()
+    key = (kernel, spec_key(args, kw, dev))
+    plan = _PLANS.get(key)
+    if plan is None or plan is _NO_PLAN or _hooks_set():
+        compiled = kernel[grid](*args, **kw)
+        if plan is None:
+            _PLANS[key] = _plan(kernel, compiled, len(args), kw)
+        return
+    c_launch, function, meta, coop, pdl, tail = plan
+    vals = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
+    g = len(grid)
+    c_launch(grid[0], grid[1] if g > 1 else 1, grid[2] if g > 2 else 1,
+             _raw_stream(dev), function, coop, pdl, None, None, meta, None, None,
+             None, *vals, *tail)
