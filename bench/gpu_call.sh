@@ -38,7 +38,7 @@ for s in ${STAGES:-tests nf4 gen grpo train}; do
     csplit_nooff) TAIL=45 stage cpu_split_nooff 90 python3 bench/cpu_split.py qlora 2048 2 --no-offload ;;
     csplit_budget) TAIL=45 stage cpu_split_budget 90 python3 bench/cpu_split.py qlora 2048 2 --budget 40 ;;
     probe) TAIL=30 stage probe 90 python3 bench/probe_attention.py ;;
-    ptrain) TAIL=60 stage prof_train 120 python3 bench/profile_step.py train qlora 2048 2 ;;
+    ptrain) TAIL=90 stage prof_train 120 python3 bench/profile_step.py train qlora 2048 2 ;;
     pbudget) TAIL=60 BUDGET=40 stage prof_budget 120 python3 bench/profile_step.py train qlora 2048 2 ;;
     plora) TAIL=60 stage prof_lora 120 python3 bench/profile_step.py train lora 2048 2 ;;
     p16k) TAIL=60 stage prof_16k 150 python3 bench/profile_step.py train qlora 16384 1 ;;
@@ -51,6 +51,7 @@ for s in ${STAGES:-tests nf4 gen grpo train}; do
     grpo1k) stage grpo_1024 200 python3 bench/grpo_step.py --prompt-len 1024 --completion-len 1024 \
               --num-generations 8 --steps 3 ;;
     train) stage train_2048 120 python3 bench/train_step.py qlora 2048 2 8 ;;
+    train_nooff) stage train_2048_nooff 100 python3 bench/train_step.py qlora 2048 2 8 --no-offload ;;
     train_tl) WHETSTONE_FAST_LAUNCH=0 stage train_2048_triton_launch 120 python3 bench/train_step.py qlora 2048 2 8 ;;
     lora_tl) WHETSTONE_FAST_LAUNCH=0 stage train_lora_triton_launch 120 python3 bench/train_step.py lora 2048 2 8 ;;
     traingc) BENCH_GC_FREEZE=1 stage train_2048_gc 120 python3 bench/train_step.py qlora 2048 2 8 ;;
