@@ -26,6 +26,7 @@ import triton.language as tl
 
 from ._common import check_impl
 from .cross_entropy_ref import linear_cross_entropy_ref
+from .launch import launch
 
 _BLOCK_V = 4096
 
@@ -100,9 +101,9 @@ def linear_cross_entropy_fwd(hidden, weight, labels, ignore_index=-100, softcap=
         c1 = min(t, c0 + chunk)
         hc = h[c0:c1]
         z = hc @ weight.t()
-        _ce_rows_kernel[(c1 - c0,)](z, z.stride(0), y[c0:c1], loss_rows[c0:c1], scale, v, ignore_index,
-                                    float(softcap or 0.0), HAS_SOFTCAP=bool(softcap), WRITE_GRAD=grad,
-                                    BLOCK_V=_BLOCK_V, num_warps=8)
+        launch(_ce_rows_kernel, (c1 - c0,), z, z.stride(0), y[c0:c1], loss_rows[c0:c1], scale, v,
+               ignore_index, float(softcap or 0.0), HAS_SOFTCAP=bool(softcap), WRITE_GRAD=grad,
+               BLOCK_V=_BLOCK_V, num_warps=8)
         if need_dh:
             torch.mm(z, weight, out=dh[c0:c1])
         if need_dw:

@@ -148,10 +148,10 @@ def nf4_fwd(packed: torch.Tensor, state, dtype: torch.dtype | None = None, out: 
     kwargs = {} if INTERPRET else {"enable_fp_fusion": False}
     if n:
         launch(_nf4_dequant_kernel, (-(-n_blocks // rows),),
-            packed, absmax, st.absmax2 if nested else dummy, st.code2 if nested else dummy,
-            offset if nested else dummy, _code(packed.device), out, n, (n + 1) // 2, n_blocks,
-            BLOCKSIZE=bs, BLOCKSIZE2=st.blocksize2 if nested else 1, NESTED=nested, ROWS=rows, HALF=bs // 2,
-            PACK=pack, BITS=8 * size, ODD=pack and n % 2 == 1, num_warps=num_warps or NF4_WARPS, **kwargs)
+               packed, absmax, st.absmax2 if nested else dummy, st.code2 if nested else dummy,
+               offset if nested else dummy, _code(packed.device), out, n, (n + 1) // 2, n_blocks,
+               BLOCKSIZE=bs, BLOCKSIZE2=st.blocksize2 if nested else 1, NESTED=nested, ROWS=rows, HALF=bs // 2,
+               PACK=pack, BITS=8 * size, ODD=pack and n % 2 == 1, num_warps=num_warps or NF4_WARPS, **kwargs)
     return out
 
 

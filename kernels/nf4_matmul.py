@@ -46,6 +46,7 @@ import triton
 import triton.language as tl
 
 from ._common import INTERPRET, check_impl, num_sms
+from .launch import launch
 from .nf4 import _as_state, _code, block_absmax
 from .nf4_ref import nf4_dequantize_ref
 
@@ -174,13 +175,13 @@ def nf4_matmul_fwd(x: torch.Tensor, packed: torch.Tensor, state, bias: torch.Ten
     locks = _locks(x.device, grid[0] * grid[2]) if split > 1 else y
     if not INTERPRET:
         cfg["enable_fp_fusion"] = False  # absmax rounded twice, as bitsandbytes (bit-identical W)
-    _nf4_matmul_kernel[grid](
-        x, packed, absmax, st.absmax2 if nested else absmax, st.code2 if nested else absmax, offset,
-        _code(x.device), bias if bias is not None else y, y, part, locks,
-        M, N, K, K // 2, k_per_split, split, x.stride(0), y.stride(0),
-        BLOCKSIZE=bs, BLOCKSIZE2=st.blocksize2 if nested else 1, NESTED=nested, HAS_BIAS=bias is not None,
-        SPLIT=split > 1, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NB=max(block_k // bs, 1),
-        IEEE=x.dtype == torch.float32, **cfg)
+    launch(_nf4_matmul_kernel, grid,
+           x, packed, absmax, st.absmax2 if nested else absmax, st.code2 if nested else absmax, offset,
+           _code(x.device), bias if bias is not None else y, y, part, locks,
+           M, N, K, K // 2, k_per_split, split, x.stride(0), y.stride(0),
+           BLOCKSIZE=bs, BLOCKSIZE2=st.blocksize2 if nested else 1, NESTED=nested, HAS_BIAS=bias is not None,
+           SPLIT=split > 1, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NB=max(block_k // bs, 1),
+           IEEE=x.dtype == torch.float32, **cfg)
     return y
 
 

@@ -86,7 +86,7 @@ def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, gemma
     block = next_pow2(n)
     if m > 0:
         launch(_rms_norm_fwd_kernel, (m,), x2, weight, y, rstd, x2.stride(0), y.stride(0), n, eps,
-                                   1.0 if gemma else 0.0, BLOCK_N=block, num_warps=warps_for(block))
+               1.0 if gemma else 0.0, BLOCK_N=block, num_warps=warps_for(block))
     return y.view(x.shape), rstd
 
 
@@ -108,9 +108,9 @@ def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: 
         progs, rows_per_prog, part = m, 1, dx
     if m > 0:
         launch(_rms_norm_bwd_kernel, (progs,), dy2, x2, weight, rstd, dx, part, dres2, dy2.stride(0), x2.stride(0),
-                                       dx.stride(0), dres2.stride(0), m, n, 1.0 if gemma else 0.0,
-                                       rows_per_prog, BLOCK_N=block, COMPUTE_DW=need_dw,
-                                       HAS_DRES=dres is not None, num_warps=warps_for(block))
+               dx.stride(0), dres2.stride(0), m, n, 1.0 if gemma else 0.0,
+               rows_per_prog, BLOCK_N=block, COMPUTE_DW=need_dw,
+               HAS_DRES=dres is not None, num_warps=warps_for(block))
     dw = (part.sum(0).to(weight.dtype) if m else torch.zeros_like(weight)) if need_dw else None
     return dx.view(x.shape), dw
 

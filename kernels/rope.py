@@ -86,12 +86,12 @@ def _launch(q, k, cos, sin, qo, ko, sign):
     if b * s == 0:
         return
     launch(_rope_kernel, (b * s,),
-        q, k, qo, ko, cos, sin, s, hq, hk,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        qo.stride(0), qo.stride(1), qo.stride(2), ko.stride(0), ko.stride(1), ko.stride(2), scb, cos.stride(1),
-        rot // 2, rot, d, SIGN=sign, BLOCK_HQ=next_pow2(hq), BLOCK_HK=next_pow2(hk),
-        BLOCK_HALF=next_pow2(rot // 2), BLOCK_P=next_pow2(max(d - rot, 1)), COPY_PASS=copy_pass,
-        num_warps=4 if next_pow2(hq) * next_pow2(rot // 2) <= 2048 else 8)
+           q, k, qo, ko, cos, sin, s, hq, hk,
+           q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+           qo.stride(0), qo.stride(1), qo.stride(2), ko.stride(0), ko.stride(1), ko.stride(2), scb, cos.stride(1),
+           rot // 2, rot, d, SIGN=sign, BLOCK_HQ=next_pow2(hq), BLOCK_HK=next_pow2(hk),
+           BLOCK_HALF=next_pow2(rot // 2), BLOCK_P=next_pow2(max(d - rot, 1)), COPY_PASS=copy_pass,
+           num_warps=4 if next_pow2(hq) * next_pow2(rot // 2) <= 2048 else 8)
 
 
 def rope_fwd(q, k, cos, sin, inplace: bool = False):

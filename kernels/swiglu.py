@@ -91,7 +91,8 @@ def glu_fwd(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> t
     h = torch.empty_like(g)
     n = g.numel()
     if n:
-        launch(_glu_fwd_kernel, (triton.cdiv(n, _BLOCK),), g, u, h, n, ACT=_act_id(activation), BLOCK=_BLOCK, num_warps=8)
+        launch(_glu_fwd_kernel, (triton.cdiv(n, _BLOCK),), g, u, h, n, ACT=_act_id(activation), BLOCK=_BLOCK,
+               num_warps=8)
     return h
 
 
@@ -109,8 +110,8 @@ def glu_bwd(dh, gate, up, activation: str = "silu", inplace: bool = False, emit_
         dg, du = torch.empty_like(g), torch.empty_like(u)
     n = g.numel()
     if n:
-        launch(_glu_bwd_kernel, (triton.cdiv(n, _BLOCK),), dh, g, u, dg, du, dh, n, ACT=_act_id(activation), BLOCK=_BLOCK,
-                                                   EMIT_H=emit_h, num_warps=8)
+        launch(_glu_bwd_kernel, (triton.cdiv(n, _BLOCK),), dh, g, u, dg, du, dh, n, ACT=_act_id(activation),
+               BLOCK=_BLOCK, EMIT_H=emit_h, num_warps=8)
     return (dg, du, dh) if emit_h else (dg, du)
 
 
