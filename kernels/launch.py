@@ -9,14 +9,18 @@ a checkpointed 2048 x 2 QLoRA step (bench/RESULTS.md, session 5).
 How: the first call of each specialisation goes through Triton (compiling if needed) and returns its
 ``CompiledKernel``; that kernel's C launcher is kept under a key that holds everything Triton 3.6
 specialises on (``native_specialize_impl``): per tensor its dtype, whether it is on the GPU and
-whether its address is 16-byte aligned, per int whether it is 1, divisible by 16, and which of i32 / i64 / u64 holds it,
-the type of every other argument, the keyword arguments (constexprs and options) and the device.
-Later calls with the same key call that launcher directly with the tensors' addresses as ints.
+whether its address is 16-byte aligned; per int whether it is 1, divisible by 16, and which of
+i32 / i64 / u64 holds it; the type of a float / bool / None; the keyword arguments (constexprs and
+options, with their types); Triton's debug and instrumentation knobs; and the device. Later calls
+with the same key call that launcher directly with the tensors' addresses as ints.
 
 The direct path is skipped (plain ``kernel[grid](...)``) under ``TRITON_INTERPRET=1``, when Triton
-launch hooks are set (profilers), for kernels that need scratch memory, when a keyword names a
-runtime (non-constexpr) argument, when ``WHETSTONE_FAST_LAUNCH=0``, and for any Triton whose
-``CompiledKernel`` lacks the attributes used here. Results are the same either way (the same
+launch hooks are set (profilers), for a callable grid, for an argument the key does not describe
+(a tensor subclass, an int subclass, a tuple, ``tl.constexpr``, an int no integer type holds), for
+host tensors, for kernels that need scratch memory or have pre-run hooks or global values Triton
+re-checks, when a keyword names a runtime (non-constexpr) argument, when
+``WHETSTONE_FAST_LAUNCH=0``, and for any Triton whose ``CompiledKernel`` lacks the attributes
+used here. Results are the same either way (the same
 compiled kernel runs); ``tests/gpu/test_launch_gpu.py`` checks that.
 """
 from __future__ import annotations
@@ -44,25 +48,38 @@ except ImportError:  # pragma: no cover - older torch
 def _int_spec(v: int):
     if v == 1:
         return 1
-    rng = 0 if -_I32 <= v < _I32 else (1 if -_I64 <= v < _I64 else 2)
-    return (v % 16 == 0, rng)
+    if -_I32 <= v < _I32:
+        return (v % 16 == 0, 0)
+    if -_I64 <= v < _I64:
+        return (v % 16 == 0, 1)
+    if _I64 <= v < 2 * _I64:
+        return (v % 16 == 0, 2)
+    return None  # out of every integer type: Triton raises, so no direct path
 
 
-def spec_key(args, kw, device: int) -> tuple:
+def spec_key(args, kw, device: int):
     """The cache key of one launch: everything Triton specialises a compiled kernel on (module
-    docstring), plus the keywords and the device index. Pure Python, no CUDA calls."""
+    docstring), the keywords (name, type and value: ``True``, ``1`` and ``1.0`` differ), Triton's
+    debug and instrumentation knobs, and the device index; or None when an argument is of a kind
+    the key does not describe (tensor subclasses, int subclasses, tuples, ``tl.constexpr``, ints
+    out of range, ...), which then always goes through Triton. Pure Python, no CUDA calls."""
     spec = []
     for a in args:
         t = type(a)
-        if t is torch.Tensor or isinstance(a, torch.Tensor):
+        if t is torch.Tensor or t is torch.nn.Parameter:
             spec.append((a.dtype, a.is_cuda, a.data_ptr() % 16 == 0))
         elif t is int:
-            spec.append(_int_spec(a))
-        elif a is None:
-            spec.append(None)
+            s = _int_spec(a)
+            if s is None:
+                return None
+            spec.append(s)
+        elif t is float or t is bool or a is None:
+            spec.append(t)   # Triton: fp32 / u1 / constexpr None, never the value
         else:
-            spec.append(t)
-    return (device, tuple(spec), tuple(kw.items()))
+            return None
+    knobs = triton.knobs
+    return (device, tuple(spec), tuple((k, type(v), v) for k, v in kw.items()),
+            knobs.runtime.debug, knobs.compilation.instrumentation_mode)
 
 
 def _hooks_set() -> bool:
@@ -74,13 +91,19 @@ def _hooks_set() -> bool:
     return False
 
 
-def _plan(kernel, compiled, n_args: int, kw: dict):
-    """(C launch, function handle, packed metadata, cooperative, pdl, constexpr tail) or _NO_PLAN."""
+def _plan(kernel, compiled, args, kw: dict):
+    """(C launch, function handle, packed metadata, cooperative, pdl, constexpr tail) or _NO_PLAN
+    (host tensors among ``args``: Triton translates their addresses, the direct path would not)."""
+    n_args = len(args)
+    if any(isinstance(a, torch.Tensor) and not a.is_cuda for a in args):
+        return _NO_PLAN
     try:
         launcher = compiled.run
         md = compiled.metadata
         if md.global_scratch_size or md.profile_scratch_size or not hasattr(launcher, "launch"):
             return _NO_PLAN
+        if getattr(kernel, "pre_run_hooks", None) or getattr(kernel, "used_global_vals", None):
+            return _NO_PLAN  # Triton runs / re-checks these on every call
         names = list(kernel.arg_names)
         params = kernel.params
         tail = []
@@ -108,16 +131,20 @@ def launch(kernel, grid, *args, **kw):
     (``num_warps=...`` etc.), on the current device and stream. Same effect as
     ``kernel[grid](*args, **kw)``; raises what Triton raises for bad arguments (the first call of a
     specialisation always goes through Triton)."""
-    if not FAST_LAUNCH or INTERPRET:
+    if not FAST_LAUNCH or INTERPRET or callable(grid):
         kernel[grid](*args, **kw)
         return
     dev = torch.cuda.current_device()
-    key = (kernel, spec_key(args, kw, dev))
+    spec = spec_key(args, kw, dev)
+    if spec is None:
+        kernel[grid](*args, **kw)
+        return
+    key = (kernel, spec)
     plan = _PLANS.get(key)
     if plan is None or plan is _NO_PLAN or _hooks_set():
         compiled = kernel[grid](*args, **kw)
         if plan is None:
-            _PLANS[key] = _plan(kernel, compiled, len(args), kw)
+            _PLANS[key] = _plan(kernel, compiled, args, kw)
         return
     c_launch, function, meta, coop, pdl, tail = plan
     vals = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
