@@ -102,3 +102,65 @@ def test_equal_keys_mean_equal_triton_cache_keys():
         assert s1 is not None and s2 is not None
         if s1 == s2:
             assert tkey(a1, k1) == tkey(a2, k2), (a1[1:], k1, a2[1:], k2)
+
+
+class _FakeCompiled:
+    """Stands in for Triton's CompiledKernel: records what the C launcher would receive."""
+
+    def __init__(self, calls):
+        import collections
+
+        Md = collections.namedtuple("Md", "global_scratch_size profile_scratch_size "
+                                          "launch_cooperative_grid launch_pdl")
+        self.metadata = Md(0, 0, False, True)
+        self.function, self.packed_metadata = 1234, (4, 1, 0)
+        self.run = type("Launcher", (), {"launch": staticmethod(lambda *a: calls.append(("direct", a)))})()
+
+
+class _FakeKernel:
+    """The toy kernel's real parameters; ``kernel[grid](...)`` records a call through Triton."""
+
+    def __init__(self):
+        self.params, self.arg_names = _toy.params, _toy.arg_names
+        self.pre_run_hooks, self.used_global_vals, self.calls = [], {}, []
+        self.compiled = _FakeCompiled(self.calls)
+
+    def __getitem__(self, grid):
+        def run(*args, **kw):
+            self.calls.append(("triton", grid, args, kw))
+            return self.compiled
+        return run
+
+
+def test_direct_path_passes_triton_launchers_argument_list(monkeypatch):
+    """The control flow of kernels.launch.launch off the interpreter (no GPU here: fakes stand in
+    for Triton's run and the compiled launcher; tests/gpu/test_launch_gpu.py runs the real ones).
+    The first call of a key goes through Triton; the second reaches the C launcher with grid
+    padded to 3, the stream, function, cooperative / pdl flags, no scratch, the packed metadata, no
+    launch metadata or hooks, then every parameter in order: runtime args, keyword constexprs,
+    defaults. Host tensors never get a direct path."""
+    import kernels.launch as L
+
+    monkeypatch.setattr(L, "INTERPRET", False)
+    monkeypatch.setattr(L, "FAST_LAUNCH", True)
+    monkeypatch.setattr(L.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(L, "_raw_stream", lambda dev: 777)
+    monkeypatch.setattr(L, "_PLANS", {})
+    k = _FakeKernel()
+    L.launch(k, (5,), 32, 17, 0.5, FLAG=True, num_warps=4)
+    L.launch(k, (5,), 48, 33, 2.0, FLAG=True, num_warps=4)   # same key: 48, 33 divide by 16 as 32, 17
+    assert [c[0] for c in k.calls] == ["triton", "direct"]
+    assert k.calls[0][1:] == ((5,), (32, 17, 0.5), {"FLAG": True, "num_warps": 4})
+    assert k.calls[1][1] == (5, 1, 1, 777, 1234, False, True, None, None, (4, 1, 0), None, None, None,
+                             48, 33, 2.0, True, 8)
+    L.launch(k, (5, 2), 48, 33, 2.0, FLAG=1, num_warps=4)   # FLAG=1 is another key: Triton again
+    assert k.calls[-1][0] == "triton"
+    n = len(k.calls)
+    for _ in range(2):                                       # a host tensor: Triton every time
+        L.launch(k, (5,), _BUF, 17, 0.5, FLAG=True)
+    assert [c[0] for c in k.calls[n:]] == ["triton", "triton"]
+    monkeypatch.setattr(k, "pre_run_hooks", [lambda *a, **kw: None])  # a kernel with pre-run hooks
+    monkeypatch.setattr(L, "_PLANS", {})
+    for _ in range(2):
+        L.launch(k, (5,), 32, 17, 0.5, FLAG=True)
+    assert [c[0] for c in k.calls[-2:]] == ["triton", "triton"]
