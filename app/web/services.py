@@ -48,6 +48,15 @@ def default_model(engine: Engine) -> Model | None:
     return models[0] if models else None
 
 
+def default_max_seq_length(model: Model | None) -> int:
+    """The max_seq_length a run form and a dataset's report start from, in tokens: TrainSpec's
+    default capped at the model's context length (``max_position_embeddings`` recorded at import;
+    stories260K has 512), so the report counts over-long rows against the length the run will use."""
+    default = TrainSpec.model_fields["max_seq_length"].default
+    limit = ((model.info or {}) if model else {}).get("max_position_embeddings")
+    return min(default, limit) if isinstance(limit, int) and limit > 0 else default
+
+
 def resolve_template(model: Model | None, choice: str | None) -> tuple[str | None, str | None]:
     """(template name, Jinja text) to use: the model's own, else a built-in default."""
     if model is not None and model.chat_template and choice in (None, "", "model"):
@@ -122,8 +131,7 @@ async def upload_dataset(request: Request, settings: Settings, engine: Engine,
     up.temp_path = None
     try:
         model = default_model(engine)
-        report = await report_for(str(final), model, None,
-                                  TrainSpec.model_fields["max_seq_length"].default, settings)
+        report = await report_for(str(final), model, None, default_max_seq_length(model), settings)
     except DatasetError as exc:
         report = await _prompts_report(final, exc) if prompts_fallback else None
         if report is None:

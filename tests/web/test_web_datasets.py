@@ -96,6 +96,29 @@ def test_report_fragment_adjusts_max_seq_length(client):
     assert r.status_code == 422 and "max_seq_length must be" in r.text
 
 
+def test_first_report_counts_against_the_run_forms_length(client, engine):
+    """The upload's report and the run form start from the same max_seq_length: TrainSpec's 1024
+    capped at the model's context (512 here), so "over max_seq_length" counts what the run will
+    truncate; the report page and its "Train" link carry that length."""
+    from app.store import repo
+
+    model = repo.get_model(engine, "stories260K")
+    repo.update_model(engine, model.id, status="ready", info={"max_position_embeddings": 512})
+    path = SHARED / "sft" / "alpaca_en_demo.json"
+    with path.open("rb") as fh:
+        r = client.post("/datasets", files={"file": (path.name, fh)}, follow_redirects=False)
+    ds_id = r.headers["location"].rsplit("/", 1)[1]
+    assert repo.get_dataset(engine, ds_id).report["max_seq_length"] == 512
+    page = client.get(f"/datasets/{ds_id}").text
+    assert "Over max_seq_length (512)" in page and 'name="max_seq_length" min="8" value="512"' in page
+    assert "max_seq_length=512" in page
+    assert 'name="max_seq_length" value="512"' in client.get(f"/runs/new?dataset={ds_id}").text
+    # a model with no recorded context keeps TrainSpec's default
+    repo.update_model(engine, model.id, info={})
+    frag = client.get(f"/datasets/{ds_id}/report", headers={"HX-Request": "true"}).text
+    assert "Over max_seq_length (1024)" in frag
+
+
 def test_report_query_params_on_the_page_and_train_link(client):
     """Enter in the selector without htmx GETs the page with the params: they are honoured, and
     "Train on this dataset" carries template and length into a pre-filled run form."""

@@ -8,15 +8,13 @@ from fastapi.responses import RedirectResponse, Response
 
 from app.data.errors import DatasetError
 from app.store import repo
-from app.store.specs import TrainSpec
 from app.web.deps import get_engine, get_settings, is_htmx
 from app.web.inspect import default_templates
 from app.web.render import render
-from app.web.services import default_model, report_for, upload_dataset
+from app.web.services import default_max_seq_length, default_model, report_for, upload_dataset
 from app.web.uploads import UploadError
 
 router = APIRouter()
-DEFAULT_MAX_LEN = TrainSpec.model_fields["max_seq_length"].default
 
 
 def _list_ctx(request: Request, **extra) -> dict:
@@ -82,7 +80,8 @@ async def _report_ctx(request: Request, ds, model: str | None, chat_template: st
     ctx = {"dataset": ds, "models": repo.list_models(engine), "selected_model": chosen,
            "template_names": list(default_templates()), "report": None, "report_error": None}
     try:
-        length = int(max_seq_length) if max_seq_length not in (None, "") else DEFAULT_MAX_LEN
+        length = (int(max_seq_length) if max_seq_length not in (None, "")
+                  else default_max_seq_length(chosen))
         if length < 8:
             raise ValueError
     except ValueError:
@@ -120,7 +119,7 @@ async def dataset_page(request: Request, dataset_id: str, model: str | None = No
         return render(request, "dataset.html", ctx, block="report", status_code=status)
     report = ds.report or None
     selected = _pick_model(engine, None, report)
-    length = (report or {}).get("max_seq_length", DEFAULT_MAX_LEN)
+    length = (report or {}).get("max_seq_length", default_max_seq_length(selected))
     return render(request, "dataset.html", {
         "dataset": ds, "report": report, "report_error": ds.error, "models": repo.list_models(engine),
         "selected_model": selected, "template_names": list(default_templates()),

@@ -17,7 +17,7 @@ from app.web.deps import get_engine, get_settings, is_htmx
 from app.web.inspect import default_templates
 from app.web.routes.exports import exports_view
 from app.web.render import render
-from app.web.services import chat_template_problem, field_errors
+from app.web.services import chat_template_problem, default_max_seq_length, field_errors
 from app.web.sse import job_event_stream, start_after
 
 router = APIRouter()
@@ -72,20 +72,15 @@ def _form_ctx(engine, values: dict, errors: dict | None = None, general: list | 
             "tmpl": tmpl or template_ctx(engine, values.get("model"))}
 
 
-def default_max_seq_length(engine, model_ref: str | None) -> int:
-    """The form's default length: the spec default, capped at the model's context length
-    (``max_position_embeddings`` from the import; stories260K has 512)."""
-    default = TrainSpec.model_fields["max_seq_length"].default
+def _form_max_seq_length(engine, model_ref: str | None) -> int:
+    """The form's default length for the model named ``model_ref`` (services.default_max_seq_length)."""
     model = None
     if model_ref:
         try:
             model = repo.get_model(engine, model_ref)
         except repo.NotFound:
             pass
-    limit = ((model.info or {}) if model else {}).get("max_position_embeddings")
-    if isinstance(limit, int) and limit > 0:
-        return min(default, 1024, limit)
-    return default
+    return default_max_seq_length(model)
 
 
 @router.get("/runs/new")
@@ -101,7 +96,7 @@ def new_run(request: Request, dataset: str | None = None, model: str | None = No
     if max_seq_length and max_seq_length.strip().isdigit():
         values["max_seq_length"] = int(max_seq_length)
     else:
-        values["max_seq_length"] = default_max_seq_length(engine, values.get("model"))
+        values["max_seq_length"] = _form_max_seq_length(engine, values.get("model"))
     if chat_template:
         ctx["tmpl"] = template_ctx(engine, values.get("model"), chat_template)
     return render(request, "run_new.html", ctx, block="run_form")
