@@ -140,7 +140,11 @@ def launch(kernel, grid, *args, **kw):
         kernel[grid](*args, **kw)
         return
     key = (kernel, spec)
-    plan = _PLANS.get(key)
+    try:
+        plan = _PLANS.get(key)
+    except TypeError:  # an unhashable keyword value (a list): Triton's own path
+        kernel[grid](*args, **kw)
+        return
     if plan is None or plan is _NO_PLAN or _hooks_set():
         compiled = kernel[grid](*args, **kw)
         if plan is None:

@@ -159,6 +159,8 @@ def test_direct_path_passes_triton_launchers_argument_list(monkeypatch):
     for _ in range(2):                                       # a host tensor: Triton every time
         L.launch(k, (5,), _BUF, 17, 0.5, FLAG=True)
     assert [c[0] for c in k.calls[n:]] == ["triton", "triton"]
+    L.launch(k, (5,), 32, 17, 0.5, FLAG=[1, 2])              # unhashable keyword: Triton, no error
+    assert k.calls[-1][0] == "triton"
     monkeypatch.setattr(k, "pre_run_hooks", [lambda *a, **kw: None])  # a kernel with pre-run hooks
     monkeypatch.setattr(L, "_PLANS", {})
     for _ in range(2):
