@@ -35,6 +35,8 @@ from ._common import INTERPRET
 FAST_LAUNCH = os.environ.get("WHETSTONE_FAST_LAUNCH", "1") == "1"
 
 _I32, _I64 = 2 ** 31, 2 ** 63
+_TENSOR, _PARAM = torch.Tensor, torch.nn.Parameter
+_RT, _COMP = triton.knobs.runtime, triton.knobs.compilation
 _PLANS: dict = {}
 _NO_PLAN = object()
 
@@ -59,27 +61,32 @@ def _int_spec(v: int):
 
 def spec_key(args, kw, device: int):
     """The cache key of one launch: everything Triton specialises a compiled kernel on (module
-    docstring), the keywords (name, type and value: ``True``, ``1`` and ``1.0`` differ), Triton's
-    debug and instrumentation knobs, and the device index; or None when an argument is of a kind
-    the key does not describe (tensor subclasses, int subclasses, tuples, ``tl.constexpr``, ints
-    out of range, ...), which then always goes through Triton. Pure Python, no CUDA calls."""
+    docstring), the keywords (names, values and the values' types: ``True``, ``1`` and ``1.0``
+    differ), Triton's debug and instrumentation knobs, and the device index; or None when an
+    argument is of a kind the key does not describe (tensor subclasses, int subclasses, tuples,
+    ``tl.constexpr``, ints out of range, ...), which then always goes through Triton. Pure Python,
+    no CUDA calls (~3 us for ten arguments and ten keywords)."""
     spec = []
+    add = spec.append
     for a in args:
         t = type(a)
-        if t is torch.Tensor or t is torch.nn.Parameter:
-            spec.append((a.dtype, a.is_cuda, a.data_ptr() % 16 == 0))
+        if t is _TENSOR or t is _PARAM:
+            add((a.dtype, a.is_cuda, a.data_ptr() % 16 == 0))
         elif t is int:
-            s = _int_spec(a)
-            if s is None:
-                return None
-            spec.append(s)
+            if a != 1 and -_I32 <= a < _I32:
+                add((a % 16 == 0, 0))
+            else:
+                s = _int_spec(a)
+                if s is None:
+                    return None
+                add(s)
         elif t is float or t is bool or a is None:
-            spec.append(t)   # Triton: fp32 / u1 / constexpr None, never the value
+            add(t)   # Triton: fp32 / u1 / constexpr None, never the value
         else:
             return None
-    knobs = triton.knobs
-    return (device, tuple(spec), tuple((k, type(v), v) for k, v in kw.items()),
-            knobs.runtime.debug, knobs.compilation.instrumentation_mode)
+    vals = tuple(kw.values())
+    return (device, tuple(spec), tuple(kw), vals, tuple(map(type, vals)), _RT.debug,
+            _COMP.instrumentation_mode)
 
 
 def _hooks_set() -> bool:
