@@ -30,6 +30,21 @@ class Settings(BaseSettings):
         allow_custom_rewards: who may run custom Python reward functions in GRPO runs
             (``WHETSTONE_ALLOW_CUSTOM_REWARDS``): empty = nobody, ``*`` = everyone, else a
             comma-separated list of user names (a run's ``owner``).
+
+    Accounts and sign-in:
+        admin_user: name of the admin that ``admin_password`` creates (``WHETSTONE_ADMIN_USER``).
+        admin_password: when set, the admin ``admin_user`` is created, or its password reset, at
+            every start (``WHETSTONE_ADMIN_PASSWORD``; for Docker). Empty: the first start with
+            no users prints a one-time ``/setup?token=...`` link instead.
+        allowed_hosts: ``Host`` header names served (against DNS rebinding;
+            ``WHETSTONE_ALLOWED_HOSTS``): empty = the loopback names ``127.0.0.1``,
+            ``localhost``, ``[::1]`` plus ``host`` unless it is ``0.0.0.0``/``::``; ``*`` = any;
+            else a comma-separated list of names (a port in the header is ignored).
+        session_hours: lifetime of a browser session and of an access token (hours).
+        login_attempts_per_minute: sign-in attempts allowed per client address and user name
+            per minute; more get 429.
+        secret_key: key that signs session cookies (``WHETSTONE_SECRET_KEY``); empty = generated
+            once into ``<data_dir>/secret_key`` (mode 0600).
     """
 
     model_config = SettingsConfigDict(env_prefix="WHETSTONE_", extra="ignore")
@@ -46,6 +61,13 @@ class Settings(BaseSettings):
     max_upload_mb: int = Field(default=512, gt=0)
     ollama_url: str = "http://127.0.0.1:11434"
     allow_custom_rewards: str = ""
+    # accounts and sign-in
+    admin_user: str = "admin"
+    admin_password: str = ""
+    allowed_hosts: str = ""
+    session_hours: float = Field(default=168.0, gt=0)
+    login_attempts_per_minute: int = Field(default=10, gt=0)
+    secret_key: str = ""
 
     def custom_rewards_allowed(self, user: str | None) -> bool:
         """Whether ``user`` (None when there is no login) may run custom reward code."""

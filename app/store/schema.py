@@ -2,7 +2,8 @@
 
 Times are UNIX epoch seconds (float, UTC) so that lease arithmetic is plain SQL on every
 backend. Free-form payloads are JSON columns. String ids carry a kind prefix that users see
-(``file-``, ``ftjob-``, ``model-``, ``art-``), in the style of the OpenAI fine-tuning API.
+(``file-``, ``ftjob-``, ``model-``, ``art-``, ``user-``, ``key-``), in the style of the OpenAI
+fine-tuning API.
 """
 from __future__ import annotations
 
@@ -70,6 +71,8 @@ class Model(SQLModel, table=True):
     error: str | None = Field(default=None, sa_column=Column(Text))
     chat_template: str | None = Field(default=None, sa_column=Column(Text))
     info: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
+    owner: str | None = None
+    shared: bool = False  # visible to every user (the seeded demo model is)
     created_at: float = Field(default_factory=now)
 
 
@@ -151,3 +154,59 @@ class Worker(SQLModel, table=True):
     started_at: float = Field(default_factory=now)
     last_seen: float = Field(default_factory=now)
     current_job_id: int | None = None
+
+
+class User(SQLModel, table=True):
+    """A person who signs in; ``role`` is ``admin`` or ``member``. The ``owner`` columns of
+    datasets, models, runs and jobs hold a user's ``id``."""
+
+    __tablename__ = "users"
+    id: str = Field(default_factory=lambda: new_id("user"), primary_key=True)
+    name: str = Field(index=True, unique=True)
+    password_hash: str
+    role: str = "member"  # admin | member
+    disabled: bool = False
+    can_run_custom_rewards: bool = False
+    created_at: float = Field(default_factory=now)
+    last_seen_at: float | None = None
+
+
+class ApiKey(SQLModel, table=True):
+    """A user's API key: only its sha256 (hex) is stored; ``prefix`` is the start shown in the UI."""
+
+    __tablename__ = "api_keys"
+    id: str = Field(default_factory=lambda: new_id("key"), primary_key=True)
+    user_id: str = Field(index=True)
+    name: str
+    prefix: str
+    key_hash: str = Field(index=True, unique=True)
+    created_at: float = Field(default_factory=now)
+    last_used_at: float | None = None
+    revoked_at: float | None = None
+
+
+class AuthToken(SQLModel, table=True):
+    """A server-side sign-in: a browser ``session`` or a Bearer ``access`` token (sha256 stored),
+    so sign-out and disabling a user end it at once."""
+
+    __tablename__ = "auth_tokens"
+    id: str = Field(default_factory=lambda: new_id("tok"), primary_key=True)
+    token_hash: str = Field(index=True, unique=True)
+    user_id: str = Field(index=True)
+    kind: str = "session"  # session | access
+    csrf_token: str = Field(default_factory=lambda: secrets.token_urlsafe(32))
+    created_at: float = Field(default_factory=now)
+    expires_at: float
+
+
+class AuditEvent(SQLModel, table=True):
+    """Who did what to which object, when (append-only)."""
+
+    __tablename__ = "audit_events"
+    id: int | None = Field(default=None, primary_key=True)
+    ts: float = Field(default_factory=now, index=True)
+    user_id: str | None = Field(default=None, index=True)
+    action: str
+    object_type: str | None = None
+    object_id: str | None = None
+    detail: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))

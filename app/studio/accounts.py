@@ -1,0 +1,414 @@
+"""Accounts: users, passwords (argon2), API keys, sign-in tokens and the first-start setup.
+
+HTTP-free: every refusal is a :class:`~app.studio.errors.StudioError`. Secrets (API keys,
+session/access tokens, the setup token) are 32 random bytes, shown once and stored only as
+their sha256 (hex) — a fast hash is right for high-entropy secrets; passwords use argon2id.
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+import secrets
+
+from argon2 import PasswordHasher
+from argon2.exceptions import InvalidHashError, VerificationError
+from sqlalchemy import delete, func, update
+from sqlalchemy.engine import Engine
+from sqlmodel import select
+
+from app.store.db import session_scope
+from app.store.schema import ApiKey, AuthToken, Dataset, Job, Model, Run, User, now
+from app.studio import audit
+from app.studio.errors import StudioError, invalid, not_found
+
+ROLES = ("admin", "member")
+TOKEN_KINDS = ("session", "access")
+KEY_PREFIX = "wk-"
+MIN_PASSWORD = 8
+SETUP_HOURS = 24 * 7
+_SETUP = "setup"  # AuthToken.kind of the one-time setup token (user_id empty)
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,63}$")
+_BAD_LOGIN = "wrong user name or password"
+_SEEN_EVERY = 60.0  # seconds between last_seen_at updates
+
+_hasher = PasswordHasher()
+_DUMMY_HASH = _hasher.hash("not a real password")  # equalises the time of unknown-user sign-ins
+
+
+def _sha(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def _check_name(name: str) -> str:
+    name = (name or "").strip()
+    if not _NAME.match(name):
+        raise invalid("name", "a user name is 1-64 letters, digits or . _ @ - and starts with a "
+                              "letter or digit")
+    return name
+
+
+def _check_password(password: str) -> str:
+    if len(password or "") < MIN_PASSWORD:
+        raise invalid("password", f"the password needs at least {MIN_PASSWORD} characters")
+    if len(password) > 1024:
+        raise invalid("password", "the password is longer than 1024 characters")
+    return password
+
+
+def _require_admin(actor: User | None) -> User:
+    if actor is None or actor.role != "admin" or actor.disabled:
+        raise StudioError("forbidden", "only an admin may do this")
+    return actor
+
+
+def can_see(user: User | None, owner_id: str | None) -> bool:
+    """Whether ``user`` may see and act on an object owned by ``owner_id``: an admin always,
+    a member only on their own objects, nobody when signed out."""
+    return user is not None and not user.disabled and (user.role == "admin" or owner_id == user.id)
+
+
+# ---- users ---------------------------------------------------------------------------------
+def has_users(engine: Engine) -> bool:
+    """True once at least one user exists."""
+    with session_scope(engine) as s:
+        return s.exec(select(User.id).limit(1)).first() is not None
+
+
+def get_user(engine: Engine, user_id: str) -> User:
+    """The user with ``user_id``. Raises StudioError not_found."""
+    with session_scope(engine) as s:
+        user = s.get(User, user_id)
+    if user is None:
+        raise not_found("user", user_id)
+    return user
+
+
+def list_users(engine: Engine, actor: User) -> list[User]:
+    """Every user by name (admin only; StudioError forbidden otherwise)."""
+    _require_admin(actor)
+    with session_scope(engine) as s:
+        return list(s.exec(select(User).order_by(User.name)).all())
+
+
+def create_user(engine: Engine, name: str, password: str, role: str = "member", *,
+                actor: User | None = None) -> User:
+    """Create a user. ``actor`` None is only for bootstrap (setup, WHETSTONE_ADMIN_PASSWORD).
+
+    Raises:
+        StudioError: forbidden (actor not an admin), invalid (field ``name``, ``password`` or
+            ``role``), conflict (the name is taken).
+    """
+    if actor is not None:
+        _require_admin(actor)
+    name = _check_name(name)
+    _check_password(password)
+    if role not in ROLES:
+        raise invalid("role", f"role must be one of {', '.join(ROLES)}")
+    user = User(name=name, password_hash=_hasher.hash(password), role=role)
+    with session_scope(engine, immediate=True) as s:
+        if s.exec(select(User.id).where(func.lower(User.name) == name.lower())).first():
+            raise StudioError("conflict", f"a user named {name!r} already exists", "name")
+        s.add(user)
+    audit.record(engine, actor.id if actor else None, "user.created", "user", user.id,
+                 name=name, role=role)
+    return user
+
+
+def authenticate(engine: Engine, name: str, password: str) -> User:
+    """The user ``name`` if ``password`` is theirs; records ``login.succeeded``/``login.failed``.
+
+    Raises:
+        StudioError: unauthorized, with one message for an unknown user and a wrong password
+            alike; a disabled account is refused with its own message (after the password check).
+    """
+    name = (name or "").strip()
+    with session_scope(engine) as s:
+        user = s.exec(select(User).where(User.name == name)).first()
+    try:
+        _hasher.verify(user.password_hash if user else _DUMMY_HASH, password or "")
+        ok = user is not None
+    except (VerificationError, InvalidHashError):
+        ok = False
+    if not ok:
+        audit.record(engine, user.id if user else None, "login.failed", "user",
+                     user.id if user else None, name=name[:64])
+        raise StudioError("unauthorized", _BAD_LOGIN)
+    if user.disabled:
+        audit.record(engine, user.id, "login.failed", "user", user.id, reason="disabled")
+        raise StudioError("unauthorized", "this account is disabled; ask an admin")
+    if _hasher.check_needs_rehash(user.password_hash):
+        _update_user(engine, user.id, password_hash=_hasher.hash(password))
+    audit.record(engine, user.id, "login.succeeded", "user", user.id)
+    return user
+
+
+def _update_user(engine: Engine, user_id: str, **fields) -> User:
+    with session_scope(engine, immediate=True) as s:
+        user = s.get(User, user_id)
+        if user is None:
+            raise not_found("user", user_id)
+        for k, v in fields.items():
+            setattr(user, k, v)
+        s.add(user)
+        return user
+
+
+def _end_all_tokens(engine: Engine, user_id: str) -> None:
+    with session_scope(engine, immediate=True) as s:
+        s.exec(delete(AuthToken).where(AuthToken.user_id == user_id))
+
+
+def set_password(engine: Engine, actor: User, user_id: str, password: str) -> User:
+    """Set ``user_id``'s password: the user themself or an admin. An admin's reset of someone
+    else's password also signs that user out everywhere.
+
+    Raises:
+        StudioError: not_found (no such user, or another's account for a member), invalid
+            (field ``password``).
+    """
+    if actor.id != user_id and actor.role != "admin":
+        raise not_found("user", user_id)
+    _check_password(password)
+    user = _update_user(engine, user_id, password_hash=_hasher.hash(password))
+    if actor.id != user_id:
+        _end_all_tokens(engine, user_id)
+    audit.record(engine, actor.id, "user.password_changed", "user", user_id)
+    return user
+
+
+def _admin_change(engine: Engine, actor: User, user_id: str, **fields) -> User:
+    _require_admin(actor)
+    target = get_user(engine, user_id)
+    losing_admin = target.role == "admin" and (fields.get("role", "admin") != "admin"
+                                               or fields.get("disabled"))
+    if losing_admin:
+        if target.id == actor.id:
+            raise StudioError("conflict", "you cannot demote or disable your own account")
+        with session_scope(engine) as s:
+            admins = s.exec(select(func.count()).select_from(User).where(
+                User.role == "admin", User.disabled == False)).one()  # noqa: E712
+        if admins <= 1:
+            raise StudioError("conflict", "this is the last active admin")
+    user = _update_user(engine, user_id, **fields)
+    if fields.get("disabled"):
+        _end_all_tokens(engine, user_id)
+    audit.record(engine, actor.id, "user.changed", "user", user_id, **fields)
+    return user
+
+
+def set_role(engine: Engine, actor: User, user_id: str, role: str) -> User:
+    """Make ``user_id`` an ``admin`` or a ``member`` (admin only; the last admin stays one).
+
+    Raises: StudioError forbidden, not_found, invalid (field ``role``), conflict."""
+    if role not in ROLES:
+        raise invalid("role", f"role must be one of {', '.join(ROLES)}")
+    return _admin_change(engine, actor, user_id, role=role)
+
+
+def set_disabled(engine: Engine, actor: User, user_id: str, disabled: bool) -> User:
+    """Disable (ending every sign-in at once) or re-enable ``user_id`` (admin only).
+
+    Raises: StudioError forbidden, not_found, conflict (own account or the last admin)."""
+    return _admin_change(engine, actor, user_id, disabled=bool(disabled))
+
+
+def set_custom_rewards(engine: Engine, actor: User, user_id: str, allowed: bool) -> User:
+    """Allow or forbid ``user_id`` to run custom Python reward code in GRPO runs (admin only).
+
+    Raises: StudioError forbidden, not_found."""
+    return _admin_change(engine, actor, user_id, can_run_custom_rewards=bool(allowed))
+
+
+def ensure_admin(engine: Engine, name: str, password: str) -> User:
+    """Create admin ``name`` with ``password``, or reset that user's password, make it an
+    enabled admin (used for ``WHETSTONE_ADMIN_PASSWORD``). Claims unowned objects when it is
+    the first user. Raises StudioError invalid for a bad name or password."""
+    name = _check_name(name)
+    with session_scope(engine) as s:
+        user = s.exec(select(User).where(User.name == name)).first()
+    if user is None:
+        first = not has_users(engine)
+        user = create_user(engine, name, password, "admin")
+        if first:
+            claim_unowned(engine, user.id)
+        return user
+    if user.role == "admin" and not user.disabled:
+        try:
+            _hasher.verify(user.password_hash, password)
+            return user  # unchanged: leave sessions alone
+        except (VerificationError, InvalidHashError):
+            pass
+    _check_password(password)
+    user = _update_user(engine, user.id, password_hash=_hasher.hash(password), role="admin",
+                        disabled=False)
+    audit.record(engine, None, "user.changed", "user", user.id, reset_by="WHETSTONE_ADMIN_PASSWORD")
+    return user
+
+
+def claim_unowned(engine: Engine, admin_id: str) -> dict[str, int]:
+    """Give every dataset, run, job and non-shared model whose owner is NULL to ``admin_id``
+    (an existing single-user data dir keeps all its work). Returns rows changed per table."""
+    counts = {}
+    with session_scope(engine, immediate=True) as s:
+        for table in (Dataset, Run, Job):
+            res = s.exec(update(table).where(table.owner.is_(None)).values(owner=admin_id))
+            counts[table.__tablename__] = res.rowcount
+        res = s.exec(update(Model).where(Model.owner.is_(None), Model.shared == False)  # noqa: E712
+                     .values(owner=admin_id))
+        counts["models"] = res.rowcount
+    audit.record(engine, admin_id, "objects.claimed", "user", admin_id, **counts)
+    return counts
+
+
+# ---- first start ---------------------------------------------------------------------------
+def setup_token(engine: Engine) -> str:
+    """A new one-time token for ``/setup`` (valid a week; any older one stops working).
+
+    Raises StudioError conflict when users already exist."""
+    if has_users(engine):
+        raise StudioError("conflict", "the studio is already set up")
+    token = secrets.token_urlsafe(32)
+    with session_scope(engine, immediate=True) as s:
+        s.exec(delete(AuthToken).where(AuthToken.kind == _SETUP))
+        s.add(AuthToken(token_hash=_sha(token), user_id="", kind=_SETUP,
+                        expires_at=now() + SETUP_HOURS * 3600))
+    return token
+
+
+def setup_token_valid(engine: Engine, token: str) -> bool:
+    """Whether ``token`` is the current, unexpired setup token and no user exists yet."""
+    with session_scope(engine) as s:
+        row = s.exec(select(AuthToken).where(AuthToken.token_hash == _sha(token or ""),
+                                             AuthToken.kind == _SETUP)).first()
+    return row is not None and row.expires_at > now() and not has_users(engine)
+
+
+def complete_setup(engine: Engine, token: str, name: str, password: str) -> User:
+    """Create the first admin with the one-time ``token`` and give it every unowned object.
+
+    Raises:
+        StudioError: not_found (users exist already, or the token is wrong or used),
+            invalid (field ``name`` or ``password``).
+    """
+    _check_name(name)
+    _check_password(password)
+    if not setup_token_valid(engine, token):
+        raise StudioError("not_found", "this setup link is not valid (already used or expired)")
+    with session_scope(engine, immediate=True) as s:  # the token is spent exactly once
+        spent = s.exec(delete(AuthToken).where(AuthToken.token_hash == _sha(token),
+                                               AuthToken.kind == _SETUP)).rowcount
+    if spent != 1 or has_users(engine):
+        raise StudioError("not_found", "this setup link is not valid (already used or expired)")
+    user = create_user(engine, name, password, "admin")
+    claim_unowned(engine, user.id)
+    return user
+
+
+# ---- API keys ------------------------------------------------------------------------------
+def create_api_key(engine: Engine, user: User, name: str) -> tuple[ApiKey, str]:
+    """A new key for ``user``: ``(row, plaintext)``; the plaintext ``wk-...`` is shown once.
+
+    Raises StudioError invalid (field ``name``: 1-100 characters)."""
+    name = (name or "").strip()
+    if not name or len(name) > 100:
+        raise invalid("name", "give the key a name of 1-100 characters")
+    plain = KEY_PREFIX + secrets.token_urlsafe(32)
+    key = ApiKey(user_id=user.id, name=name, prefix=plain[:8], key_hash=_sha(plain))
+    with session_scope(engine, immediate=True) as s:
+        s.add(key)
+    audit.record(engine, user.id, "key.created", "api_key", key.id, name=name)
+    return key, plain
+
+
+def list_api_keys(engine: Engine, user: User) -> list[ApiKey]:
+    """``user``'s keys that are not revoked, newest first."""
+    with session_scope(engine) as s:
+        return list(s.exec(select(ApiKey).where(ApiKey.user_id == user.id,
+                                                ApiKey.revoked_at.is_(None))
+                           .order_by(ApiKey.created_at.desc())).all())
+
+
+def revoke_api_key(engine: Engine, actor: User, key_id: str) -> ApiKey:
+    """Revoke a key of ``actor`` (an admin may revoke anyone's).
+
+    Raises StudioError not_found for a missing, already revoked or another user's key."""
+    with session_scope(engine, immediate=True) as s:
+        key = s.get(ApiKey, key_id)
+        if key is None or key.revoked_at is not None or not can_see(actor, key.user_id):
+            raise not_found("API key", key_id)
+        key.revoked_at = now()
+        s.add(key)
+    audit.record(engine, actor.id, "key.revoked", "api_key", key_id, owner=key.user_id)
+    return key
+
+
+def user_for_api_key(engine: Engine, key: str) -> User | None:
+    """The enabled user owning the unrevoked API key ``key`` (its last_used_at is updated)."""
+    if not key or not key.startswith(KEY_PREFIX):
+        return None
+    with session_scope(engine) as s:
+        row = s.exec(select(ApiKey).where(ApiKey.key_hash == _sha(key))).first()
+        if row is None or row.revoked_at is not None:
+            return None
+        user = s.get(User, row.user_id)
+    if user is None or user.disabled:
+        return None
+    t = now()
+    if row.last_used_at is None or t - row.last_used_at >= _SEEN_EVERY:
+        with session_scope(engine, immediate=True) as s:
+            s.exec(update(ApiKey).where(ApiKey.id == row.id).values(last_used_at=t))
+    _touch(engine, user, t)
+    return user
+
+
+# ---- sessions and access tokens -------------------------------------------------------------
+def new_token(engine: Engine, user: User, kind: str, hours: float) -> tuple[str, AuthToken]:
+    """Start a ``session`` (browser cookie) or ``access`` (Bearer) sign-in lasting ``hours``.
+
+    Returns ``(plaintext token, row)``; the row's ``csrf_token`` guards the session's forms.
+    Raises ValueError for an unknown kind (a programming error)."""
+    if kind not in TOKEN_KINDS:
+        raise ValueError(f"unknown token kind {kind!r}")
+    token = secrets.token_urlsafe(32)
+    row = AuthToken(token_hash=_sha(token), user_id=user.id, kind=kind,
+                    expires_at=now() + hours * 3600)
+    with session_scope(engine, immediate=True) as s:
+        s.exec(delete(AuthToken).where(AuthToken.expires_at <= now()))  # expired ones go
+        s.add(row)
+    return token, row
+
+
+def session_for_token(engine: Engine, token: str) -> tuple[User, AuthToken] | None:
+    """``(user, token row)`` for a live session/access token of an enabled user, else None."""
+    if not token:
+        return None
+    with session_scope(engine) as s:
+        row = s.exec(select(AuthToken).where(AuthToken.token_hash == _sha(token))).first()
+        if row is None or row.kind not in TOKEN_KINDS or row.expires_at <= now():
+            return None
+        user = s.get(User, row.user_id)
+    if user is None or user.disabled:
+        return None
+    _touch(engine, user, now())
+    return user, row
+
+
+def user_for_token(engine: Engine, token: str) -> User | None:
+    """The user of a live session or access token (expiry and disabled checked), else None."""
+    found = session_for_token(engine, token)
+    return found[0] if found else None
+
+
+def end_token(engine: Engine, token: str) -> None:
+    """Sign out: delete the session or access token (nothing happens for an unknown one)."""
+    if token:
+        with session_scope(engine, immediate=True) as s:
+            s.exec(delete(AuthToken).where(AuthToken.token_hash == _sha(token),
+                                           AuthToken.kind.in_(TOKEN_KINDS)))
+
+
+def _touch(engine: Engine, user: User, t: float) -> None:
+    if user.last_seen_at is None or t - user.last_seen_at >= _SEEN_EVERY:
+        with session_scope(engine, immediate=True) as s:
+            s.exec(update(User).where(User.id == user.id).values(last_seen_at=t))
+        user.last_seen_at = t
