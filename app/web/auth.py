@@ -1,0 +1,339 @@
+"""Who is calling: sign-in gate, Host allow-list and CSRF checks for every request.
+
+:func:`install` adds a pure ASGI middleware (so it covers pages, htmx fragments, ``/api``, ``/v1``,
+SSE and streaming responses, and never reads a multipart upload's body) that, per request:
+
+1. refuses a ``Host`` header not in the allow-list (400, plain text; against DNS rebinding);
+2. resolves the caller into ``request.state.user`` (a ``User`` or None) from
+   ``Authorization: Bearer <API key "wk-..." or access token>`` or the signed session cookie;
+3. sends anonymous callers of non-public paths a 401 in the surface's error shape (``/api``,
+   ``/v1``, ``*/events``), an ``HX-Redirect`` 401 (htmx) or a 303 to ``/login?next=...`` (pages);
+4. checks CSRF on cookie-signed unsafe methods: the session's token in ``X-CSRF-Token``, the
+   ``csrf_token`` form field (urlencoded bodies) or query parameter (multipart bodies), and an
+   ``Origin``/``Referer`` equal to the request's own ``scheme://host``. Bearer calls are exempt.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import time
+from collections import defaultdict, deque
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Annotated
+from urllib.parse import parse_qs, quote, urlsplit
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import PlainTextResponse, RedirectResponse, Response
+from itsdangerous import BadSignature, URLSafeTimedSerializer
+from starlette.concurrency import run_in_threadpool
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from app.settings import Settings
+from app.store.schema import User
+from app.studio import accounts
+from app.studio.errors import StudioError
+from app.web.errors import error_response
+
+log = logging.getLogger("whetstone.web")
+
+COOKIE = "whetstone_session"
+PUBLIC = ("/login", "/logout", "/setup", "/healthz", "/api/login/access-token", "/api/docs",
+          "/api/openapi.json")
+LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
+UNSAFE = ("POST", "PUT", "PATCH", "DELETE")
+
+
+def is_public(path: str) -> bool:
+    """Paths served without signing in (sign-in, setup, static files, health, API docs)."""
+    return path in PUBLIC or path.startswith("/static/")
+
+
+def allowed_hosts(settings: Settings) -> set[str] | None:
+    """Lower-case host names served (None = any), from ``settings.allowed_hosts``."""
+    raw = [h.strip().lower() for h in settings.allowed_hosts.split(",") if h.strip()]
+    if "*" in raw:
+        return None
+    if raw:
+        return set(raw)
+    names = {"127.0.0.1", "localhost", "[::1]"}
+    if settings.host not in ("0.0.0.0", "::", ""):
+        names.add(f"[{settings.host}]" if ":" in settings.host else settings.host.lower())
+    return names
+
+
+def _host_name(host_header: str) -> str:
+    h = host_header.strip().lower()
+    if h.startswith("["):
+        return h.split("]")[0] + "]"
+    return h.rsplit(":", 1)[0] if h.count(":") == 1 else h
+
+
+def secret_key(settings: Settings) -> str:
+    """``settings.secret_key``, else the key in ``<data_dir>/secret_key`` (created once, 0600)."""
+    if settings.secret_key:
+        return settings.secret_key
+    path = Path(settings.data_dir) / "secret_key"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".secret_key.{secrets.token_hex(4)}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(48))
+        try:
+            os.link(tmp, path)  # fails if another process won the race: use theirs
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink(missing_ok=True)
+    return path.read_text().strip()
+
+
+class LoginLimiter:
+    """In-memory sign-in attempt counter per (client address, user name) over a sliding minute."""
+
+    def __init__(self, per_minute: int):
+        self.per_minute = per_minute
+        self._hits: dict[tuple[str, str], deque[float]] = defaultdict(deque)
+
+    def hit(self, ip: str, name: str) -> float:
+        """Count an attempt; returns 0 when allowed, else the seconds to wait (Retry-After)."""
+        t = time.monotonic()
+        q = self._hits[(ip, name.strip().lower())]
+        while q and q[0] <= t - 60:
+            q.popleft()
+        if len(q) >= self.per_minute:
+            return max(1.0, 60 - (t - q[0]))
+        q.append(t)
+        return 0.0
+
+    def clear(self, ip: str, name: str) -> None:
+        """Forget the attempts of (ip, name) after a successful sign-in."""
+        self._hits.pop((ip, name.strip().lower()), None)
+
+
+def _serializer(app) -> URLSafeTimedSerializer:
+    return app.state.auth_serializer
+
+
+def set_session_cookie(request: Request, response: Response, token: str) -> None:
+    """Put the signed session ``token`` on ``response``: HttpOnly, SameSite=Lax, Secure over
+    https, Max-Age = ``settings.session_hours``."""
+    settings: Settings = request.app.state.settings
+    response.set_cookie(COOKIE, _serializer(request.app).dumps(token),
+                        max_age=int(settings.session_hours * 3600), httponly=True,
+                        samesite="lax", secure=request.url.scheme == "https", path="/")
+
+
+def clear_session_cookie(response: Response) -> None:
+    """Delete the session cookie on ``response``."""
+    response.delete_cookie(COOKIE, path="/", httponly=True, samesite="lax")
+
+
+def session_token(request: Request) -> str | None:
+    """The session token inside the request's signed cookie (None if absent or tampered)."""
+    raw = request.cookies.get(COOKIE)
+    if not raw:
+        return None
+    hours = request.app.state.settings.session_hours
+    try:
+        return _serializer(request.app).loads(raw, max_age=int(hours * 3600))
+    except BadSignature:
+        return None
+
+
+def current_user(request: Request) -> User:
+    """The signed-in caller. Raises StudioError unauthorized when there is none."""
+    user = getattr(request.state, "user", None)
+    if user is None:
+        raise StudioError("unauthorized", "sign in first (a session, or Authorization: Bearer "
+                                          "with an API key or access token)")
+    return user
+
+
+def admin_user(request: Request) -> User:
+    """The signed-in caller if an admin. Raises StudioError unauthorized or forbidden."""
+    user = current_user(request)
+    if user.role != "admin":
+        raise StudioError("forbidden", "only an admin may do this")
+    return user
+
+
+CurrentUser = Annotated[User, Depends(current_user)]
+AdminUser = Annotated[User, Depends(admin_user)]
+
+
+def csrf_token(request: Request) -> str | None:
+    """The CSRF token of the request's browser session (None without one); templates put it
+    in ``<meta name="csrf-token">``, htmx's ``hx-headers`` and hidden ``csrf_token`` fields."""
+    return getattr(request.state, "csrf_token", None)
+
+
+class AuthMiddleware:
+    """The ASGI middleware described in the module docstring (added by :func:`install`)."""
+
+    def __init__(self, app: ASGIApp, settings: Settings, engine):
+        self.app, self.settings, self.engine = app, settings, engine
+        self.hosts = allowed_hosts(settings)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request = Request(scope)
+        host = _host_name(request.headers.get("host", ""))
+        if self.hosts is not None and host not in self.hosts:
+            refusal = PlainTextResponse(f"Host {host!r} is not served here; add it to "
+                                        "WHETSTONE_ALLOWED_HOSTS", status_code=400)
+            await refusal(scope, receive, send)
+            return
+        state = scope.setdefault("state", {})
+        user, row, method = await run_in_threadpool(self._resolve, request)
+        state.update(user=user, auth_method=method, csrf_token=row.csrf_token if row and
+                     row.kind == "session" and method == "cookie" else None)
+        path = scope["path"]
+        if user is None and not is_public(path):
+            await self._anonymous(request)(scope, receive, send)
+            return
+        if scope["method"] in UNSAFE and method != "bearer":
+            problem, receive = await self._csrf_problem(request, receive, state["csrf_token"])
+            if problem:
+                await error_response(request, 403, f"CSRF check failed: {problem}",
+                                     code="csrf_failed")(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def _resolve(self, request: Request):
+        auth = request.headers.get("authorization", "")
+        if auth[:7].lower() == "bearer ":
+            cred = auth[7:].strip()
+            if cred.startswith(accounts.KEY_PREFIX):
+                return accounts.user_for_api_key(self.engine, cred), None, "bearer"
+            found = accounts.session_for_token(self.engine, cred)
+            return (found[0], found[1], "bearer") if found else (None, None, "bearer")
+        token = session_token(request)
+        found = accounts.session_for_token(self.engine, token) if token else None
+        if found and found[1].kind == "session":
+            return found[0], found[1], "cookie"
+        return None, None, None
+
+    @staticmethod
+    def _anonymous(request: Request) -> Response:
+        path = request.url.path
+        if path.startswith(("/api/", "/v1/")) or path in ("/api", "/v1") or \
+                path.endswith("/events"):
+            return error_response(request, 401, "sign in first: send Authorization: Bearer "
+                                  "<API key or access token>", code="unauthorized")
+        target = path + (f"?{request.url.query}" if request.url.query else "")
+        login = f"/login?next={quote(target, safe='')}"
+        if request.headers.get("hx-request", "").lower() == "true":
+            return Response(status_code=401, headers={"HX-Redirect": login})
+        return RedirectResponse(login, status_code=303)
+
+    async def _csrf_problem(self, request: Request, receive: Receive,
+                            expected: str | None) -> tuple[str | None, Receive]:
+        own = f"{request.url.scheme}://{request.headers.get('host', '')}".lower()
+        origin = request.headers.get("origin") or request.headers.get("referer")
+        if origin:
+            parts = urlsplit(origin)
+            if f"{parts.scheme}://{parts.netloc}".lower() != own:
+                return f"the request came from another origin ({origin})", receive
+        if expected is None:  # anonymous (sign-in, setup): no session to protect
+            return None, receive
+        given = request.headers.get("x-csrf-token")
+        ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if not given and ctype == "multipart/form-data":
+            given = request.query_params.get("csrf_token")
+        elif not given and ctype == "application/x-www-form-urlencoded":
+            body, receive = await _buffer_body(receive)
+            given = (parse_qs(body.decode("latin-1")).get("csrf_token") or [None])[0]
+        if not given:
+            return ("missing token (send the X-CSRF-Token header or the csrf_token form "
+                    "field; reload the page)"), receive
+        if not secrets.compare_digest(given, expected):
+            return "the token does not match this session (reload the page)", receive
+        return None, receive
+
+
+async def _buffer_body(receive: Receive) -> tuple[bytes, Receive]:
+    """Read a (small, urlencoded) body and return it with a ``receive`` that replays it."""
+    chunks, more = [], True
+    while more:
+        msg = await receive()
+        if msg["type"] != "http.request":
+            break
+        chunks.append(msg.get("body", b""))
+        more = msg.get("more_body", False)
+    body = b"".join(chunks)
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return body, replay
+
+
+def _startup(app: FastAPI) -> None:
+    settings: Settings = app.state.settings
+    engine = app.state.engine
+    if settings.admin_password:
+        user = accounts.ensure_admin(engine, settings.admin_user, settings.admin_password)
+        log.info("admin %r is ready (WHETSTONE_ADMIN_PASSWORD)", user.name)
+        return
+    if accounts.has_users(engine):
+        return
+    if settings.host not in LOOPBACK and not settings.host.startswith("127."):
+        msg = (f"Whetstone has no users yet and binds {settings.host}, so anyone who reaches it "
+               "could claim the admin account. Set WHETSTONE_ADMIN_PASSWORD (and optionally "
+               "WHETSTONE_ADMIN_USER) to create the admin, or start once on 127.0.0.1 and open "
+               "the setup link printed there.")
+        print(msg, flush=True)
+        raise RuntimeError(msg)
+    host = f"[{settings.host}]" if ":" in settings.host else settings.host
+    link = f"http://{host}:{settings.port}/setup?token={accounts.setup_token(engine)}"
+    log.warning("no users yet: open %s to create the admin account (one-time link)", link)
+    print(f"\n  Whetstone: create the admin account at {link}\n", flush=True)
+
+
+def install(app: FastAPI) -> None:
+    """Add sign-in, Host allow-list and CSRF checks to ``app`` (call once in ``create_app``,
+    after ``app.state.settings`` and ``app.state.engine`` are set).
+
+    Also: wraps the app's lifespan so that, after migrations, ``WHETSTONE_ADMIN_PASSWORD``
+    creates/resets the admin, or a first start prints the one-time setup link (and refuses to
+    start on a non-loopback ``host`` with no users: RuntimeError); registers the Jinja global
+    ``csrf_token(request)``; and a StudioError handler if the app has none yet.
+    """
+    settings: Settings = app.state.settings
+    app.state.auth_serializer = URLSafeTimedSerializer(secret_key(settings), salt="session")
+    app.state.login_limiter = LoginLimiter(settings.login_attempts_per_minute)
+    app.add_middleware(AuthMiddleware, settings=settings, engine=app.state.engine)
+
+    inner = app.router.lifespan_context
+
+    @asynccontextmanager
+    async def lifespan(a):
+        async with inner(a) as state:
+            await run_in_threadpool(_startup, app)
+            yield state
+
+    app.router.lifespan_context = lifespan
+
+    from app.web.render import env
+
+    env.globals["csrf_token"] = csrf_token
+    if StudioError not in app.exception_handlers:
+        from app.web.errors import error_response as _resp
+
+        statuses = {"not_found": 404, "invalid": 422, "unauthorized": 401, "forbidden": 403,
+                    "conflict": 409, "too_many": 429, "unavailable": 503}
+
+        async def _studio(request: Request, exc: StudioError):
+            return _resp(request, statuses[exc.kind], exc.message, exc.field, exc.kind)
+
+        app.add_exception_handler(StudioError, _studio)

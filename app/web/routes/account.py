@@ -1,0 +1,315 @@
+"""Sign-in, first-start setup, the account page (API keys, password), the admin page, and their
+JSON twins under ``/api`` (OAuth2 password flow for access tokens, users, keys, ``/api/me``)."""
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Depends, Form, Request
+from fastapi.responses import RedirectResponse, Response
+from fastapi.security import OAuth2PasswordRequestForm
+from pydantic import BaseModel
+from sqlalchemy.engine import Engine
+
+from app.store.schema import ApiKey, User
+from app.studio import accounts, audit
+from app.studio.errors import StudioError
+from app.web import auth
+from app.web.auth import AdminUser, CurrentUser
+from app.web.errors import error_response
+from app.web.render import render
+
+router = APIRouter()
+_STATUS = {"not_found": 404, "invalid": 422, "unauthorized": 401, "forbidden": 403,
+           "conflict": 409, "too_many": 429, "unavailable": 503}
+
+
+def status_for(exc: StudioError) -> int:
+    """The HTTP status of a StudioError on these pages (same mapping as the API)."""
+    return _STATUS[exc.kind]
+
+
+def _engine(request: Request) -> Engine:
+    return request.app.state.engine
+
+
+def _safe_next(nxt: str | None) -> str:
+    """A same-site path to go to after sign-in (never another host)."""
+    if nxt and nxt.startswith("/") and not nxt.startswith(("//", "/\\")):
+        return nxt
+    return "/"
+
+
+def _throttle(request: Request, name: str) -> float:
+    ip = request.client.host if request.client else "?"
+    return request.app.state.login_limiter.hit(ip, name)
+
+
+def _unthrottle(request: Request, name: str) -> None:
+    request.app.state.login_limiter.clear(request.client.host if request.client else "?", name)
+
+
+def _signed_in(request: Request, user: User, to: str) -> RedirectResponse:
+    token, _ = accounts.new_token(_engine(request), user, "session",
+                                  request.app.state.settings.session_hours)
+    resp = RedirectResponse(to, status_code=303)
+    auth.set_session_cookie(request, resp, token)
+    return resp
+
+
+# ---- sign-in pages -------------------------------------------------------------------------
+@router.get("/login")
+def login_page(request: Request, next: str = "/"):
+    if request.state.user is not None:
+        return RedirectResponse(_safe_next(next), status_code=303)
+    if not accounts.has_users(_engine(request)):
+        return render(request, "login.html", {"next": next, "no_users": True})
+    return render(request, "login.html", {"next": next})
+
+
+@router.post("/login")
+def login_submit(request: Request, username: Annotated[str, Form()] = "",
+                 password: Annotated[str, Form()] = "", next: Annotated[str, Form()] = "/"):
+    ctx = {"next": next, "username": username}
+    wait = _throttle(request, username)
+    if wait:
+        return render(request, "login.html", {**ctx, "error": "Too many sign-in attempts; try "
+                      f"again in {int(wait)} s."}, status_code=429,
+                      headers={"Retry-After": str(int(wait))})
+    try:
+        user = accounts.authenticate(_engine(request), username, password)
+    except StudioError as exc:
+        return render(request, "login.html", {**ctx, "error": exc.message},
+                      status_code=status_for(exc))
+    _unthrottle(request, username)
+    return _signed_in(request, user, _safe_next(next))
+
+
+@router.post("/logout")
+def logout(request: Request):
+    token = auth.session_token(request)
+    if token:
+        accounts.end_token(_engine(request), token)
+    resp = RedirectResponse("/login", status_code=303)
+    auth.clear_session_cookie(resp)
+    return resp
+
+
+@router.get("/setup")
+def setup_page(request: Request, token: str = ""):
+    if not accounts.setup_token_valid(_engine(request), token):
+        return error_response(request, 404, "This setup link is not valid: the studio is already "
+                              "set up, or the link was used or has expired.")
+    return render(request, "setup.html", {"token": token})
+
+
+@router.post("/setup")
+def setup_submit(request: Request, token: Annotated[str, Form()] = "",
+                 name: Annotated[str, Form()] = "", password: Annotated[str, Form()] = "",
+                 password2: Annotated[str, Form()] = ""):
+    ctx = {"token": token, "name": name}
+    if password != password2:
+        return render(request, "setup.html", {**ctx, "errors": {"password2": "the passwords "
+                      "differ"}}, status_code=422)
+    try:
+        user = accounts.complete_setup(_engine(request), token, name, password)
+    except StudioError as exc:
+        if exc.kind == "not_found":
+            return error_response(request, 404, exc.message)
+        return render(request, "setup.html", {**ctx, "errors": {exc.field: exc.message}},
+                      status_code=status_for(exc))
+    return _signed_in(request, user, "/")
+
+
+# ---- account page --------------------------------------------------------------------------
+def _account(request: Request, user: User, status: int = 200, **extra) -> Response:
+    keys = accounts.list_api_keys(_engine(request), user)
+    return render(request, "account.html", {"user": user, "keys": keys, **extra},
+                  status_code=status)
+
+
+@router.get("/account")
+def account_page(request: Request, user: CurrentUser):
+    return _account(request, user)
+
+
+@router.post("/account/keys")
+def account_key_create(request: Request, user: CurrentUser, name: Annotated[str, Form()] = ""):
+    try:
+        key, plain = accounts.create_api_key(_engine(request), user, name)
+    except StudioError as exc:
+        return _account(request, user, status_for(exc), key_error=exc.message)
+    return _account(request, user, 201, new_key=plain, new_key_name=key.name)
+
+
+@router.post("/account/keys/{key_id}/revoke")
+def account_key_revoke(request: Request, user: CurrentUser, key_id: str):
+    accounts.revoke_api_key(_engine(request), user, key_id)
+    return RedirectResponse("/account", status_code=303)
+
+
+@router.post("/account/password")
+def account_password(request: Request, user: CurrentUser,
+                     current: Annotated[str, Form()] = "", password: Annotated[str, Form()] = ""):
+    try:
+        accounts.authenticate(_engine(request), user.name, current)
+    except StudioError:
+        return _account(request, user, 422, password_error="the current password is wrong")
+    try:
+        accounts.set_password(_engine(request), user, user.id, password)
+    except StudioError as exc:
+        return _account(request, user, status_for(exc), password_error=exc.message)
+    return _account(request, user, password_ok=True)
+
+
+# ---- admin page ----------------------------------------------------------------------------
+def _admin(request: Request, actor: User, status: int = 200, **extra) -> Response:
+    engine = _engine(request)
+    users = accounts.list_users(engine, actor)
+    names = {u.id: u.name for u in users}
+    return render(request, "admin.html", {"user": actor, "users": users, "names": names,
+                                          "events": audit.recent(engine, 200), **extra},
+                  status_code=status)
+
+
+@router.get("/admin")
+def admin_page(request: Request, actor: AdminUser):
+    return _admin(request, actor)
+
+
+@router.post("/admin/users")
+def admin_user_create(request: Request, actor: AdminUser, name: Annotated[str, Form()] = "",
+                      password: Annotated[str, Form()] = "",
+                      role: Annotated[str, Form()] = "member"):
+    try:
+        created = accounts.create_user(_engine(request), name, password, role, actor=actor)
+    except StudioError as exc:
+        return _admin(request, actor, status_for(exc), form={"name": name, "role": role},
+                      errors={exc.field or "form": exc.message})
+    return _admin(request, actor, 201, notice=f"Created {created.name}.")
+
+
+@router.post("/admin/users/{user_id}")
+def admin_user_change(request: Request, actor: AdminUser, user_id: str,
+                      action: Annotated[str, Form()] = "", value: Annotated[str, Form()] = ""):
+    """One change per form: ``action`` is password | role | disabled | custom_rewards."""
+    engine = _engine(request)
+    flag = value.lower() in ("1", "true", "on", "yes")
+    try:
+        if action == "password":
+            target = accounts.set_password(engine, actor, user_id, value)
+        elif action == "role":
+            target = accounts.set_role(engine, actor, user_id, value)
+        elif action == "disabled":
+            target = accounts.set_disabled(engine, actor, user_id, flag)
+        elif action == "custom_rewards":
+            target = accounts.set_custom_rewards(engine, actor, user_id, flag)
+        else:
+            raise StudioError("invalid", "unknown change", "action")
+    except StudioError as exc:
+        if exc.kind == "not_found":
+            raise
+        return _admin(request, actor, status_for(exc), change_error=exc.message)
+    return _admin(request, actor, notice=f"Updated {target.name}.")
+
+
+# ---- JSON ----------------------------------------------------------------------------------
+class TokenOut(BaseModel):
+    """OAuth2 password-flow answer."""
+    access_token: str
+    token_type: Literal["bearer"] = "bearer"
+
+
+class UserOut(BaseModel):
+    """A user as the API shows it (never the password hash)."""
+    id: str
+    name: str
+    role: str
+    disabled: bool
+    can_run_custom_rewards: bool
+    created_at: float
+    last_seen_at: float | None = None
+
+
+class UserIn(BaseModel):
+    """``POST /api/users`` body."""
+    name: str
+    password: str
+    role: str = "member"
+
+
+class KeyIn(BaseModel):
+    """``POST /api/keys`` body."""
+    name: str = "API key"
+
+
+class KeyOut(BaseModel):
+    """An API key without its secret."""
+    id: str
+    name: str
+    prefix: str
+    created_at: float
+    last_used_at: float | None = None
+
+
+class KeyCreated(BaseModel):
+    """A new API key; ``key`` is shown this once."""
+    id: str
+    key: str
+    name: str
+    prefix: str
+
+
+def _user_out(u: User) -> UserOut:
+    return UserOut.model_validate(u, from_attributes=True)
+
+
+def _key_out(k: ApiKey) -> KeyOut:
+    return KeyOut.model_validate(k, from_attributes=True)
+
+
+@router.post("/api/login/access-token", response_model=TokenOut)
+def api_access_token(request: Request, form: Annotated[OAuth2PasswordRequestForm, Depends()]):
+    wait = _throttle(request, form.username)
+    if wait:
+        resp = error_response(request, 429, "too many sign-in attempts; try again later",
+                              code="too_many")
+        resp.headers["Retry-After"] = str(int(wait))
+        return resp
+    user = accounts.authenticate(_engine(request), form.username, form.password)
+    _unthrottle(request, form.username)
+    token, _ = accounts.new_token(_engine(request), user, "access",
+                                  request.app.state.settings.session_hours)
+    return TokenOut(access_token=token)
+
+
+@router.get("/api/me", response_model=UserOut)
+def api_me(user: CurrentUser):
+    return _user_out(user)
+
+
+@router.get("/api/users", response_model=list[UserOut])
+def api_users(request: Request, actor: AdminUser):
+    return [_user_out(u) for u in accounts.list_users(_engine(request), actor)]
+
+
+@router.post("/api/users", response_model=UserOut, status_code=201)
+def api_user_create(request: Request, actor: AdminUser, body: UserIn):
+    return _user_out(accounts.create_user(_engine(request), body.name, body.password, body.role,
+                                          actor=actor))
+
+
+@router.get("/api/keys", response_model=list[KeyOut])
+def api_keys(request: Request, user: CurrentUser):
+    return [_key_out(k) for k in accounts.list_api_keys(_engine(request), user)]
+
+
+@router.post("/api/keys", response_model=KeyCreated, status_code=201)
+def api_key_create(request: Request, user: CurrentUser, body: KeyIn):
+    key, plain = accounts.create_api_key(_engine(request), user, body.name)
+    return KeyCreated(id=key.id, key=plain, name=key.name, prefix=key.prefix)
+
+
+@router.delete("/api/keys/{key_id}", status_code=204)
+def api_key_revoke(request: Request, user: CurrentUser, key_id: str):
+    accounts.revoke_api_key(_engine(request), user, key_id)
+    return Response(status_code=204)
