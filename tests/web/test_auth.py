@@ -19,14 +19,7 @@ LOGIN = "/api/login/access-token"
 def _build(settings: Settings):
     from app.web.main import create_app
 
-    app = create_app(settings)
-    if not hasattr(app.state, "auth_serializer"):  # until main.py calls auth.install itself
-        from app.web import auth
-        from app.web.routes import account
-
-        auth.install(app)
-        app.include_router(account.router)
-    return app
+    return create_app(settings)
 
 
 @pytest.fixture
