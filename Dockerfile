@@ -30,7 +30,7 @@ FROM nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04 AS worker
 ENV PYTHONUNBUFFERED=1 WHETSTONE_DATA_DIR=/data DEBIAN_FRONTEND=noninteractive \
     PIP_BREAK_SYSTEM_PACKAGES=1
 RUN apt-get update && apt-get install -y --no-install-recommends python3 python3-pip python3-dev \
-      build-essential git && rm -rf /var/lib/apt/lists/*
+      build-essential git bubblewrap && rm -rf /var/lib/apt/lists/*
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY app app

@@ -58,9 +58,11 @@ web: setup
 worker: setup
 	$(BIN)/python -m worker
 
-# Test-only system packages: Chromium for the browser journey (Debian's package).
+# Test-only system packages: Chromium for the browser journey (Debian's package), and
+# bubblewrap, the sandbox of custom reward functions (the worker image installs it too).
 test-setup: setup
 	@command -v chromium >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
+	@command -v bwrap >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null; }
 
 # The queue tests also run against a throwaway local PostgreSQL (tests/pg_server.sh).
 test: test-setup

@@ -45,6 +45,14 @@ class Settings(BaseSettings):
             per minute; more get 429.
         secret_key: key that signs session cookies (``WHETSTONE_SECRET_KEY``); empty = generated
             once into ``<data_dir>/secret_key`` (mode 0600).
+
+    Reward sandbox (custom GRPO reward code runs in a bubblewrap jail, one per batch of
+    completions; these limits are the admin's, a submitter cannot change them):
+        reward_memory_mb: address space of each sandbox process (MiB); past it the code gets
+            MemoryError (``WHETSTONE_REWARD_MEMORY_MB``).
+        reward_cpu_seconds: CPU time of each sandbox process per batch (seconds).
+        reward_timeout_seconds: wall-clock time of one batch's call, start included (seconds).
+        reward_max_processes: processes the reward code may start besides itself.
     """
 
     model_config = SettingsConfigDict(env_prefix="WHETSTONE_", extra="ignore")
@@ -68,6 +76,11 @@ class Settings(BaseSettings):
     session_hours: float = Field(default=168.0, gt=0)
     login_attempts_per_minute: int = Field(default=10, gt=0)
     secret_key: str = ""
+    # reward sandbox
+    reward_memory_mb: int = Field(default=1024, ge=64)
+    reward_cpu_seconds: int = Field(default=30, ge=1)
+    reward_timeout_seconds: float = Field(default=30.0, gt=0)
+    reward_max_processes: int = Field(default=16, ge=0)
 
     def custom_rewards_allowed(self, user: str | None) -> bool:
         """Whether ``user`` (None when there is no login) may run custom reward code."""

@@ -1,15 +1,18 @@
-"""The custom-reward sandbox process (started by worker/rewards/sandbox.py with ``python -I``).
+"""The custom-reward process inside the bubblewrap jail (run by worker/rewards/sandbox.py as
+``python -I -S -c <this file>``; see worker/rewards/jail.py for what the jail sees).
 
-Protocol, one JSON object per line: the parent writes ``{"source", "entry", "style",
-"memory_mb"}`` on stdin; we apply the limits, define the function and answer
-``{"ok": true}`` or ``{"error": ...}``. Then each request ``{"samples": [{"prompt",
-"completion", "item"}, ...], "cpu_s": n}`` gets ``{"values": [...]}`` (each value encoded as
+Protocol, one JSON object per line on stdin: ``{"source", "entry", "style", "limits":
+{"memory_mb", "cpu_s", "processes", "file_mb"}}`` — the limits are the admin's, applied here
+before the user's code is compiled — answered ``{"ok": true}`` or ``{"error": ...}``; then each
+``{"samples": [{"prompt", "completion", "item"}, ...]}`` gets ``{"values": [...]}`` (each value
 ``["num", x]``, ``["none"]`` or ``["other", type, repr]``) or ``{"error", "index",
-"traceback"}``. The user's ``print`` goes to stderr; the protocol has its own file descriptor.
+"traceback"}``. Past the CPU limit it answers ``{"error": "cpu"}`` and exits. The user's
+``print`` goes to stderr; the protocol has its own file descriptor.
 """
 import json
 import os
 import resource
+import signal
 import sys
 import traceback
 
@@ -26,6 +29,18 @@ def _encode(v):
     return ["other", type(v).__name__, r[:200]]
 
 
+def _tasks():
+    """Tasks in this PID namespace (the jail's reaper, us and our threads): what the kernel
+    counts against RLIMIT_NPROC in our user namespace."""
+    n = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            n += len(os.listdir(f"/proc/{pid}/task"))
+        except OSError:  # gone meanwhile
+            pass
+    return n
+
+
 def main():
     proto = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # user prints -> stderr
@@ -37,10 +52,20 @@ def main():
         proto.flush()
 
     cfg = json.loads(rd.readline())
-    limit = int(cfg["memory_mb"]) * 1024 * 1024
-    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (16 << 20, 16 << 20))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    lim = cfg["limits"]
+    for res, value in ((resource.RLIMIT_AS, int(lim["memory_mb"]) << 20),
+                       (resource.RLIMIT_FSIZE, int(lim["file_mb"]) << 20),
+                       (resource.RLIMIT_NPROC, _tasks() + int(lim["processes"])),
+                       (resource.RLIMIT_CORE, 0)):
+        resource.setrlimit(res, (value, value))
+
+    def out_of_cpu(signum, frame):
+        send({"error": "cpu"})
+        os._exit(3)
+
+    signal.signal(signal.SIGXCPU, out_of_cpu)
+    cpu = int(lim["cpu_s"])
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))  # SIGXCPU, then SIGKILL
     ns = {"__name__": "custom_reward"}
     try:
         exec(compile(cfg["source"], "<custom reward>", "exec"), ns)  # noqa: S102 - the sandbox
@@ -55,13 +80,6 @@ def main():
     style = cfg.get("style", "reward")
     for line in rd:
         req = json.loads(line)
-        used = resource.getrusage(resource.RUSAGE_SELF)
-        cpu_now = int(used.ru_utime + used.ru_stime) + 1
-        hard = resource.getrlimit(resource.RLIMIT_CPU)[1]
-        soft = cpu_now + int(req.get("cpu_s", 60)) + 1
-        if hard != resource.RLIM_INFINITY:
-            soft = min(soft, hard)
-        resource.setrlimit(resource.RLIMIT_CPU, (soft, hard))
         values = []
         for i, s in enumerate(req["samples"]):
             try:
