@@ -99,7 +99,8 @@ def test_custom_reward_when_allowed(env):
         custom_memory_mb="256", custom_source="def reward(p, c, item):\n    return 1.0\n"))
     assert r.status_code == 303, r.text[:1500]
     run = repo.get_run(env["engine"], r.headers["location"].rsplit("/", 1)[1])
-    assert run.spec["rewards"][0]["params"]["memory_mb"] == 256
+    # the submitter's limits are gone (the admin's reward_* settings apply), even if posted
+    assert run.spec["rewards"][0]["params"] == {"source": "def reward(p, c, item):\n    return 1.0\n"}
 
 
 def test_json_api(env):

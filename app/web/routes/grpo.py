@@ -152,7 +152,7 @@ def _defaults() -> dict[str, Any]:
                 system_prompt="", chat_template="", rewards_on=["numeric_match", "format"],
                 weights={n: 1.0 for n in REWARD_NAMES}, regex_pattern="", regex_column="",
                 exact_column="", similarity_column="", target_tokens=200,
-                custom_source=CUSTOM_EXAMPLE, custom_timeout_s=5, custom_memory_mb=512)
+                custom_source=CUSTOM_EXAMPLE)
     vals["weights"]["format"] = 0.5
     vals["weights"]["length_penalty"] = 0.1
     return vals
@@ -179,8 +179,7 @@ def spec_from_form(form) -> tuple[dict[str, Any], dict[str, Any]]:
     values = _defaults()
     raw: dict[str, Any] = {}
     for key in ("model", "dataset", "name", *_TEXT, *_NUM, "regex_pattern", "regex_column",
-                "exact_column", "similarity_column", "target_tokens", "custom_source",
-                "custom_timeout_s", "custom_memory_mb"):
+                "exact_column", "similarity_column", "target_tokens", "custom_source"):
         v = form.get(key)
         if v is not None:
             values[key] = str(v) if key == "custom_source" else str(v).strip()
@@ -206,9 +205,7 @@ def spec_from_form(form) -> tuple[dict[str, Any], dict[str, Any]]:
         elif name == "length_penalty":
             params["target_tokens"] = _int(values["target_tokens"])
         elif name == "custom":
-            params = {"source": values["custom_source"],
-                      "timeout_s": _num(values["custom_timeout_s"]),
-                      "memory_mb": _int(values["custom_memory_mb"])}
+            params = {"source": values["custom_source"]}
         rewards.append({"name": name, "weight": w, "params": params})
     raw["rewards"] = rewards
     return raw, values
@@ -217,13 +214,6 @@ def spec_from_form(form) -> tuple[dict[str, Any], dict[str, Any]]:
 def _int(v):
     try:
         return int(str(v))
-    except ValueError:
-        return v
-
-
-def _num(v):
-    try:
-        return float(str(v))
     except ValueError:
         return v
 
