@@ -9,12 +9,17 @@ Protocol (DESIGN.md, "The queue protocol"):
   ``lease_owner = me AND state = 'running'``: zero rows means the lease was lost and the
   worker must stop writing for that job;
 * **reap** sends running jobs whose lease expired back to ``queued`` while attempts remain,
-  else to ``failed`` with the reason.
+  else to ``failed`` with the reason (a killed worker process is named as such, with the
+  memory it last recorded).
+
+Every write transaction here is one or two short statements; none is held across work.
 
 Every state change appends a ``state`` event in the same transaction.
 """
 from __future__ import annotations
 
+import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +29,7 @@ from sqlmodel import Session, select
 
 from app.store import events
 from app.store.db import is_sqlite, session_scope
-from app.store.schema import Job, JobState, now
+from app.store.schema import Job, JobEvent, JobState, now
 
 
 class JobNotFound(LookupError):
@@ -190,43 +195,94 @@ def cancel(engine: Engine, job_id: int) -> Job:
         return job
 
 
-def reap(engine: Engine, restarted: str | None = None) -> list[tuple[int, str]]:
+def _memory_note(session: Session, job_id: int) -> str:
+    """``"; last measured memory 1.23 GiB RSS, 20.1 GiB GPU"`` from the job's newest
+    ``resource`` event (see :func:`record_memory`), or ``""`` when none was recorded."""
+    ev = session.exec(select(JobEvent).where(JobEvent.job_id == job_id,
+                                             JobEvent.type == "resource")
+                      .order_by(JobEvent.id.desc()).limit(1)).first()
+    if ev is None:
+        return ""
+    parts = [f"{ev.data['rss_gib']:.2f} GiB RSS"] if ev.data.get("rss_gib") is not None else []
+    if ev.data.get("gpu_gib") is not None:
+        parts.append(f"{ev.data['gpu_gib']:.2f} GiB GPU")
+    return f"; last measured memory {', '.join(parts)}" if parts else ""
+
+
+def _reap_reason(job: Job, killed: bool, note: str) -> tuple[str, str]:
+    """(new state, reason) for one reaped job."""
+    owner = job.lease_owner
+    if job.cancel_requested:
+        return JobState.CANCELLED, "cancelled; its worker stopped answering"
+    cause = (f"the process of worker {owner} was killed (likely out of memory{note})" if killed
+             else f"lease of worker {owner} expired (it stopped answering{note})")
+    if job.attempts < job.max_attempts:
+        return JobState.QUEUED, f"{cause}; requeued"
+    return JobState.FAILED, (f"{cause}; failed after {job.attempts} attempts "
+                             f"(max_attempts={job.max_attempts})")
+
+
+def reap(engine: Engine, restarted: str | None = None, gone: Collection[str] = (),
+         grace: float = 0.0) -> list[tuple[int, str]]:
     """Requeue (attempts left) or fail (none left) running jobs whose lease expired, and, with
     ``restarted`` (a worker id that is starting up), every job still leased to that id: the
     process that held it is gone, so its job need not wait for the lease to run out. Worker ids
     must be unique among live workers (one per GPU slot, see docker/start.sh).
 
+    Args:
+        gone: ids of workers whose process is known not to exist any more (their leases still
+            expire first); their jobs' reason says the process was killed, likely out of
+            memory, with the last memory the worker recorded (:func:`record_memory`); so do
+            the jobs of ``restarted``.
+        grace: seconds a lease must be past its expiry, to which is added as long as this call
+            waited for the write lock (while the database was locked no worker could renew its
+            lease, so a healthy worker whose heartbeat was blocked is not reaped). Without
+    a candidate the call only reads (no write lock taken), so it is cheap to call every second.
+
     Returns:
         ``[(job_id, new_state), ...]`` for every job reaped.
     """
-    t = now()
-    out: list[tuple[int, str]] = []
-    with session_scope(engine, immediate=True) as s:
-        gone = Job.lease_expires_at < t
+    def candidates(s: Session, cutoff: float) -> list[Job]:
+        dead = Job.lease_expires_at < cutoff
         if restarted is not None:
-            gone = or_(gone, Job.lease_owner == restarted)
-        expired = s.exec(select(Job).where(Job.state == JobState.RUNNING, gone)).all()
-        for job in expired:
-            owner = job.lease_owner
-            if job.cancel_requested:
-                job.state, reason = JobState.CANCELLED, "cancelled; its worker stopped answering"
-            elif job.attempts < job.max_attempts:
-                job.state, reason = JobState.QUEUED, (
-                    f"worker {owner} restarted; requeued" if owner == restarted
-                    else f"lease of worker {owner} expired; requeued")
-            else:
-                job.state = JobState.FAILED
-                reason = (f"lease of worker {owner} expired after {job.attempts} attempts "
-                          f"(max_attempts={job.max_attempts})")
-                job.error = reason
+            dead = or_(dead, Job.lease_owner == restarted)
+        return list(s.exec(select(Job).where(Job.state == JobState.RUNNING, dead)).all())
+
+    with session_scope(engine) as s:
+        if not candidates(s, now() - grace):
+            return []
+    out: list[tuple[int, str]] = []
+    t0 = time.monotonic()
+    with session_scope(engine, immediate=True) as s:
+        s.execute(text("SELECT 1"))  # takes the write lock (BEGIN IMMEDIATE) before the clock
+        t = now()
+        waited = time.monotonic() - t0
+        for job in candidates(s, t - grace - waited):
+            killed = job.lease_owner in gone or (restarted is not None
+                                                 and job.lease_owner == restarted)
+            job.state, reason = _reap_reason(job, killed, _memory_note(s, job.id))
             if job.state != JobState.QUEUED:
                 job.finished_at = t
+            if job.state == JobState.FAILED:
+                job.error = reason
             job.lease_owner = None
             job.lease_expires_at = None
             s.add(job)
             _state_event(s, job.id, job.state, reason=reason)
             out.append((job.id, job.state))
     return out
+
+
+def record_memory(engine: Engine, job_id: int, rss_gib: float, gpu_gib: float | None) -> None:
+    """Append a ``resource`` event (``{"rss_gib", "gpu_gib"?, "message"}``) with the memory the
+    job's worker process uses now, in GiB; :func:`reap` quotes the newest one when the process
+    dies (an out-of-memory kill leaves no other trace)."""
+    data: dict[str, Any] = {"rss_gib": round(rss_gib, 4)}
+    msg = f"memory {rss_gib:.2f} GiB RSS"
+    if gpu_gib is not None:
+        data["gpu_gib"] = round(gpu_gib, 4)
+        msg += f", {gpu_gib:.2f} GiB GPU"
+    events.append_many(engine, job_id, [("resource", {**data, "message": msg})])
 
 
 def get_job(engine: Engine, job_id: int) -> Job:

@@ -128,7 +128,7 @@ def test_restarted_worker_takes_back_its_jobs_before_the_lease_ends(engine) -> N
     assert queue.reap(engine, restarted="gpu0") == [(mine.id, JobState.QUEUED)]
     assert queue.get_job(engine, other.id).state == JobState.RUNNING  # another worker's job
     evs = [e.data for e in events.since(engine, mine.id, 0, 100, ["state"])]
-    assert evs[-1]["reason"] == "worker gpu0 restarted; requeued"
+    assert evs[-1]["reason"] == "the process of worker gpu0 was killed (likely out of memory); requeued"
     assert queue.claim(engine, "gpu0", 600).id == mine.id
 
 
