@@ -2,7 +2,11 @@
 
 * At start: migrate the database, register the worker, reap expired leases and the jobs a
   previous process with this worker id died holding, seed the demo model.
-* Every ``settings.reap_interval_seconds``: reap again (another worker may have died).
+* A :class:`worker.lease.Reaper` thread reaps expired leases every few seconds, idle or busy
+  (another worker may have died); a job whose worker process died says so, with its memory.
+* A locked database or a full disk never ends the process: the job fails with the cause
+  ("disk full: 0 bytes free in the data dir ...") or its end is retried; the loop backs off.
+* A lost lease interrupts the handler at once (:func:`worker.faults.interrupt`).
 * A handler that raises fails its job with a one-line message (the traceback goes into a
   ``log`` event) and the worker keeps serving.
 * Cancel (seen by the lease thread) -> the handler stops at its next check -> ``cancelled``.
@@ -11,6 +15,7 @@
 """
 from __future__ import annotations
 
+import errno
 import importlib
 import logging
 import os
@@ -25,12 +30,18 @@ from app.settings import Settings
 from app.store import queue, workers
 from app.store.db import get_engine
 from app.store.schema import Job
-from worker import gpu
+from worker import faults, gpu
 from worker.context import (JobCancelled, JobContext, JobError, LeaseLost, WorkerShutdown)
-from worker.lease import LeaseKeeper
+from worker.lease import LeaseKeeper, Reaper
 from worker.progress import Reporter
 
 log = logging.getLogger("worker")
+
+#: The reaper runs at least this often (seconds), so a dead job waits at most about
+#: lease + this + the grace below before it is requeued, busy workers or not.
+REAP_MAX_PERIOD_SECONDS = 1.5
+#: Seconds past its expiry before a lease is reaped (a blocked heartbeat's chance to land).
+REAP_GRACE_SECONDS = 2.0
 
 #: job kind -> "module:function" taking a JobContext and returning the result dict.
 HANDLERS: dict[str, str] = {
@@ -71,11 +82,14 @@ class Worker:
         self.shutdown = threading.Event()
         self.engine = None
         self.current: JobContext | None = None
-        self._last_reap = 0.0
+        self.reaper: Reaper | None = None
+        self._handler_lock = threading.Lock()
+        self._handler_thread: int | None = None  # thread id while a handler runs
 
     # ---- lifecycle ---------------------------------------------------------------------
     def start(self) -> None:
-        """Migrate, register, reap, seed the demo model."""
+        """Migrate, register, reap (also the jobs this worker id's previous process died
+        holding), start the reaper thread, seed the demo model."""
         from app.store import migrate
 
         self.settings.ensure_dirs()
@@ -84,7 +98,10 @@ class Worker:
         self.engine = get_engine(url)
         workers.register(self.engine, self.worker_id, socket.gethostname(), os.getpid(),
                          gpu.device_name())
-        self.reap(restarted=True)
+        self.reaper = Reaper(self.engine, min(self.settings.reap_interval_seconds,
+                                              REAP_MAX_PERIOD_SECONDS), REAP_GRACE_SECONDS)
+        self.reaper.reap_once(restarted=self.worker_id)
+        self.reaper.start()
         try:
             from app.store.seed import ensure_demo_model
 
@@ -95,7 +112,9 @@ class Worker:
                  ", ".join(self.kinds))
 
     def stop(self) -> None:
-        """Unregister (called on exit)."""
+        """Stop the reaper, unregister (called on exit)."""
+        if self.reaper is not None:
+            self.reaper.stop()
         if self.engine is not None:
             try:
                 workers.unregister(self.engine, self.worker_id)
@@ -106,69 +125,110 @@ class Worker:
         """Signal handler body: stop the current job at its next check and leave the loop."""
         self.shutdown.set()
 
-    def reap(self, restarted: bool = False) -> None:
-        """Requeue or fail jobs whose lease expired; at start (``restarted``) also the jobs still
-        leased to this worker id, whose previous process died holding them."""
-        self._last_reap = time.monotonic()
-        for job_id, state in queue.reap(self.engine, self.worker_id if restarted else None):
-            log.warning("reaped job %s -> %s", job_id, state)
-
     # ---- the loop ------------------------------------------------------------------------
     def serve(self, once: bool = False) -> int:
-        """Claim and run jobs until shutdown (or after one job with ``once``). Returns 0."""
+        """Claim and run jobs until shutdown (or after one job with ``once``). Returns 0.
+
+        A database or disk fault (locked past the busy timeout, disk full) never ends the loop:
+        it is logged and the loop backs off (1 s doubling to 30 s); with less than
+        :data:`worker.faults.MIN_FREE_BYTES` free in the data dir no job is claimed."""
+        backoff = faults.Backoff()
         while not self.shutdown.is_set():
-            if time.monotonic() - self._last_reap >= self.settings.reap_interval_seconds:
-                self.reap()
-            job = queue.claim(self.engine, self.worker_id, self.settings.lease_seconds, self.kinds)
-            if job is None:
-                workers.touch(self.engine, self.worker_id, None)
-                self.shutdown.wait(self.poll_interval)
+            try:
+                free = faults.free_bytes(self.settings.data_dir)
+                if 0 <= free < faults.MIN_FREE_BYTES:
+                    raise OSError(errno.ENOSPC, "no space left in the data dir")
+                job = queue.claim(self.engine, self.worker_id, self.settings.lease_seconds,
+                                  self.kinds)
+                if job is None:
+                    workers.touch(self.engine, self.worker_id, None)
+                    backoff.reset()
+                    self.shutdown.wait(self.poll_interval)
+                    continue
+            except Exception as exc:  # noqa: BLE001 - back off, keep serving
+                delay = backoff.delay()
+                log.error("cannot claim a job (%s); retrying in %.0f s",
+                          faults.describe(exc, self.settings.data_dir) or one_line(exc), delay)
+                self.shutdown.wait(delay)
                 continue
+            backoff.reset()
             self.run_job(job)
             if once:
                 break
         return 0
 
+    def _on_lost(self) -> None:
+        """The lease thread saw the lease lost: stop the handler now, mid-step if need be."""
+        with self._handler_lock:
+            if self._handler_thread is not None:
+                faults.interrupt(self._handler_thread, LeaseLost)
+
+    def _call_handler(self, ctx: JobContext) -> dict[str, Any] | None:
+        """Run the job's handler; a lost lease interrupts it wherever it is (see _on_lost)."""
+        with self._handler_lock:
+            self._handler_thread = threading.get_ident()
+        try:
+            ctx.check()
+            result = handler_for(ctx.job.kind)(ctx)
+            ctx.check()  # a cancel that arrived as the handler returned still counts
+            return result
+        finally:
+            with self._handler_lock:
+                self._handler_thread = None
+                faults.clear_interrupt(threading.get_ident())
+
+    def _end(self, ctx: JobContext, end: Callable[..., bool], *args: Any) -> bool:
+        """A fenced end (finish/fail/...) retried with backoff while the database is locked or
+        the disk full, until it lands, the lease is lost or a lease's time has passed."""
+        backoff, deadline = faults.Backoff(0.5, 5.0), time.monotonic() + self.settings.lease_seconds
+        while True:
+            try:
+                return end(self.engine, ctx.job.id, self.worker_id, *args)
+            except Exception as exc:  # noqa: BLE001
+                cause = faults.describe(exc, self.settings.data_dir) or one_line(exc)
+                if ctx.lost.is_set() or time.monotonic() > deadline:
+                    log.error("job %s: could not record its end (%s); the reaper will", ctx.job.id,
+                              cause)
+                    return False
+                log.warning("job %s: could not record its end (%s); retrying", ctx.job.id, cause)
+                time.sleep(backoff.delay())
+
     def run_job(self, job: Job) -> str:
         """Run one claimed job to its end state; returns the state it ended in (or ``lost``)."""
         reporter = Reporter(self.engine, job.id)
         lease = LeaseKeeper(self.engine, job.id, self.worker_id, self.settings.lease_seconds,
-                            self.settings.heartbeat_seconds, reporter)
+                            self.settings.heartbeat_seconds, reporter, on_lost=self._on_lost)
         ctx = JobContext(self.engine, self.settings, job, self.worker_id, reporter,
                          cancel=lease.cancel, lost=lease.lost, shutdown=self.shutdown)
         self.current = ctx
-        workers.touch(self.engine, self.worker_id, job.id)
         log.info("job %s (%s) claimed, attempt %s", job.id, job.kind, job.attempts)
         lease.beat()
         lease.start()
         outcome = "failed"
         try:
             try:
-                ctx.check()
-                result = handler_for(job.kind)(ctx)
-                ctx.check()  # a cancel that arrived as the handler returned still counts
+                result = self._call_handler(ctx)
             except JobCancelled:
                 reporter.log("cancelled by request")
                 reporter.flush()
-                outcome = "cancelled" if queue.acknowledge_cancel(
-                    self.engine, job.id, self.worker_id) else "lost"
+                outcome = "cancelled" if self._end(ctx, queue.acknowledge_cancel) else "lost"
             except LeaseLost:
                 outcome = "lost"
             except (WorkerShutdown, KeyboardInterrupt):
                 reporter.log("worker shutting down; job returned to the queue", "warning")
                 reporter.flush()
-                outcome = "queued" if queue.release(
-                    self.engine, job.id, self.worker_id, "worker shut down") else "lost"
+                outcome = "queued" if self._end(ctx, queue.release, "worker shut down") else "lost"
             except Exception as exc:  # noqa: BLE001 - every failure ends the job, not the worker
-                msg = one_line(exc)
+                msg = faults.describe(exc, self.settings.data_dir) or one_line(exc)
                 reporter.log(msg, "error", traceback=traceback.format_exc())
                 reporter.flush()
                 log.error("job %s failed: %s", job.id, msg)
-                outcome = "failed" if queue.fail(self.engine, job.id, self.worker_id, msg) else "lost"
+                outcome = "failed" if self._end(ctx, queue.fail, msg) else "lost"
             else:
                 reporter.flush()
-                outcome = "succeeded" if queue.finish(
-                    self.engine, job.id, self.worker_id, result or {}) else "lost"
+                outcome = "succeeded" if self._end(ctx, queue.finish, result or {}) else "lost"
+        except LeaseLost:  # the interrupt landed just after the handler returned
+            outcome = "lost"
         finally:
             lease.stop()
             reporter.flush()

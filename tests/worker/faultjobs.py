@@ -1,0 +1,53 @@
+"""Job handlers for the fault tests, run by real worker processes (see fault_worker.py).
+
+* ``tick``: for ``seconds`` seconds append the time to ``<data_dir>/ticks/<job>-<attempt>``
+  every 20 ms, calling ``ctx.check()`` only every ``step`` seconds (a long training step);
+* ``fill``: write ``<data_dir>/fill/<job>`` in 64 KiB chunks until the disk is full (or, with
+  ``inject``, raise ENOSPC at once, as a full disk does);
+* ``hog``: hold ``mib`` MiB of touched memory, then tick like ``tick``.
+"""
+from __future__ import annotations
+
+import errno
+import time
+from pathlib import Path
+
+
+def _ticks(ctx, seconds: float, step: float) -> dict:
+    out = Path(ctx.settings.data_dir) / "ticks"
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{ctx.job.id}-{ctx.job.attempts}"
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        step_end = min(time.monotonic() + step, end)
+        while time.monotonic() < step_end:
+            with path.open("a") as fh:
+                fh.write(f"{time.time():.3f}\n")
+            time.sleep(0.02)
+        ctx.check()
+    return {"by": ctx.worker_id}
+
+
+def tick(ctx) -> dict:
+    p = ctx.payload
+    return _ticks(ctx, float(p.get("seconds", 1.0)), float(p.get("step", 0.05)))
+
+
+def fill(ctx) -> dict:
+    if ctx.payload.get("inject"):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    d = Path(ctx.settings.data_dir) / "fill"
+    d.mkdir(parents=True, exist_ok=True)
+    chunk = b"\0" * (64 << 10)
+    with (d / str(ctx.job.id)).open("wb") as fh:
+        while True:
+            fh.write(chunk)
+            fh.flush()
+
+
+def hog(ctx) -> dict:
+    held = bytearray(int(ctx.payload["mib"]) << 20)
+    for i in range(0, len(held), 4096):
+        held[i] = 1
+    result = _ticks(ctx, float(ctx.payload.get("seconds", 600)), 0.05)
+    return {**result, "held": len(held)}
