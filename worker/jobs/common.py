@@ -21,6 +21,7 @@ from typing import Any
 from app.store import repo
 from app.store.schema import Artifact, Dataset, Model
 from worker import gpu
+from worker.checkpoints import newest_complete
 from worker.context import JobContext, JobError
 
 
@@ -85,15 +86,37 @@ def add_artifact(ctx: JobContext, run_id: str, kind: str, path: Path, **meta: An
 
 
 # ---- the job prelude ------------------------------------------------------------------------
-def job_spec(ctx: JobContext, spec_cls, job_name: str) -> tuple[str, Any]:
-    """(run id, validated spec) from the job payload (the spec's fields plus ``run_id``).
+def owner_may_run_custom_rewards(ctx: JobContext) -> bool:
+    """Whether the job's owner may (still) run custom reward code: the same rule the web applied
+    when the run was created (:func:`app.studio.grpo.custom_rewards_allowed`), read again from
+    the owner's user row, so revoking the permission stops queued runs too."""
+    from app.store.db import session_scope
+    from app.store.schema import User
+    from app.studio.grpo import custom_rewards_allowed
 
-    Raises JobError when there is no run id; pydantic.ValidationError on a bad spec.
+    if not ctx.job.owner:
+        return False
+    with session_scope(ctx.engine) as s:
+        user = s.get(User, ctx.job.owner)
+        return user is not None and not user.disabled and custom_rewards_allowed(user)
+
+
+def job_spec(ctx: JobContext, spec_cls, job_name: str) -> tuple[str, Any]:
+    """(run id, validated spec) of the job's run: the payload names the run (``run_id``) and the
+    run row holds the one copy of the spec.
+
+    A payload written before that (the spec's fields beside ``run_id``) is still read as a spec.
+    Raises JobError when there is no run id or no such run; pydantic.ValidationError on a bad spec.
     """
     payload = dict(ctx.payload)
     run_id = payload.pop("run_id", None) or ctx.job.run_id
     if not run_id:
         raise JobError(f"{job_name} job payload has no run_id")
+    if set(payload) <= {"spec_version"}:
+        try:
+            return run_id, spec_cls.model_validate(repo.get_run(ctx.engine, run_id).spec)
+        except repo.NotFound:
+            raise JobError(f"{job_name} job: run {run_id} no longer exists") from None
     return run_id, spec_cls.model_validate(payload)
 
 
@@ -178,13 +201,13 @@ def write_config(ctx: JobContext, run_id: str, run_dir: Path, config: dict[str, 
 
 
 def last_checkpoint(ctx: JobContext, ckpt_dir: Path) -> str | None:
-    """The newest checkpoint of an earlier attempt (logged), or None."""
-    from transformers.trainer_utils import get_last_checkpoint
-
-    last = get_last_checkpoint(str(ckpt_dir)) if any(ckpt_dir.iterdir()) else None
+    """The newest COMPLETE checkpoint of an earlier attempt (logged), or None; incomplete newer
+    ones (a save cut short by a kill or a full disk) are set aside with a warning
+    (:func:`worker.checkpoints.newest_complete`)."""
+    last = newest_complete(ckpt_dir, on_skip=lambda msg: ctx.log(msg, "warning"))
     if last:
-        ctx.log(f"resuming from {Path(last).name}")
-    return last
+        ctx.log(f"resuming from {last.name}")
+    return str(last) if last else None
 
 
 def save_adapter(ctx: JobContext, run_id: str, run_dir: Path, trainer, tokenizer,

@@ -1,0 +1,60 @@
+"""Resume picks the newest COMPLETE checkpoint: folders written the way the HF Trainer writes
+them (safetensors adapter, torch-saved optimizer/scheduler/RNG, trainer_state.json), one of
+them cut short as a kill or a full disk leaves it."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from worker.checkpoints import is_complete, newest_complete
+
+torch = pytest.importorskip("torch")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+
+def _checkpoint(root: Path, step: int) -> Path:
+    d = root / f"checkpoint-{step}"
+    d.mkdir(parents=True)
+    safetensors_torch.save_file({"lora_A": torch.randn(8, 16), "lora_B": torch.zeros(16, 8)},
+                                str(d / "adapter_model.safetensors"))
+    (d / "adapter_config.json").write_text(json.dumps({"r": 8}))
+    torch.save({"state": {0: {"exp_avg": torch.randn(64, 64)}}}, d / "optimizer.pt")
+    torch.save({"last_epoch": step}, d / "scheduler.pt")
+    torch.save({"python": list(range(100))}, d / "rng_state.pth")
+    (d / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+    return d
+
+
+def _truncate(path: Path, keep: float = 0.5) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep)])
+
+
+@pytest.mark.parametrize("cut", ["optimizer.pt", "adapter_model.safetensors", "rng_state.pth",
+                                 "trainer_state.json", None])
+def test_resume_skips_a_half_written_checkpoint(tmp_path: Path, cut: str | None) -> None:
+    older = _checkpoint(tmp_path, 10)
+    newer = _checkpoint(tmp_path, 20)
+    assert is_complete(older) and is_complete(newer)
+    if cut is None:  # the trainer died before writing its state file at all
+        (newer / "trainer_state.json").unlink()
+    else:
+        _truncate(newer / cut)
+    skipped: list[str] = []
+    assert newest_complete(tmp_path, skipped.append) == older
+    assert skipped == ["checkpoint-20 is incomplete (its save was interrupted); set aside as "
+                       ".incomplete-checkpoint-20"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".incomplete-checkpoint-20",
+                                                          "checkpoint-10"]
+    # a later attempt saving step 20 again, then looking again, finds it whole
+    _checkpoint(tmp_path, 20)
+    assert newest_complete(tmp_path) == tmp_path / "checkpoint-20"
+
+
+def test_no_complete_checkpoint_means_start_over(tmp_path: Path) -> None:
+    only = _checkpoint(tmp_path, 5)
+    (only / "trainer_state.json").write_text(json.dumps({"global_step": 4}))  # another step's
+    assert newest_complete(tmp_path) is None
+    assert newest_complete(tmp_path / "missing") is None

@@ -1,0 +1,87 @@
+"""Which trainer checkpoints are whole: a run resumes from the newest COMPLETE one.
+
+The Hugging Face Trainer writes ``checkpoints/checkpoint-<step>/`` in place, file by file; a
+worker killed or a disk filled in the middle leaves a folder that looks like a checkpoint but
+cannot be loaded. :func:`is_complete` checks every file the trainer writes can be read to its
+end (``trainer_state.json`` parses and names the step; each ``.safetensors`` file is as long as
+its header says; each ``.pt``/``.pth`` file is a whole zip archive, torch's format), so no
+marker file is needed. :func:`newest_complete` moves incomplete folders aside (to
+``.incomplete-checkpoint-<step>``, which neither the trainer's rotation nor resume looks at).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+
+_STEP = re.compile(r"^checkpoint-(\d+)$")
+
+
+def _safetensors_whole(path: Path) -> bool:
+    size = path.stat().st_size
+    with path.open("rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            return False
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8:
+            return False
+        try:
+            meta = json.loads(fh.read(n))
+        except ValueError:
+            return False
+    ends = [v["data_offsets"][1] for k, v in meta.items() if k != "__metadata__"]
+    return size == 8 + n + max(ends, default=0)
+
+
+def is_complete(folder: Path) -> bool:
+    """Whether ``folder`` (a ``checkpoint-<step>`` dir) holds a whole trainer checkpoint:
+    ``trainer_state.json`` with ``global_step == <step>``, at least one weights file, and every
+    weights/state file readable to its end. Never raises."""
+    m = _STEP.match(folder.name)
+    try:
+        state = json.loads((folder / "trainer_state.json").read_text(encoding="utf-8"))
+        if not m or state.get("global_step") != int(m.group(1)):
+            return False
+        weights = list(folder.glob("*.safetensors")) + list(folder.glob("*.bin"))
+        if not weights:
+            return False
+        for f in folder.iterdir():
+            if f.suffix == ".safetensors" and not _safetensors_whole(f):
+                return False
+            if f.suffix in (".pt", ".pth", ".bin") and not zipfile.is_zipfile(f):
+                return False
+            if f.suffix == ".json":
+                json.loads(f.read_text(encoding="utf-8"))
+        return True
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return False
+
+
+def newest_complete(ckpt_dir: Path, on_skip: Callable[[str], None] | None = None) -> Path | None:
+    """The complete ``checkpoint-<step>`` folder of ``ckpt_dir`` with the highest step, or None.
+
+    Incomplete ones newer than it are renamed to ``.incomplete-checkpoint-<step>`` (replacing an
+    older one of that name) and reported to ``on_skip`` with a one-line message.
+    """
+    if not ckpt_dir.is_dir():
+        return None
+    found = sorted(((int(m.group(1)), p) for p in ckpt_dir.iterdir()
+                    if p.is_dir() and (m := _STEP.match(p.name))), reverse=True)
+    for _, path in found:
+        if is_complete(path):
+            return path
+        aside = path.with_name(f".incomplete-{path.name}")
+        if aside.exists():
+            import shutil
+
+            shutil.rmtree(aside, ignore_errors=True)
+        os.replace(path, aside)
+        if on_skip is not None:
+            on_skip(f"{path.name} is incomplete (its save was interrupted); set aside as "
+                    f"{aside.name}")
+    return None
