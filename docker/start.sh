@@ -1,24 +1,34 @@
 #!/usr/bin/env bash
 # Start the studio: one worker per visible NVIDIA GPU (or one CPU worker), then the web process.
-# A worker that exits (crash, OOM kill, SIGTERM to it alone) is restarted after a pause, so the
-# studio stays up; its running job was handed back to the queue (or is reaped when its lease
-# expires) and continues from the last checkpoint. Ctrl-C / SIGTERM to this script stops all.
+# Each process is supervised: one that exits (crash, OOM kill, SIGTERM to it alone) is restarted
+# after a pause that doubles while it keeps dying young (WHETSTONE_WORKER_RESTART_SECONDS /
+# WHETSTONE_WEB_RESTART_SECONDS, up to 60 s; back to the first pause after 60 s of uptime), so
+# the studio stays up. A worker's running job was handed back to the queue (or is reaped when
+# its lease expires) and continues from the last complete checkpoint; a web crash stops nothing
+# else. Ctrl-C / SIGTERM to this script stops everything and exits 0.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BIN=${WHETSTONE_PYTHON:-.venv/bin/python}
 [ -x "$BIN" ] || BIN=python3
-RESTART_PAUSE=${WHETSTONE_WORKER_RESTART_SECONDS:-5}
+WORKER_PAUSE=${WHETSTONE_WORKER_RESTART_SECONDS:-5}
+WEB_PAUSE=${WHETSTONE_WEB_RESTART_SECONDS:-2}
+MAX_PAUSE=60
 pids=()
 
-supervise_worker() {  # $1 = CUDA_VISIBLE_DEVICES value, $2 = worker id
-  local child=0
+supervise() {  # $1 = name, $2 = first pause (s), then the command; restarts it with backoff
+  local name=$1 first=$2 child=0 pause=$2 started status
+  shift 2
   trap 'kill -TERM $child 2>/dev/null; wait $child 2>/dev/null; exit 0' TERM INT
   while true; do
-    CUDA_VISIBLE_DEVICES=$1 "$BIN" -m worker --worker-id "$2" &
+    started=$SECONDS
+    "$@" &
     child=$!
     wait $child
-    echo "start.sh: worker $2 exited (status $?); restarting in ${RESTART_PAUSE}s" >&2
-    sleep "$RESTART_PAUSE" & wait $!
+    status=$?
+    if ((SECONDS - started >= 60)); then pause=$first; fi
+    echo "start.sh: $name exited (status $status); restarting in ${pause}s" >&2
+    sleep "$pause" & wait $!
+    pause=$((pause * 2 > MAX_PAUSE ? MAX_PAUSE : pause * 2))
   done
 }
 
@@ -37,17 +47,16 @@ fi
 "$BIN" -m app.store.migrate || exit 1
 if [ "${gpus:-0}" -gt 0 ]; then
   for ((i = 0; i < gpus; i++)); do
-    supervise_worker "$i" "$(hostname)-gpu$i" &
+    CUDA_VISIBLE_DEVICES=$i supervise "worker gpu$i" "$WORKER_PAUSE" \
+      "$BIN" -m worker --worker-id "$(hostname)-gpu$i" &
     pids+=($!)
   done
 else
-  supervise_worker "" "$(hostname)-cpu" &
+  CUDA_VISIBLE_DEVICES="" supervise "worker cpu" "$WORKER_PAUSE" \
+    "$BIN" -m worker --worker-id "$(hostname)-cpu" &
   pids+=($!)
 fi
-"$BIN" -m app.web.main &
-web=$!
-pids+=($web)
+supervise web "$WEB_PAUSE" "$BIN" -m app.web.main &
+pids+=($!)
 echo "Whetstone: http://${WHETSTONE_HOST:-127.0.0.1}:${WHETSTONE_PORT:-8000}  (workers: $((${gpus:-0} > 0 ? gpus : 1)))"
-wait $web
-echo "start.sh: the web process exited; stopping the workers" >&2
-stop
+while true; do wait; sleep 1; done  # only a signal (-> stop) ends this script
