@@ -25,6 +25,9 @@ class Settings(BaseSettings):
             ``stories260K`` is seeded; empty means download it from the Hugging Face Hub on first use.
         lease_seconds: how long a claimed job stays leased without a heartbeat (seconds).
         heartbeat_seconds: how often the worker renews its lease (seconds).
+        sqlite_busy_timeout_seconds: (faults) how long an SQLite writer waits for another's
+            write lock before giving up with "database is locked" (seconds; the worker then
+            backs off and retries, the web answers 503 "busy, retry").
         max_upload_mb: largest accepted dataset upload (MiB).
         ollama_url: Ollama server used by "push to Ollama" exports.
         allow_custom_rewards: who may run custom Python reward functions in GRPO runs
@@ -65,6 +68,8 @@ class Settings(BaseSettings):
     lease_seconds: float = Field(default=60.0, gt=0)
     heartbeat_seconds: float = Field(default=2.0, gt=0)
     reap_interval_seconds: float = Field(default=15.0, gt=0)
+    # faults
+    sqlite_busy_timeout_seconds: float = Field(default=30.0, gt=0)
     worker_stale_seconds: float = Field(default=30.0, gt=0)
     max_upload_mb: int = Field(default=512, gt=0)
     ollama_url: str = "http://127.0.0.1:11434"

@@ -9,8 +9,10 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse
+from sqlalchemy.exc import SQLAlchemyError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from app.store.db import LOCKED, fault_of
 from app.store.queue import JobNotFound
 from app.store.repo import NotFound
 
@@ -100,6 +102,24 @@ def install(app: FastAPI) -> None:
         msg, param = _validation_message(exc)
         return error_response(request, 400 if _kind(request) == "openai" else 422, msg, param,
                               "invalid_value")
+
+    async def _fault(request: Request, exc: Exception):
+        # faults (issue 20): a database locked past the busy timeout is 503 "busy, retry"
+        # (Retry-After), a full disk 507; anything else is unexpected
+        fault = fault_of(exc)
+        if fault is None:
+            return await _unexpected(request, exc)
+        log.warning("%s on %s %s: %s", fault, request.method, request.url.path, exc)
+        if fault == LOCKED:
+            resp = error_response(request, 503, "The studio is busy (its database is locked by "
+                                  "another writer); retry in a few seconds.", code="busy_retry")
+            resp.headers["Retry-After"] = "5"
+            return resp
+        return error_response(request, 507, "The server's disk is full; nothing was saved. "
+                              "Ask an admin to free space in the data dir.", code="disk_full")
+
+    app.add_exception_handler(SQLAlchemyError, _fault)
+    app.add_exception_handler(OSError, _fault)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
