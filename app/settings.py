@@ -8,7 +8,7 @@ from __future__ import annotations
 from functools import lru_cache
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -30,9 +30,9 @@ class Settings(BaseSettings):
             backs off and retries, the web answers 503 "busy, retry").
         max_upload_mb: largest accepted dataset upload (MiB).
         ollama_url: Ollama server used by "push to Ollama" exports.
-        allow_custom_rewards: who may run custom Python reward functions in GRPO runs
-            (``WHETSTONE_ALLOW_CUSTOM_REWARDS``): empty = nobody, ``*`` = everyone, else a
-            comma-separated list of user names (a run's ``owner``).
+        import_root: the only server folder under which members may register local models
+            (``WHETSTONE_IMPORT_ROOT``; a HF folder or llama2.c files); empty = members register
+            Hub ids only. Admins may name any path.
 
     Accounts and sign-in:
         admin_user: name of the admin that ``admin_password`` creates (``WHETSTONE_ADMIN_USER``).
@@ -73,7 +73,7 @@ class Settings(BaseSettings):
     worker_stale_seconds: float = Field(default=30.0, gt=0)
     max_upload_mb: int = Field(default=512, gt=0)
     ollama_url: str = "http://127.0.0.1:11434"
-    allow_custom_rewards: str = ""
+    import_root: Path | None = None
     # accounts and sign-in
     admin_user: str = "admin"
     admin_password: str = ""
@@ -87,10 +87,10 @@ class Settings(BaseSettings):
     reward_timeout_seconds: float = Field(default=30.0, gt=0)
     reward_max_processes: int = Field(default=16, ge=0)
 
-    def custom_rewards_allowed(self, user: str | None) -> bool:
-        """Whether ``user`` (None when there is no login) may run custom reward code."""
-        allowed = {u.strip() for u in self.allow_custom_rewards.split(",") if u.strip()}
-        return "*" in allowed or (user is not None and user in allowed)
+    @field_validator("import_root", mode="before")
+    @classmethod
+    def _empty_is_none(cls, v):
+        return None if v is None or (isinstance(v, str) and not v.strip()) else v
 
     @property
     def resolved_database_url(self) -> str:

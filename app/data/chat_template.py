@@ -324,3 +324,36 @@ def resolve_template(name_or_source: str | None, model_template: str | None = No
         compile_template(name_or_source)
         return name_or_source
     return model_template
+
+
+#: The built-in template a run uses when neither the run nor the model names one (the dataset
+#: preview and the run form start from the same one).
+FALLBACK_TEMPLATE = "chatml"
+
+
+def choose_template(requested: str | None, model_template: str | None) -> tuple[str, str | None]:
+    """The one decision of which chat template a run (and its preview) uses: ``(name, source)``.
+
+    ``requested`` is a built-in name (``chatml``, ``llama3``, ...), Jinja source (name
+    ``custom``), ``"model"``/None (the model's own template, name ``model``), or ``"none"`` (GRPO
+    on a base model: prompts sent as they are; source None). With no template anywhere the
+    built-in :data:`FALLBACK_TEMPLATE` is used. Called once when a run is created; the stored
+    name and source are what the worker and every export use.
+
+    Raises:
+        DatasetError: ``requested`` is Jinja source that does not parse.
+    """
+    key = (requested or "").strip()
+    if key.lower() == "none":
+        return "none", None
+    if key and key.lower() != "model":
+        if key.lower() in DEFAULT_TEMPLATES:
+            return key.lower(), DEFAULT_TEMPLATES[key.lower()]
+        same = [n for n, src in DEFAULT_TEMPLATES.items() if src.strip() == key]
+        if same:
+            return same[0], DEFAULT_TEMPLATES[same[0]]
+        compile_template(requested)
+        return "custom", requested
+    if model_template:
+        return "model", model_template
+    return FALLBACK_TEMPLATE, DEFAULT_TEMPLATES[FALLBACK_TEMPLATE]

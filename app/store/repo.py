@@ -37,10 +37,13 @@ def get_dataset(engine: Engine, dataset_id: str) -> Dataset:
         return ds
 
 
-def list_datasets(engine: Engine, limit: int = 200) -> list[Dataset]:
-    """Datasets, newest first."""
+def list_datasets(engine: Engine, limit: int = 200, owner: str | None = None) -> list[Dataset]:
+    """Datasets, newest first; only those of user id ``owner`` when it is given."""
     with session_scope(engine) as s:
-        return list(s.exec(select(Dataset).order_by(Dataset.created_at.desc()).limit(limit)).all())
+        q = select(Dataset).order_by(Dataset.created_at.desc())
+        if owner is not None:
+            q = q.where(Dataset.owner == owner)
+        return list(s.exec(q.limit(limit)).all())
 
 
 def update_dataset(engine: Engine, dataset_id: str, **fields: Any) -> Dataset:
@@ -77,13 +80,14 @@ class InUse(ValueError):
 
 # ---- models -----------------------------------------------------------------------------
 def add_model(engine: Engine, model: Model, import_job: bool = True) -> Model:
-    """Register a model and (by default) queue the ``import_model`` job that makes it ready."""
+    """Register a model and (by default) queue the ``import_model`` job that makes it ready
+    (owned by the model's owner)."""
     with session_scope(engine, immediate=True) as s:
         s.add(model)
         s.flush()
         if import_job:
             job = Job(kind="import_model", payload={"spec_version": 1, "model_id": model.id},
-                      priority=10)
+                      priority=10, owner=model.owner)
             s.add(job)
             s.flush()
             events.append(s, job.id, "state", {"state": JobState.QUEUED})
@@ -99,10 +103,36 @@ def get_model(engine: Engine, id_or_name: str) -> Model:
         return m
 
 
-def list_models(engine: Engine) -> list[Model]:
-    """Registered models, oldest first."""
+def list_models(engine: Engine, owner: str | None = None) -> list[Model]:
+    """Registered models, oldest first; when user id ``owner`` is given, only that user's models
+    and the shared ones."""
     with session_scope(engine) as s:
-        return list(s.exec(select(Model).order_by(Model.created_at)).all())
+        q = select(Model).order_by(Model.created_at)
+        if owner is not None:
+            q = q.where(or_(Model.owner == owner, Model.shared == True))  # noqa: E712 - SQL
+        return list(s.exec(q).all())
+
+
+def delete_model(engine: Engine, model_id: str) -> Model:
+    """Delete a model row that no run uses and that is not being imported; return it.
+
+    Raises:
+        NotFound: no such model.
+        InUse: a run uses it, or it is still being imported (the message says which).
+    """
+    with session_scope(engine, immediate=True) as s:
+        row = s.get(Model, model_id)
+        if row is None:
+            raise NotFound(f"no model {model_id!r} is registered")
+        if row.status == "pending":
+            raise InUse(f"model {row.name!r} is still being imported; delete it once it is "
+                        "ready or failed")
+        used = s.exec(select(Run.id).where(Run.model_id == row.id).limit(1)).first()
+        if used is not None:
+            raise InUse(f"model {row.name!r} is used by run {used}; it cannot be deleted "
+                        "while runs refer to it")
+        s.delete(row)
+        return row
 
 
 def update_model(engine: Engine, model_id: str, **fields: Any) -> Model:
@@ -120,7 +150,8 @@ def update_model(engine: Engine, model_id: str, **fields: Any) -> Model:
 # ---- runs -------------------------------------------------------------------------------
 def create_run(engine: Engine, spec: TrainSpec, *, kind: str = "sft", name: str | None = None,
                owner: str | None = None, priority: int = 0) -> tuple[Run, Job]:
-    """Create a run and queue its training job in one transaction.
+    """Create a run and queue its training job in one transaction. The run row holds the spec;
+    the job's payload only names the run (``{"spec_version", "run_id"}``).
 
     ``spec.model`` may be a model id or name; it is resolved to the id. Raises NotFound when the
     model or dataset does not exist.
@@ -134,7 +165,8 @@ def create_run(engine: Engine, spec: TrainSpec, *, kind: str = "sft", name: str 
                   owner=owner)
         s.add(run)
         s.flush()
-        job = Job(kind="train" if kind == "sft" else kind, payload={**payload, "run_id": run.id},
+        job = Job(kind="train" if kind == "sft" else kind,
+                  payload={"spec_version": payload["spec_version"], "run_id": run.id},
                   priority=priority, run_id=run.id, owner=owner, max_attempts=3)
         s.add(job)
         s.flush()
@@ -153,10 +185,14 @@ def get_run(engine: Engine, run_id: str) -> Run:
         return run
 
 
-def list_runs(engine: Engine, limit: int = 100, after: str | None = None) -> list[Run]:
-    """Runs, newest first; ``after`` is a run id for cursor pagination (OpenAI style)."""
+def list_runs(engine: Engine, limit: int = 100, after: str | None = None,
+              owner: str | None = None) -> list[Run]:
+    """Runs, newest first; ``after`` is a run id for cursor pagination (OpenAI style); only the
+    runs of user id ``owner`` when it is given."""
     with session_scope(engine) as s:
         q = select(Run).order_by(Run.created_at.desc(), Run.id.desc())
+        if owner is not None:
+            q = q.where(Run.owner == owner)
         if after:
             pivot = s.get(Run, after)
             if pivot is not None:
@@ -174,11 +210,14 @@ def run_with_job(engine: Engine, run_id: str) -> tuple[Run, Job | None]:
         return run, job
 
 
-def succeeded_runs(engine: Engine) -> list[tuple[Run, Job]]:
-    """Runs whose training job succeeded (each has a fine-tuned model), oldest finish first."""
+def succeeded_runs(engine: Engine, owner: str | None = None) -> list[tuple[Run, Job]]:
+    """Runs whose training job succeeded (each has a fine-tuned model), oldest finish first;
+    only those of user id ``owner`` when it is given."""
     with session_scope(engine) as s:
         q = (select(Run, Job).join(Job, Job.id == Run.job_id)
              .where(Job.state == JobState.SUCCEEDED).order_by(Job.finished_at, Run.id))
+        if owner is not None:
+            q = q.where(Run.owner == owner)
         return [(run, job) for run, job in s.exec(q).all()]
 
 

@@ -28,7 +28,8 @@ def demo_source_ref(settings: Settings) -> str:
 
 
 def ensure_demo_model(engine: Engine, settings: Settings) -> Model:
-    """Register ``stories260K`` (source ``llama2c``) and queue its import, unless it exists.
+    """Register ``stories260K`` (source ``llama2c``, shared: every user may train on it) and
+    queue its import, unless it exists.
 
     Safe to call concurrently from the web and the worker: the unique model name decides.
     A previously failed import is queued again.
@@ -38,7 +39,8 @@ def ensure_demo_model(engine: Engine, settings: Settings) -> Model:
     except repo.NotFound:
         try:
             return repo.add_model(engine, Model(name=DEMO_MODEL_NAME, source="llama2c",
-                                                source_ref=demo_source_ref(settings)))
+                                                source_ref=demo_source_ref(settings),
+                                                shared=True))
         except IntegrityError:  # the other process registered it first
             return repo.get_model(engine, DEMO_MODEL_NAME)
     if m.status == "failed":

@@ -63,6 +63,9 @@ class LoraTrainingFields(BaseModel):
     optim: str = "adamw_torch"
     seed: int = Field(default=3407, ge=0)
     chat_template: str | None = None
+    chat_template_name: str | None = Field(
+        default=None, description="set when the run is created: the resolved template's name "
+        "(a built-in, 'model', 'custom' or 'none'); chat_template then holds its source")
     system_prompt: str | None = None
     logging_steps: int = Field(default=1, ge=1)
     save_steps: int = Field(default=50, ge=1)

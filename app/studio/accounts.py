@@ -19,6 +19,7 @@ from sqlmodel import select
 from app.store.db import session_scope
 from app.store.schema import ApiKey, AuthToken, Dataset, Job, Model, Run, User, now
 from app.studio import audit
+from app.studio.access import can_see, require_admin
 from app.studio.errors import StudioError, invalid, not_found
 
 ROLES = ("admin", "member")
@@ -55,18 +56,6 @@ def _check_password(password: str) -> str:
     return password
 
 
-def _require_admin(actor: User | None) -> User:
-    if actor is None or actor.role != "admin" or actor.disabled:
-        raise StudioError("forbidden", "only an admin may do this")
-    return actor
-
-
-def can_see(user: User | None, owner_id: str | None) -> bool:
-    """Whether ``user`` may see and act on an object owned by ``owner_id``: an admin always,
-    a member only on their own objects, nobody when signed out."""
-    return user is not None and not user.disabled and (user.role == "admin" or owner_id == user.id)
-
-
 # ---- users ---------------------------------------------------------------------------------
 def has_users(engine: Engine) -> bool:
     """True once at least one user exists."""
@@ -85,7 +74,7 @@ def get_user(engine: Engine, user_id: str) -> User:
 
 def list_users(engine: Engine, actor: User) -> list[User]:
     """Every user by name (admin only; StudioError forbidden otherwise)."""
-    _require_admin(actor)
+    require_admin(actor)
     with session_scope(engine) as s:
         return list(s.exec(select(User).order_by(User.name)).all())
 
@@ -99,7 +88,7 @@ def create_user(engine: Engine, name: str, password: str, role: str = "member", 
             ``role``), conflict (the name is taken).
     """
     if actor is not None:
-        _require_admin(actor)
+        require_admin(actor)
     name = _check_name(name)
     _check_password(password)
     if role not in ROLES:
@@ -177,7 +166,7 @@ def set_password(engine: Engine, actor: User, user_id: str, password: str) -> Us
 
 
 def _admin_change(engine: Engine, actor: User, user_id: str, **fields) -> User:
-    _require_admin(actor)
+    require_admin(actor)
     target = get_user(engine, user_id)
     losing_admin = target.role == "admin" and (fields.get("role", "admin") != "admin"
                                                or fields.get("disabled"))

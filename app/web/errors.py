@@ -15,6 +15,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from app.store.db import LOCKED, fault_of
 from app.store.queue import JobNotFound
 from app.store.repo import NotFound
+from app.studio.errors import StudioError
+from app.web.uploads import UploadError
 
 log = logging.getLogger("whetstone.web")
 
@@ -64,6 +66,49 @@ def error_response(request: Request, status: int, message: str, param: str | Non
     return HTMLResponse(html, status_code=status)
 
 
+#: HTTP status of each StudioError kind (``invalid`` is 400 under /v1, as OpenAI answers).
+STATUS = {"not_found": 404, "invalid": 422, "unauthorized": 401, "forbidden": 403,
+          "conflict": 409, "too_many": 429, "unavailable": 503}
+#: /v1 names of our spec fields, and the OpenAI error codes of what is missing.
+OPENAI_PARAMS = {"num_train_epochs": "hyperparameters.n_epochs",
+                 "per_device_train_batch_size": "hyperparameters.batch_size",
+                 "learning_rate": "hyperparameters.learning_rate_multiplier",
+                 "dataset": "training_file"}
+_OPENAI_CODES = {("not_found", "model"): "model_not_found",
+                 ("not_found", "dataset"): "file_not_found",
+                 ("invalid", "dataset"): "invalid_file", ("invalid", "file"): "invalid_file",
+                 ("forbidden", None): "permission_denied", ("unauthorized", None): "invalid_api_key",
+                 ("conflict", None): "conflict", ("too_many", None): "rate_limit_exceeded"}
+
+
+def studio_error_response(request: Request, exc: StudioError) -> JSONResponse | HTMLResponse:
+    """The one mapping of a use-case error to HTTP for every surface: the status from its kind,
+    its field as ``param`` (renamed to the OpenAI parameter under /v1), an error code. A spec
+    that failed validation names its field in the message too, and lists every bad field under
+    ``fields`` on /api."""
+    status = STATUS[exc.kind]
+    fields = getattr(exc, "fields", None) or getattr(exc, "errors", None)
+    fields = fields if isinstance(fields, dict) else None
+    if _kind(request) == "openai":
+        if exc.kind == "invalid":
+            status = 400
+        field = exc.field
+        code = (exc.code or _OPENAI_CODES.get((exc.kind, field))
+                or _OPENAI_CODES.get((exc.kind, None))
+                or ("not_found" if exc.kind == "not_found" else "invalid_value"))
+        if field and field.startswith("rewards"):  # graders became our rewards
+            field = "method.reinforcement.grader"
+        param = OPENAI_PARAMS.get(field, field)
+        message = f"{param}: {exc.message}" if param and fields is not None else exc.message
+        return openai_error(status, message, param, code)
+    code = exc.code or {"invalid": "invalid_value", "not_found": "not_found"}.get(exc.kind, exc.kind)
+    message = f"{exc.field}: {exc.message}" if exc.field and fields is not None else exc.message
+    if _kind(request) == "json" and fields:
+        return JSONResponse({"error": {"message": message, "param": exc.field, "code": code,
+                                       "fields": fields}}, status_code=status)
+    return error_response(request, status, message, exc.field, code)
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errs = exc.errors()
     if not errs:
@@ -81,6 +126,14 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):
         return error_response(request, exc.status, exc.message, exc.param, exc.code)
+
+    @app.exception_handler(StudioError)
+    async def _studio_error(request: Request, exc: StudioError):
+        return studio_error_response(request, exc)
+
+    @app.exception_handler(UploadError)
+    async def _upload_error(request: Request, exc: UploadError):
+        return error_response(request, exc.status, exc.message, exc.param, "invalid_file")
 
     @app.exception_handler(NotFound)
     async def _not_found(request: Request, exc: NotFound):

@@ -36,11 +36,8 @@ def _migration_head(engine) -> str | None:
 
 
 def _seed_demo_model(engine, settings: Settings) -> None:
-    try:
-        from app.store.seed import ensure_demo_model  # provided by the worker side
-    except ImportError:
-        log.info("app.store.seed is not available; the demo model is not registered")
-        return
+    from app.store.seed import ensure_demo_model
+
     try:
         ensure_demo_model(engine, settings)
     except Exception:  # noqa: BLE001 - a seeding problem must not stop the studio
@@ -94,11 +91,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                         "starts (python -m worker)")
         return JSONResponse(body, status_code=200)
 
-    from app.web.routes import (api, artifacts, datasets, exports, grpo, models, openai_api,
-                                openai_files, openai_models, pages, runs)
+    from app.web import auth
+    from app.web.api import catalog, exports as api_exports, runs as api_runs
+    from app.web.openai import files as openai_files, jobs as openai_jobs, models as openai_models
+    from app.web.routes import (account, artifacts, datasets, exports, grpo, models, pages, runs)
 
-    for mod in (pages, datasets, models, runs, grpo, artifacts, exports, api, openai_files,
-                openai_api, openai_models):
+    auth.install(app)
+    for mod in (account, pages, datasets, models, runs, grpo, artifacts, exports, api_runs,
+                catalog, api_exports, openai_files, openai_jobs, openai_models):
         app.include_router(mod.router)
     return app
 

@@ -8,7 +8,6 @@ caller renames the finished temp file to its final name.
 from __future__ import annotations
 
 import os
-import re
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,21 +35,18 @@ class ReceivedUpload:
     temp_path: Path | None = None
     bytes: int = 0
 
+    def take(self) -> Path:
+        """Hand the temp file over to the caller (who must move or delete it): its path."""
+        path, self.temp_path = self.temp_path, None
+        if path is None:
+            raise UploadError("no file was received", 400)
+        return path
+
     def discard(self) -> None:
         """Delete the temp file, if any."""
         if self.temp_path is not None:
             self.temp_path.unlink(missing_ok=True)
             self.temp_path = None
-
-
-_SAFE = re.compile(r"[^A-Za-z0-9._-]+")
-
-
-def safe_filename(name: str) -> str:
-    """The base name of ``name`` with anything unusual replaced by ``_`` (never empty)."""
-    base = os.path.basename(name.replace("\\", "/")).strip() or "upload"
-    cleaned = _SAFE.sub("_", base).lstrip(".")
-    return cleaned[:120] or "upload"
 
 
 def limit_message(limit_mb: int) -> str:

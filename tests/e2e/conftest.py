@@ -24,6 +24,7 @@ def studio(tmp_path_factory) -> Studio:
         "WHETSTONE_PORT": str(port), "WHETSTONE_SEED_DIR": str(SHARED),
         "WHETSTONE_HEARTBEAT_SECONDS": "0.5", "CUDA_VISIBLE_DEVICES": "",
         "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+        "WHETSTONE_ADMIN_PASSWORD": Studio.admin_password,
     })
     web = subprocess.Popen([sys.executable, "-m", "app.web.main"], cwd=ROOT, env=env,
                            stdout=open(logs / "web.log", "w"), stderr=subprocess.STDOUT)
@@ -34,6 +35,8 @@ def studio(tmp_path_factory) -> Studio:
     try:
         with s.client() as c:
             wait_for(lambda: c.get("/healthz").json()["workers"], 120, "a live worker in /healthz", s)
+        s.create_api_key()
+        with s.client() as c:
 
             def demo_ready():
                 models = c.get("/api/models").json()

@@ -1,4 +1,5 @@
-"""Helpers for end-to-end tests: the web process and one CPU worker as subprocesses.
+"""Helpers for end-to-end tests: the web process and one CPU worker as subprocesses, with an
+admin created through ``WHETSTONE_ADMIN_PASSWORD`` and an API key for the clients.
 
 Both run from this checkout against a temporary data dir and SQLite file, exactly as
 ``make run`` starts them (settings through ``WHETSTONE_*`` variables), with the demo model
@@ -32,9 +33,26 @@ class Studio:
     web: subprocess.Popen
     worker: subprocess.Popen
     logs: Path
+    admin_user: str = "admin"
+    admin_password: str = "e2e-admin-password"
+    api_key: str | None = None
 
     def client(self, timeout: float = 30.0) -> httpx.Client:
-        return httpx.Client(base_url=self.url, timeout=timeout)
+        """An httpx client that sends the admin's API key (once the fixture created one)."""
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return httpx.Client(base_url=self.url, timeout=timeout, headers=headers)
+
+    def create_api_key(self) -> str:
+        """Sign in as the admin (OAuth2 password flow) and create an API key; remember it."""
+        with httpx.Client(base_url=self.url, timeout=30) as c:
+            r = c.post("/api/login/access-token",
+                       data={"username": self.admin_user, "password": self.admin_password})
+            r.raise_for_status()
+            r = c.post("/api/keys", json={"name": "e2e"},
+                       headers={"Authorization": f"Bearer {r.json()['access_token']}"})
+            r.raise_for_status()
+            self.api_key = r.json()["key"]
+        return self.api_key
 
     def tail_logs(self) -> str:
         out = []

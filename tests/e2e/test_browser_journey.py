@@ -1,7 +1,9 @@
 """One browser journey in headless Chromium (Debian's package), driven by Playwright.
 
-Upload a dataset, start a run, watch the loss chart grow while it trains, cancel a second
-run, download the adapter of the first. Runs against the real web process and CPU worker.
+Sign in as a member, upload a dataset, start a run, watch the loss chart grow while it trains,
+cancel a second run, download the adapter of the first, export it; then a second member signs
+in (another browser context) and sees none of it. Runs against the real web process and CPU
+worker.
 """
 from __future__ import annotations
 
@@ -23,6 +25,22 @@ def chart_points(page) -> int:
     return page.evaluate(
         "() => { const c = window.Chart && window.Chart.getChart('loss-chart');"
         " return c ? c.data.datasets[0].data.length : 0; }")
+
+
+def sign_in(page, studio: Studio, name: str, password: str) -> None:
+    """Sign in through the /login form (the page any signed-out visit redirects to)."""
+    page.goto(f"{studio.url}/runs/new")
+    page.wait_for_url("**/login?next=*")
+    page.fill("input[name=username]", name)
+    page.fill("input[name=password]", password)
+    page.click("form[action='/login'] button[type=submit]")
+    page.wait_for_url("**/runs/new")
+
+
+def make_member(studio: Studio, name: str, password: str) -> None:
+    with studio.client() as c:
+        r = c.post("/api/users", json={"name": name, "password": password, "role": "member"})
+        assert r.status_code in (201, 409), r.text
 
 
 def start_run(page, studio: Studio, dataset_id: str, max_steps: int, name: str) -> str:
@@ -49,6 +67,9 @@ def test_browser_journey(studio: Studio, tmp_path):
         page = browser.new_page(accept_downloads=True)
         errors: list[str] = []
         page.on("pageerror", lambda e: errors.append(str(e)))
+        make_member(studio, "journey-a", "journey-a-password")
+        make_member(studio, "journey-b", "journey-b-password")
+        sign_in(page, studio, "journey-a", "journey-a-password")
 
         # 1. Upload a real dataset through the form; the report page shows its rows.
         page.goto(f"{studio.url}/datasets")
@@ -96,4 +117,17 @@ def test_browser_journey(studio: Studio, tmp_path):
         expect(row).to_contain_text("passed")
         expect(row.locator("a", has_text="Q8_0.gguf")).to_have_count(1)
         assert not errors, errors
+
+        # 6. Another member, in a browser of their own, sees none of A's work.
+        other = browser.new_context().new_page()
+        sign_in(other, studio, "journey-b", "journey-b-password")
+        other.goto(f"{studio.url}/")
+        expect(other.locator("body")).not_to_contain_text(run_id)
+        expect(other.locator("body")).not_to_contain_text("to-cancel")
+        other.goto(f"{studio.url}/datasets")
+        expect(other.locator("body")).not_to_contain_text(dataset_id)
+        r = other.goto(f"{studio.url}/runs/{run_id}")
+        assert r is not None and r.status == 404
+        r = other.goto(f"{studio.url}/datasets/{dataset_id}")
+        assert r is not None and r.status == 404
         browser.close()

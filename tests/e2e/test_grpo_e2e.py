@@ -25,7 +25,7 @@ def test_grpo_on_gsm8k_through_the_openai_client(studio: Studio, tmp_path):
         assert r.status_code == 201, r.text
         ds = r.json()
     assert ds["rows"] == 24 and ds["report"]["prompt_column"] == "question"
-    client = openai.OpenAI(base_url=studio.url + "/v1", api_key="local", max_retries=0,
+    client = openai.OpenAI(base_url=studio.url + "/v1", api_key=studio.api_key, max_retries=0,
                            timeout=60)
     grader = {"type": "multi", "calculate_output": "0.8 * exact + 0.2 * close", "graders": {
         "exact": {"type": "string_check", "operation": "like", "input": "{{sample.output_text}}",

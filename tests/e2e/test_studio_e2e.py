@@ -44,7 +44,7 @@ def read_sse(client: httpx.Client, path: str, headers: dict | None = None,
 @pytest.fixture(scope="module")
 def trained(studio: Studio) -> dict:
     """Upload real data with the openai client and fine-tune stories260K for 30 steps."""
-    client = openai.OpenAI(base_url=f"{studio.url}/v1", api_key="local", max_retries=0)
+    client = openai.OpenAI(base_url=f"{studio.url}/v1", api_key=studio.api_key, max_retries=0)
     with open(SHARED / "sft" / "oasst1_en_100_messages.jsonl", "rb") as fh:
         f = client.files.create(file=fh, purpose="fine-tune")
     assert f.id.startswith("file-") and f.bytes > 0
@@ -131,7 +131,7 @@ def assert_adapter_changes_output(adapter_dir: Path, studio: Studio) -> None:
 
 
 def test_cancel_a_running_job(studio: Studio):
-    client = openai.OpenAI(base_url=f"{studio.url}/v1", api_key="local", max_retries=0)
+    client = openai.OpenAI(base_url=f"{studio.url}/v1", api_key=studio.api_key, max_retries=0)
     with open(SHARED / "sft" / "alpaca_en_demo.json", "rb") as fh:
         f = client.files.create(file=fh, purpose="fine-tune")
     job = client.fine_tuning.jobs.create(model="stories260K", training_file=f.id,
@@ -149,7 +149,7 @@ def test_cancel_a_running_job(studio: Studio):
 
 
 def test_openai_errors_have_the_openai_shape(studio: Studio):
-    client = openai.OpenAI(base_url=f"{studio.url}/v1", api_key="local", max_retries=0)
+    client = openai.OpenAI(base_url=f"{studio.url}/v1", api_key=studio.api_key, max_retries=0)
     with pytest.raises(openai.NotFoundError) as exc:
         client.fine_tuning.jobs.retrieve("ftjob-doesnotexist")
     assert "ftjob-doesnotexist" in str(exc.value)

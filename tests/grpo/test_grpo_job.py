@@ -34,8 +34,7 @@ def studio(tmp_path_factory):
     if not (STORIES / "stories260K.bin").exists():
         pytest.skip("no shared test data")
     d = tmp_path_factory.mktemp("grpo-data")
-    settings = Settings(data_dir=d, seed_dir=SHARED_DATA, heartbeat_seconds=0.5,
-                        allow_custom_rewards="alice")
+    settings = Settings(data_dir=d, seed_dir=SHARED_DATA, heartbeat_seconds=0.5)
     w = Worker(settings, worker_id="w-grpo", poll_interval=0.05)
     w.start()
     w.serve(once=True)  # the demo model import
@@ -47,7 +46,14 @@ def studio(tmp_path_factory):
                                             format="prompt"))
     gsm = repo.add_dataset(w.engine, Dataset(
         filename="gsm8k.jsonl", path=str(SHARED_DATA / "grpo" / "gsm8k" / "test.jsonl")))
-    yield {"worker": w, "engine": w.engine, "toy": ds.id, "gsm8k": gsm.id}
+    from app.studio import accounts
+
+    admin = accounts.ensure_admin(w.engine, "admin", "admin-password-1")
+    alice = accounts.create_user(w.engine, "alice", "alice-password-1", actor=admin)
+    accounts.set_custom_rewards(w.engine, admin, alice.id, True)
+    mallory = accounts.create_user(w.engine, "mallory", "mallory-password-1", actor=admin)
+    yield {"worker": w, "engine": w.engine, "toy": ds.id, "gsm8k": gsm.id, "admin": admin,
+           "users": {"alice": alice.id, "mallory": mallory.id}}
     w.stop()
 
 
@@ -95,11 +101,11 @@ def test_toy_task_reward_rises(studio):
 
 
 def test_grpo_adapter_exports(studio):
-    from app.web.routes.exports import queue_export
+    from app.studio.exports import queue_export
 
     if "toy_run" not in studio:
         pytest.skip("needs the toy run")
-    job = queue_export(studio["engine"], studio["toy_run"], {"format": "adapter"})
+    job = queue_export(studio["engine"], studio["admin"], studio["toy_run"], {"format": "adapter"})
     studio["worker"].serve(once=True)
     job = queue.get_job(studio["engine"], job.id)
     assert job.state == JobState.SUCCEEDED, job.error
@@ -124,7 +130,7 @@ def test_gsm8k_builtin_rewards_run(studio):
 def test_reward_returning_none_stops_the_run(studio):
     src = ("def reward(prompt, completion, item):\n"
            "    return 1.0 if item['id'] < 0 else None\n")
-    run, job = _run(studio, owner="alice", dataset=studio["toy"], max_steps=3,
+    run, job = _run(studio, owner=studio["users"]["alice"], dataset=studio["toy"], max_steps=3,
                     **{**TOY, "rewards": [{"name": "custom", "label": "picky",
                                            "params": {"source": src}}]})
     assert job.state == JobState.FAILED
@@ -134,7 +140,7 @@ def test_reward_returning_none_stops_the_run(studio):
 
 def test_custom_rewards_need_permission(studio):
     src = "def reward(prompt, completion, item):\n    return 1.0\n"
-    run, job = _run(studio, owner="mallory", dataset=studio["toy"], max_steps=1,
+    run, job = _run(studio, owner=studio["users"]["mallory"], dataset=studio["toy"], max_steps=1,
                     **{**TOY, "rewards": [{"name": "custom", "params": {"source": src}}]})
     assert job.state == JobState.FAILED and "not allowed" in job.error
 

@@ -8,34 +8,44 @@ import time
 from pathlib import Path
 
 import pytest
-from fastapi.testclient import TestClient
-
 from app.settings import Settings
 from app.store import queue, repo
 from app.store.db import reset_engines
 from app.store.schema import Dataset
+from app.studio import accounts
 from app.web.errors import ApiError
-from app.web.graders import grader_rewards
+from app.web.openai.graders import grader_rewards
+from tests.web.conftest import ADMIN_PASSWORD, signed_in
 
 SHARED = Path(__file__).resolve().parents[3] / "shared" / "data"
 GSM8K = SHARED / "grpo" / "gsm8k" / "train.jsonl"
 pytestmark = pytest.mark.skipif(not GSM8K.exists(), reason="no shared data")
 
 
-def _app(tmp_path, allow=""):
+def _app(tmp_path):
     from app.web.main import create_app
 
     return create_app(Settings(data_dir=tmp_path / "data", seed_dir=SHARED,
-                               allow_custom_rewards=allow))
+                               admin_password=ADMIN_PASSWORD))
 
 
 @pytest.fixture(params=[""])
 def env(request, tmp_path):
-    app = _app(tmp_path, getattr(request, "param", ""))
-    with TestClient(app) as c:
-        ds = repo.add_dataset(app.state.engine, Dataset(filename="gsm8k_train.jsonl",
-                                                        path=str(GSM8K), rows=7473))
-        yield {"client": c, "engine": app.state.engine, "dataset": ds.id, "app": app}
+    """The app signed in as member ``maker``; the param ``"*"`` lets maker run custom rewards
+    (an admin's setting on the Admin page)."""
+    app = _app(tmp_path)
+    with signed_in(app) as admin_client:
+        engine = app.state.engine
+        admin = accounts.authenticate(engine, "admin", ADMIN_PASSWORD)
+        maker = accounts.create_user(engine, "maker", "maker-password-1", actor=admin)
+        if getattr(request, "param", "") == "*":
+            maker = accounts.set_custom_rewards(engine, admin, maker.id, True)
+        _, key = accounts.create_api_key(engine, maker, "tests")
+        admin_client.headers["Authorization"] = f"Bearer {key}"
+        ds = repo.add_dataset(engine, Dataset(filename="gsm8k_train.jsonl", path=str(GSM8K),
+                                              rows=7473, owner=maker.id))
+        yield {"client": admin_client, "engine": engine, "dataset": ds.id, "app": app,
+               "api_key": key, "user": maker}
     reset_engines()
 
 
@@ -332,7 +342,7 @@ def server(env):
 def test_openai_client_reinforcement_job(env, server):
     import openai
 
-    client = openai.OpenAI(base_url=server + "/v1", api_key="local", max_retries=0, timeout=60)
+    client = openai.OpenAI(base_url=server + "/v1", api_key=env["api_key"], max_retries=0, timeout=60)
     grader = {"type": "multi", "calculate_output": "0.9 * correct + 0.1 * tags", "graders": {
         "correct": {"type": "string_check", "name": "correct", "operation": "like",
                     "input": "{{sample.output_text}}", "reference": "{{item.answer}}"},
@@ -395,7 +405,7 @@ def test_upload_form_names_the_prompt_column(env):
     answer_column, and a refused upload shows its error without the "fields below" banner."""
     c = env["client"]
     page = c.get("/runs/new/grpo").text
-    upload = page.split('action="/grpo/datasets"', 1)[1].split("</form>", 1)[0]
+    upload = page.split('action="/grpo/datasets', 1)[1].split("</form>", 1)[0]
     assert 'name="prompt_column"' in upload and 'name="answer_column"' in upload
     assert 'hx-disabled-elt="find button[type=\'submit\']"' in page.split('id="grpo_form"', 1)[1]
     rows = b'{"task": "What is 2+2?", "gold": "4"}\n{"task": "What is 3+3?", "gold": "6"}\n'
@@ -447,7 +457,7 @@ def test_openai_files_accepts_prompt_files_for_reinforcement(env, server, tmp_pa
     as prompt datasets; a reinforcement job runs on them, an SFT job is refused with the reason."""
     import openai
 
-    client = openai.OpenAI(base_url=server + "/v1", api_key="local", max_retries=0, timeout=60)
+    client = openai.OpenAI(base_url=server + "/v1", api_key=env["api_key"], max_retries=0, timeout=60)
     rft = tmp_path / "rft.jsonl"
     rft.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"{i} + 1?"}],
                                        "answer": str(i + 1)}) + "\n" for i in range(6)))
@@ -500,18 +510,23 @@ def test_unknown_lora_target_is_a_field_error(env, tmp_path):
 def test_result_files_are_retrievable_through_v1_files(env, tmp_path):
     from app.store.schema import Artifact
 
-    f = Path(env["app"].state.settings.data_dir) / "runs" / "r1" / "adapter.zip"
+    from app.store.specs import GrpoSpec
+
+    run, _ = repo.create_run(env["engine"], GrpoSpec(model="stories260K", dataset=env["dataset"],
+                                                    rewards=[{"name": "numeric_match"}]),
+                             kind="grpo", owner=env["user"].id)
+    f = Path(env["app"].state.settings.data_dir) / "runs" / run.id / "adapter.zip"
     f.parent.mkdir(parents=True, exist_ok=True)
     f.write_bytes(b"PK-adapter-bytes")
-    art = repo.add_artifact(env["engine"], Artifact(kind="adapter", name="adapter", path=str(f),
-                                                    bytes=f.stat().st_size))
+    art = repo.add_artifact(env["engine"], Artifact(run_id=run.id, kind="adapter", name="adapter",
+                                                    path=str(f), bytes=f.stat().st_size))
     c = env["client"]
     r = c.get(f"/v1/files/{art.id}")
     assert r.status_code == 200, r.text
     assert r.json()["purpose"] == "fine-tune-results" and r.json()["filename"] == "adapter.zip"
     assert c.get(f"/v1/files/{art.id}/content").content == b"PK-adapter-bytes"
     assert c.get("/v1/files/art-nope").json()["error"]["code"] == "file_not_found"
-    outside = repo.add_artifact(env["engine"], Artifact(kind="adapter", name="x",
+    outside = repo.add_artifact(env["engine"], Artifact(run_id=run.id, kind="adapter", name="x",
                                                         path=str(tmp_path / "elsewhere.zip")))
     assert c.get(f"/v1/files/{outside.id}/content").status_code == 404
 

@@ -1,4 +1,8 @@
-"""Fixtures: the web app on a temporary data dir with a real SQLite database (no worker)."""
+"""Fixtures: the web app on a temporary data dir with a real SQLite database (no worker).
+
+The app has an admin (``ADMIN_USER``/``ADMIN_PASSWORD``, as ``WHETSTONE_ADMIN_PASSWORD`` creates
+it); ``client`` is signed in as that admin with an access token (Bearer, so no CSRF token is
+needed), on ``http://127.0.0.1`` (an allowed Host)."""
 from __future__ import annotations
 
 import socket
@@ -14,10 +18,30 @@ from app.store.db import reset_engines
 from tests.conftest import SHARED_DATA as SHARED
 
 
+ADMIN_USER = "admin"
+ADMIN_PASSWORD = "admin-password-1"
+BASE_URL = "http://127.0.0.1"
+
+
 @pytest.fixture
 def settings(tmp_path) -> Settings:
     return Settings(data_dir=tmp_path / "data", seed_dir=SHARED if SHARED.is_dir() else None,
-                    max_upload_mb=8)
+                    max_upload_mb=8, admin_user=ADMIN_USER, admin_password=ADMIN_PASSWORD)
+
+
+def signed_in(app, name: str = ADMIN_USER, password: str = ADMIN_PASSWORD, **kw) -> TestClient:
+    """A TestClient for ``app`` (not yet started: use it in ``with``) that signs in as ``name``
+    once started and sends its access token as ``Authorization: Bearer``."""
+
+    class _Client(TestClient):
+        def __enter__(self):
+            c = super().__enter__()
+            r = c.post("/api/login/access-token", data={"username": name, "password": password})
+            assert r.status_code == 200, r.text
+            c.headers["Authorization"] = f"Bearer {r.json()['access_token']}"
+            return c
+
+    return _Client(app, base_url=BASE_URL, **kw)
 
 
 @pytest.fixture
@@ -30,7 +54,7 @@ def app(settings):
 
 @pytest.fixture
 def client(app):
-    with TestClient(app) as c:
+    with signed_in(app) as c:
         yield c
 
 
@@ -57,3 +81,12 @@ def server(app):
     yield f"http://127.0.0.1:{port}"
     srv.should_exit = True
     th.join(timeout=10)
+
+
+@pytest.fixture
+def admin_key(app, server) -> str:
+    """An API key of the admin on the running ``server`` (for the ``openai`` client)."""
+    from app.studio import accounts
+
+    admin = accounts.authenticate(app.state.engine, ADMIN_USER, ADMIN_PASSWORD)
+    return accounts.create_api_key(app.state.engine, admin, "tests")[1]

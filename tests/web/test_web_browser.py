@@ -11,6 +11,7 @@ import shutil
 import pytest
 
 from tests.conftest import SHARED_DATA as SHARED
+from tests.web.conftest import ADMIN_PASSWORD, ADMIN_USER
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 ARGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -30,6 +31,11 @@ def page(server):
         pg.base = server
         errors: list[str] = []
         pg.on("pageerror", lambda e: errors.append(str(e)))
+        pg.goto(f"{server}/datasets")  # signed out: the sign-in page, then back here
+        pg.fill("input[name=username]", ADMIN_USER)
+        pg.fill("input[name=password]", ADMIN_PASSWORD)
+        pg.click("form[action='/login'] button[type=submit]")
+        pg.wait_for_url(f"{server}/datasets")
         yield pg
         browser.close()
         assert not errors, errors

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import SHARED_DATA as SHARED
+from tests.web.conftest import signed_in
 
 FILES = sorted(p for sub in ("sft", "messy") if (SHARED / sub).is_dir()
                for p in (SHARED / sub).iterdir() if p.is_file())
@@ -57,7 +58,6 @@ def test_oversize_upload_is_rejected_and_leaves_nothing(client, settings):
 
 def test_oversize_is_enforced_while_streaming(app, settings):
     """Without a Content-Length header the limit still holds chunk by chunk."""
-    from fastapi.testclient import TestClient
 
     boundary = "XyZ"
     head = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"big.txt\"\r\n"
@@ -69,7 +69,7 @@ def test_oversize_is_enforced_while_streaming(app, settings):
             yield b"y" * (1024 * 1024)
         yield f"\r\n--{boundary}--\r\n".encode()
 
-    with TestClient(app) as c:
+    with signed_in(app) as c:
         r = c.post("/datasets", content=body(),
                    headers={"Content-Type": f"multipart/form-data; boundary={boundary}"})
     assert r.status_code == 413

@@ -13,8 +13,8 @@ FILES = sorted(p for sub in ("sft", "messy") if (SHARED / sub).is_dir()
 
 
 @pytest.fixture
-def oai(server):
-    return openai.OpenAI(base_url=server + "/v1", api_key="local", max_retries=0, timeout=60)
+def oai(server, admin_key):
+    return openai.OpenAI(base_url=server + "/v1", api_key=admin_key, max_retries=0, timeout=60)
 
 
 def test_files_create_every_file(oai, settings):

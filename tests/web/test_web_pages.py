@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fastapi.testclient import TestClient
+from tests.web.conftest import signed_in
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -67,7 +67,7 @@ def test_unexpected_errors_are_logged_not_shown(app, monkeypatch, caplog):
         raise RuntimeError("secret internal detail")
 
     monkeypatch.setattr(repo, "list_datasets", boom)
-    with TestClient(app, raise_server_exceptions=False) as c:
+    with signed_in(app, raise_server_exceptions=False) as c:
         r = c.get("/datasets")
         assert r.status_code == 500
         assert "secret internal detail" not in r.text and "Traceback" not in r.text

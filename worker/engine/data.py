@@ -10,38 +10,34 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-#: The built-in template picked when neither the run nor the model names one.
-FALLBACK_TEMPLATE = "alpaca"
-
-
 @dataclass
 class ChosenTemplate:
-    """The chat template a run actually uses: ``name`` (built-in, ``model``, ``custom``)."""
+    """The chat template a run actually uses: ``name`` (built-in, ``model``, ``custom``, ``none``)."""
 
     name: str
     source: str | None
     note: str | None = None
 
 
-def choose_template(requested: str | None, model_template: str | None) -> ChosenTemplate:
-    """Resolve ``TrainSpec.chat_template`` against the model's own template.
+def choose_template(spec, model_template: str | None) -> ChosenTemplate:
+    """The run's chat template as resolved when the run was created (``spec.chat_template_name``
+    and ``spec.chat_template``); the worker never decides again.
 
-    A built-in name or Jinja source wins; else the model's template; else the fallback default
-    (``note`` then says so, for a log event). Raises DatasetError on Jinja that does not parse.
+    A spec written before runs stored the resolution (no ``chat_template_name``) is resolved
+    with the same rule the web uses (:func:`app.data.chat_template.choose_template`), and
+    ``note`` says which template that gave, for a log event. Raises DatasetError on Jinja that
+    does not parse.
     """
-    from app.data.chat_template import DEFAULT_TEMPLATES, resolve_template
+    from app.data.chat_template import choose_template as resolve
 
-    if requested:
-        src = resolve_template(requested, model_template)
-        name = requested.strip().lower() if requested.strip().lower() in DEFAULT_TEMPLATES \
-            else "custom"
-        return ChosenTemplate(name, src)
-    if model_template:
-        return ChosenTemplate("model", model_template)
-    name = FALLBACK_TEMPLATE if FALLBACK_TEMPLATE in DEFAULT_TEMPLATES else next(iter(DEFAULT_TEMPLATES))
-    return ChosenTemplate(name, DEFAULT_TEMPLATES[name],
-                          note=f"the model has no chat template and the run chose none; "
-                               f"using the built-in {name!r} template")
+    if getattr(spec, "chat_template_name", None):
+        return ChosenTemplate(spec.chat_template_name, spec.chat_template)
+    name, source = resolve(spec.chat_template, model_template)
+    note = None
+    if not spec.chat_template and not model_template:
+        note = (f"the model has no chat template and the run chose none; using the built-in "
+                f"{name!r} template")
+    return ChosenTemplate(name, source, note)
 
 
 @dataclass

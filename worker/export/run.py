@@ -42,8 +42,15 @@ class RunInfo:
         return self.base_dir
 
 
-def load_run(run_dir: str | Path, base_dir: str | Path | None = None) -> RunInfo:
-    """Read a run folder; raises :class:`ExportError` naming what is missing."""
+def load_run(run_dir: str | Path, base_dir: str | Path | None = None,
+             run_spec: dict | None = None) -> RunInfo:
+    """Read a run folder; raises :class:`ExportError` naming what is missing.
+
+    ``run_spec`` is the run row's spec (the worker's export job passes it, with ``base_dir`` from
+    the model row): its resolved chat template, system prompt and ``load_in_4bit`` are used as
+    they are. Without it (a run folder exported on its own, or a run created before runs stored
+    their resolved template) they are read from ``config.json``.
+    """
     run_dir = Path(run_dir)
     adapter = run_dir / "adapter"
     if not (adapter / "adapter_config.json").exists():
@@ -58,6 +65,11 @@ def load_run(run_dir: str | Path, base_dir: str | Path | None = None) -> RunInfo
                     or acfg.get("base_model_name_or_path"))
     if not base_dir or not Path(base_dir).is_dir():
         raise ExportError(f"base model folder {base_dir!r} not found; pass the model's path")
+    if run_spec is not None and run_spec.get("chat_template_name"):
+        return RunInfo(run_dir=run_dir, adapter_dir=adapter, base_dir=Path(base_dir),
+                       chat_template=run_spec.get("chat_template"),
+                       system_prompt=run_spec.get("system_prompt"),
+                       load_in_4bit=bool(run_spec.get("load_in_4bit")), config=cfg)
     ct = cfg.get("chat_template")  # train.py: {"name", "template"}; else a Jinja string / name
     template = ct.get("template") if isinstance(ct, dict) else (ct or spec.get("chat_template"))
     if not template and (adapter / "chat_template.jinja").exists():

@@ -46,8 +46,11 @@ def export_run(run_dir: str | Path, spec, out_dir: str | Path,
                progress: Callable[[str, float], None] = noop_progress, *,
                base_dir: str | Path | None = None, data_path: str | Path | None = None,
                ollama_url: str | None = None, model_name: str | None = None,
-               name: str = "model") -> dict:
-    """Export one run; see the module docstring. Raises ExportError / VerificationFailed."""
+               name: str = "model", run_spec: dict | None = None) -> dict:
+    """Export one run; see the module docstring. ``run_spec`` (the run row's spec), with
+    ``base_dir`` and ``data_path`` from the model and dataset rows, is what the export job
+    passes; without them the run folder's config.json is read. Raises ExportError /
+    VerificationFailed."""
     import torch
 
     from worker.export import verify as V
@@ -56,7 +59,7 @@ def export_run(run_dir: str | Path, spec, out_dir: str | Path,
 
     s = _spec(spec)
     fmt, out = s["format"], Path(out_dir)
-    info = load_run(run_dir, base_dir)
+    info = load_run(run_dir, base_dir, run_spec)
     tok = load_tokenizer(info)
     progress("reference", 0.02)
     trained = load_trained_model(info, dtype=torch.float32)
@@ -207,9 +210,15 @@ def run(ctx) -> dict:
         ctx.check()
         ctx.progress(stage, round(frac * 1000), 1000)
 
+    model_row = repo.get_model(ctx.engine, run_row.model_id)
+    try:
+        data_path = repo.get_dataset(ctx.engine, run_row.dataset_id).path
+    except repo.NotFound:
+        data_path = None  # the dataset was deleted: verification probes with built-in prompts
     try:
         res = export_run(run_dir, spec, out, progress, ollama_url=url if spec.format == "ollama"
-                         else None, model_name=model_name, name=spec.run_id)
+                         else None, model_name=model_name, name=spec.run_id,
+                         base_dir=model_row.path, data_path=data_path, run_spec=run_row.spec)
     except VerificationFailed as e:
         from worker.export.verify import summarize
 

@@ -34,10 +34,9 @@ def _mean(xs: list[float]) -> float | None:
 def run(ctx: JobContext) -> dict[str, Any]:
     """Train a LoRA adapter with GRPO for the run in ``ctx.payload`` (see the module docstring)."""
     run_id, spec = common.job_spec(ctx, GrpoSpec, "grpo")
-    if spec.has_custom_rewards and not ctx.settings.custom_rewards_allowed(ctx.job.owner):
+    if spec.has_custom_rewards and not common.owner_may_run_custom_rewards(ctx):
         raise JobError("this run has a custom Python reward, and custom rewards are not allowed "
-                       f"for {'user ' + repr(ctx.job.owner) if ctx.job.owner else 'this user'} "
-                       "(an admin sets WHETSTONE_ALLOW_CUSTOM_REWARDS)")
+                       "for its owner (an admin allows them on the Admin page)")
     model_row, ds_row = common.job_inputs(ctx, spec)
 
     from app.data.encode import load_tokenizer_bundle
@@ -51,10 +50,7 @@ def run(ctx: JobContext) -> dict[str, Any]:
     ctx.log(f"GRPO on {gpu.device_name()}")
 
     # ---- prompts ----------------------------------------------------------------------------
-    if (spec.chat_template or "").strip().lower() == "none":
-        chosen = edata.ChosenTemplate("none", None)
-    else:
-        chosen = edata.choose_template(spec.chat_template, model_row.chat_template)
+    chosen = edata.choose_template(spec, model_row.chat_template)
     if chosen.note:
         ctx.log(chosen.note, "warning")
     try:

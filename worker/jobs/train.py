@@ -44,7 +44,7 @@ def run(ctx: JobContext) -> dict[str, Any]:
     too_long = seq_longer_than_context(spec.max_seq_length, model_row.path, model_row.name)
     if too_long:
         ctx.log(too_long, "warning")
-    chosen = edata.choose_template(spec.chat_template, model_row.chat_template)
+    chosen = edata.choose_template(spec, model_row.chat_template)
     if chosen.note:
         ctx.log(chosen.note, "warning")
     ctx.progress("tokenize", 0, ds_row.rows or 0, "encoding the dataset")

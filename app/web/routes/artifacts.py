@@ -1,28 +1,28 @@
-"""Artifact downloads: files a job produced, served only from under the data dir."""
+"""Artifact downloads: files a job produced, served only from under the data dir, only to the
+run's owner (or an admin)."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-import os
-
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from fastapi.responses import FileResponse
 
-from app.store import repo
-from app.web.deps import get_engine, get_settings
-from app.web.errors import ApiError
-from app.web.services import is_under
+from app.studio import access
+from app.studio import datasets as datasets_uc
+from app.studio.datasets import is_under
+from app.studio.errors import StudioError
+from app.web.deps import CurrentUser, EngineDep, SettingsDep
 
 router = APIRouter()
 
 
 @router.get("/artifacts/{artifact_id}/download")
-def download(request: Request, artifact_id: str):
-    art = repo.get_artifact(get_engine(request), artifact_id)
-    if not is_under(art.path, get_settings(request).data_dir):
-        raise ApiError(404, f"artifact {artifact_id} is not stored under the data dir")
-    if not os.path.isfile(art.path):
-        raise ApiError(404, f"the file of artifact {artifact_id} is missing")
+def download(artifact_id: str, engine: EngineDep, settings: SettingsDep, user: CurrentUser):
+    art = access.artifact(engine, user, artifact_id)
+    if not is_under(art.path, settings.data_dir) or not os.path.isfile(art.path):
+        raise StudioError("not_found", f"the file of artifact {artifact_id} is missing")
+    datasets_uc.downloaded(engine, user, "artifact", art.id, run=art.run_id, name=art.name)
     media = "application/zip" if art.path.endswith(".zip") else (
         "application/json" if art.path.endswith(".json") else "application/octet-stream")
     return FileResponse(art.path, filename=Path(art.name).name, media_type=media)

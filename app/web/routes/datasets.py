@@ -5,39 +5,44 @@ from urllib.parse import urlencode
 
 from fastapi import APIRouter, Request
 from fastapi.responses import RedirectResponse, Response
+from starlette.concurrency import run_in_threadpool
 
+from app.data.chat_template import DEFAULT_TEMPLATES
 from app.data.errors import DatasetError
-from app.store import repo
-from app.web.deps import get_engine, get_settings, is_htmx
-from app.web.inspect import default_templates
+from app.studio import access
+from app.studio import datasets as datasets_uc
+from app.studio.errors import StudioError
+from app.web.deps import CurrentUser, EngineDep, SettingsDep, current_user, get_engine, get_settings, is_htmx
 from app.web.render import render
-from app.web.services import default_max_seq_length, default_model, report_for, upload_dataset
-from app.web.uploads import UploadError
+from app.web.uploads import UploadError, receive_upload
 
 router = APIRouter()
 
 
 def _list_ctx(request: Request, **extra) -> dict:
-    engine = get_engine(request)
-    return {"datasets": repo.list_datasets(engine),
+    engine, user = get_engine(request), current_user(request)
+    return {"datasets": datasets_uc.list_datasets(engine, user),
             "max_upload_mb": get_settings(request).max_upload_mb, **extra}
 
 
 @router.get("/datasets")
-def datasets_page(request: Request):
+def datasets_page(request: Request, user: CurrentUser):
     return render(request, "datasets.html", _list_ctx(request), block="dataset_list")
 
 
 @router.post("/datasets")
-async def upload(request: Request):
-    settings, engine = get_settings(request), get_engine(request)
+async def upload(request: Request, engine: EngineDep, settings: SettingsDep, user: CurrentUser):
     try:
-        ds, _ = await upload_dataset(request, settings, engine)
+        up = await receive_upload(request, settings.data_dir / "uploads", settings.max_upload_mb)
+        ds = await run_in_threadpool(datasets_uc.record_upload, engine, settings, user,
+                                     up.take(), up.filename or "upload", up.bytes)
     except UploadError as exc:
         return render(request, "datasets.html", _list_ctx(request, upload_error=exc.message),
                       block="upload_form", status_code=exc.status)
-    except DatasetError as exc:
-        return render(request, "datasets.html", _list_ctx(request, upload_error=str(exc)),
+    except StudioError as exc:
+        if exc.kind != "invalid":
+            raise
+        return render(request, "datasets.html", _list_ctx(request, upload_error=exc.message),
                       block="upload_form", status_code=400)
     url = f"/datasets/{ds.id}"
     if is_htmx(request):
@@ -51,37 +56,36 @@ def train_url(ds, model, report: dict | None, max_seq_length) -> str:
     if model is not None:
         q["model"] = model.id
     name = (report or {}).get("template_name")
-    if name and name != "custom":
+    if name and name not in ("custom", "model"):
         q["chat_template"] = name
     if max_seq_length not in (None, ""):
         q["max_seq_length"] = max_seq_length
     return "/runs/new?" + urlencode(q)
 
 
-def _pick_model(engine, model: str | None, report: dict | None = None):
+def _pick_model(engine, user, model: str | None, report: dict | None = None):
     """The model a report is computed for: the asked one, else the stored report's, else the
-    default."""
-    chosen = None
-    if model:
-        try:
-            chosen = repo.get_model(engine, model)
-        except repo.NotFound:
-            chosen = None
-    if chosen is None and report and report.get("model"):
-        chosen = next((m for m in repo.list_models(engine) if m.name == report["model"]), None)
-    return chosen or default_model(engine)
+    default (only models the user may use)."""
+    for ref in (model, (report or {}).get("model")):
+        if ref:
+            try:
+                return access.model(engine, user, ref)
+            except StudioError:
+                pass
+    return datasets_uc.default_model(engine, user)
 
 
 async def _report_ctx(request: Request, ds, model: str | None, chat_template: str | None,
                       max_seq_length: str | None) -> tuple[dict, int]:
     """(page context, status) of the report of ``ds`` for the chosen model/template/length."""
-    engine = get_engine(request)
-    chosen = _pick_model(engine, model)
-    ctx = {"dataset": ds, "models": repo.list_models(engine), "selected_model": chosen,
-           "template_names": list(default_templates()), "report": None, "report_error": None}
+    engine, user = get_engine(request), current_user(request)
+    chosen = _pick_model(engine, user, model)
+    ctx = {"dataset": ds, "models": datasets_uc.usable_models(engine, user),
+           "selected_model": chosen, "template_names": list(DEFAULT_TEMPLATES), "report": None,
+           "report_error": None}
     try:
         length = (int(max_seq_length) if max_seq_length not in (None, "")
-                  else default_max_seq_length(chosen))
+                  else datasets_uc.default_max_seq_length(chosen))
         if length < 8:
             raise ValueError
     except ValueError:
@@ -91,8 +95,8 @@ async def _report_ctx(request: Request, ds, model: str | None, chat_template: st
         return ctx, 422
     ctx["max_seq_length"] = length
     try:
-        ctx["report"] = await report_for(ds.path, chosen, chat_template, length,
-                                         get_settings(request))
+        ctx["report"] = await run_in_threadpool(datasets_uc.report_for, ds.path, chosen,
+                                                chat_template, length, get_settings(request))
     except DatasetError as exc:
         ctx["report_error"] = str(exc)
     ctx["train_url"] = train_url(ds, chosen, ctx["report"], length)
@@ -106,31 +110,32 @@ def prompt_dataset_page(request: Request, ds):
 
 
 @router.get("/datasets/{dataset_id}")
-async def dataset_page(request: Request, dataset_id: str, model: str | None = None,
-                       chat_template: str | None = None, max_seq_length: str | None = None):
+async def dataset_page(request: Request, dataset_id: str, engine: EngineDep, user: CurrentUser,
+                       model: str | None = None, chat_template: str | None = None,
+                       max_seq_length: str | None = None):
     """The dataset's stored report; with ``model``/``chat_template``/``max_seq_length`` in the
     query (the selector submitted without htmx, or a shared link) the report for those."""
-    engine = get_engine(request)
-    ds = repo.get_dataset(engine, dataset_id)
+    ds = access.dataset(engine, user, dataset_id)
     if ds.format == "prompts":
         return prompt_dataset_page(request, ds)
     if any(v not in (None, "") for v in (model, chat_template, max_seq_length)):
         ctx, status = await _report_ctx(request, ds, model, chat_template, max_seq_length)
         return render(request, "dataset.html", ctx, block="report", status_code=status)
     report = ds.report or None
-    selected = _pick_model(engine, None, report)
-    length = (report or {}).get("max_seq_length", default_max_seq_length(selected))
+    selected = _pick_model(engine, user, None, report)
+    length = (report or {}).get("max_seq_length", datasets_uc.default_max_seq_length(selected))
     return render(request, "dataset.html", {
-        "dataset": ds, "report": report, "report_error": ds.error, "models": repo.list_models(engine),
-        "selected_model": selected, "template_names": list(default_templates()),
-        "max_seq_length": length, "train_url": train_url(ds, selected, report, length)},
-        block="report")
+        "dataset": ds, "report": report, "report_error": ds.error,
+        "models": datasets_uc.usable_models(engine, user), "selected_model": selected,
+        "template_names": list(DEFAULT_TEMPLATES), "max_seq_length": length,
+        "train_url": train_url(ds, selected, report, length)}, block="report")
 
 
 @router.get("/datasets/{dataset_id}/report")
-async def dataset_report(request: Request, dataset_id: str, model: str | None = None,
-                         chat_template: str | None = None, max_seq_length: str | None = None):
-    ds = repo.get_dataset(get_engine(request), dataset_id)
+async def dataset_report(request: Request, dataset_id: str, engine: EngineDep, user: CurrentUser,
+                         model: str | None = None, chat_template: str | None = None,
+                         max_seq_length: str | None = None):
+    ds = access.dataset(engine, user, dataset_id)
     if ds.format == "prompts":
         return prompt_dataset_page(request, ds)
     ctx, status = await _report_ctx(request, ds, model, chat_template, max_seq_length)

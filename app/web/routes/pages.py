@@ -1,44 +1,37 @@
-"""Dashboard: runs and live workers."""
+"""Dashboard: the caller's runs (an admin's: everyone's) and the live workers."""
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
 from app.store import events, queue, repo
 from app.store import workers as workers_store
-from app.web.deps import get_engine, get_settings
+from app.studio import access, accounts
+from app.studio import runs as runs_uc
+from app.web.deps import CurrentUser, EngineDep, SettingsDep
 from app.web.render import render
 
 router = APIRouter()
 
 
-def run_rows(engine, limit: int = 100) -> list[dict]:
-    """Runs with their state, model/dataset names and latest metric, for listings."""
+def run_rows(engine, user, limit: int = 100) -> list[dict]:
+    """The runs ``user`` may see with their state, model/dataset names and latest metric."""
     models = {m.id: m.name for m in repo.list_models(engine)}
-    datasets = {d.id: d.filename for d in repo.list_datasets(engine, limit=1000)}
+    datasets = {d.id: d.filename
+                for d in repo.list_datasets(engine, limit=1000, owner=access.owner_filter(user))}
     rows = []
-    for run in repo.list_runs(engine, limit=limit):
+    for run in runs_uc.list_runs(engine, user, limit=limit):
         _, job = repo.run_with_job(engine, run.id)
         metric = events.latest(engine, job.id, "metric") if job else None
         rows.append({"id": run.id, "name": run.name, "model_name": models.get(run.model_id, run.model_id),
                      "dataset_name": datasets.get(run.dataset_id, run.dataset_id),
                      "state": job.state if job else "unknown", "created_at": run.created_at,
-                     "metric": metric.data if metric else None})
+                     "owner": run.owner, "metric": metric.data if metric else None})
     return rows
 
 
-@router.get("/")
-def dashboard(request: Request):
-    engine = get_engine(request)
-    settings = get_settings(request)
-    workers = workers_store.live(engine, settings.worker_stale_seconds)
-    return render(request, "dashboard.html",
-                  {"runs": run_rows(engine), "workers": workers,
-                   "job_runs": _job_runs(engine, [w.current_job_id for w in workers])},
-                  block="runs")
-
-
-def _job_runs(engine, job_ids) -> dict[int, str]:
-    """job id → the run it trains (for linking a worker's current job to its run page)."""
+def _job_runs(engine, user, job_ids) -> dict[int, str]:
+    """job id → the run it trains, for the runs ``user`` may see (a worker's current job links
+    to its run page only for its owner or an admin)."""
     out = {}
     for job_id in job_ids:
         if job_id is None:
@@ -47,6 +40,17 @@ def _job_runs(engine, job_ids) -> dict[int, str]:
             job = queue.get_job(engine, job_id)
         except queue.JobNotFound:
             continue
-        if job.run_id:
+        if job.run_id and access.can_see(user, job.owner):
             out[job_id] = job.run_id
     return out
+
+
+@router.get("/")
+def dashboard(request: Request, engine: EngineDep, settings: SettingsDep, user: CurrentUser):
+    workers = workers_store.live(engine, settings.worker_stale_seconds)
+    owners = ({u.id: u.name for u in accounts.list_users(engine, user)}
+              if access.is_admin(user) else {})
+    return render(request, "dashboard.html",
+                  {"runs": run_rows(engine, user), "workers": workers, "owners": owners,
+                   "job_runs": _job_runs(engine, user, [w.current_job_id for w in workers])},
+                  block="runs")

@@ -1,24 +1,24 @@
 """The OpenAI fine-tuning ``method={"type": "reinforcement", ...}`` shape for GRPO runs.
 
 ``fine_tuning.jobs.create`` with a reinforcement method is mapped onto a :class:`GrpoSpec` (the
-graders onto our rewards, see :mod:`app.web.graders`) and created like a run from the GRPO form;
+graders onto our rewards, see :mod:`app.web.openai.graders`) and created like a run from the GRPO form;
 the job object echoes the method and its hyperparameters.
 """
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from fastapi import Request
-from pydantic import ValidationError
+from sqlalchemy.engine import Engine
 
+from app.settings import Settings
 from app.store import repo
 from app.store.specs import GrpoSpec
-from app.web.deps import get_engine, get_settings
+from app.studio import runs as runs_uc
+from app.studio.grpo import create_grpo_run
 from app.web.errors import ApiError
-from app.web.graders import bad_value, grader_rewards
-from app.web.routes.grpo import create_grpo_run, current_user
-from app.web.routes.runs import FieldError
+from app.web.openai.graders import bad_value, grader_rewards
+from app.web.openai.shapes import job_object
+
 
 def spec_from_reinforcement(body: dict[str, Any], engine) -> dict[str, Any]:
     """GrpoSpec input from an OpenAI job-create body with ``method.type == "reinforcement"``.
@@ -90,50 +90,11 @@ def spec_from_reinforcement(body: dict[str, Any], engine) -> dict[str, Any]:
     return raw
 
 
-def create_reinforcement_job(request: Request, body: dict[str, Any]) -> dict[str, Any]:
-    """POST /v1/fine_tuning/jobs with ``method.type == "reinforcement"`` (the OpenAI job object)."""
-    from app.web.routes.openai_api import job_object
-
-    engine = get_engine(request)
-    raw = spec_from_reinforcement(body, engine)
-    try:
-        spec = GrpoSpec(**raw)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        loc = ".".join(str(x) for x in err.get("loc", ()))
-        msg = err.get("msg", "invalid value").removeprefix("Value error, ")
-        raise ApiError(400, f"{loc}: {msg}" if loc else msg, loc or None, "invalid_value") from None
-    try:
-        run, job = create_grpo_run(engine, get_settings(request), spec, body.get("suffix"),
-                                   current_user(request))
-    except FieldError as exc:
-        if exc.field == "rewards":
-            raise ApiError(403, exc.message, "method.reinforcement.grader", "permission_denied") from None
-        if exc.field.startswith("rewards") or exc.field.endswith("_column"):
-            param = ("method.reinforcement.grader" if exc.field.startswith("rewards")
-                     else exc.field)
-            raise ApiError(400, exc.message, param, "invalid_value") from None
-        param = {"model": "model", "dataset": "training_file"}.get(exc.field, exc.field)
-        code = {"model": "model_not_found", "dataset": "file_not_found"}.get(exc.field,
-                                                                             "invalid_value")
-        raise ApiError(404 if exc.message.startswith("no ") else 400, exc.message, param,
-                       code) from None
+def create_reinforcement_job(engine: Engine, settings: Settings, user, body: dict[str, Any]
+                             ) -> dict[str, Any]:
+    """POST /v1/fine_tuning/jobs with ``method.type == "reinforcement"``: a GRPO run owned by
+    ``user``; answers the OpenAI job object. Raises ApiError (the request's shape) or
+    StudioError (the run's rules)."""
+    spec = runs_uc.parse_spec(GrpoSpec, spec_from_reinforcement(body, engine))
+    run, job = create_grpo_run(engine, settings, user, spec, body.get("suffix"))
     return job_object(engine, run, job)
-
-
-def reinforcement_hyperparameters(spec: dict[str, Any]) -> dict[str, Any]:
-    """A GRPO run's OpenAI ``hyperparameters``: the learning-rate multiplier is relative to the
-    GRPO default learning rate (as when the job was created); ``n_epochs`` as sent, if any."""
-    default_lr = GrpoSpec.model_fields["learning_rate"].default
-    return {"batch_size": spec.get("per_device_train_batch_size"),
-            "learning_rate_multiplier": round(spec.get("learning_rate", default_lr) / default_lr, 10),
-            "n_epochs": spec.get("n_epochs")}
-
-
-def reinforcement_method(spec: dict[str, Any]) -> dict[str, Any]:
-    """The ``method`` of a GRPO run's OpenAI job object: the grader the job was created with
-    (None for runs made with our own rewards) and the rewards it was mapped onto."""
-    return {"type": "reinforcement",
-            "reinforcement": {"hyperparameters": reinforcement_hyperparameters(spec),
-                              "grader": spec.get("grader"),
-                              "whetstone_rewards": json.loads(json.dumps(spec.get("rewards", [])))}}

@@ -1,0 +1,227 @@
+"""Datasets: recording an upload (SFT or GRPO prompts), its validation report, listing, deleting.
+
+The web receives the bytes (``app.web.uploads``, streamed to a temporary file); from there on
+everything is here: the file type, the report computed with the tokenizer and chat template a
+run would use (the same resolver as run creation, so preview == training), the owner.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy.engine import Engine
+
+from app.data.chat_template import choose_template
+from app.data.errors import DatasetError
+from app.settings import Settings
+from app.store import repo
+from app.store.schema import Dataset, Model, new_id
+from app.store.specs import TrainSpec
+from app.studio import access, audit
+from app.studio.errors import StudioError, invalid
+from app.studio.reports import fallback_tokenizer_dir, inspect_file
+
+if TYPE_CHECKING:
+    from app.store.schema import User
+
+SUPPORTED = (".json", ".jsonl", ".ndjson", ".csv", ".tsv", ".parquet", ".txt")
+
+
+def safe_filename(name: str, limit: int = 120) -> str:
+    """A file-system-safe version of an uploaded file's name that keeps its extension: path
+    parts dropped, unusual characters replaced by ``_``, the stem shortened to fit ``limit``."""
+    base = os.path.basename(name.replace("\\", "/")) or "upload"
+    stem, ext = os.path.splitext(base)
+    clean = "".join(c if c.isalnum() or c in "._-" else "_" for c in stem).strip("._") or "upload"
+    ext = "".join(c for c in ext if c.isalnum() or c == ".")[:16]
+    return clean[: max(1, limit - len(ext))] + ext
+
+
+def ready_tokenizer_path(model: Model | None) -> str | None:
+    """The local folder of a ready model (its tokenizer lives there), else None."""
+    if model is not None and model.status == "ready" and model.path and os.path.isdir(model.path):
+        return model.path
+    return None
+
+
+def tokenizer_for(model: Model | None, settings: Settings) -> tuple[str | None, str | None]:
+    """(tokenizer folder, label) for a report: the model's, else the seed dir's GPT-2 BPE."""
+    path = ready_tokenizer_path(model)
+    if path:
+        return path, model.name
+    fallback = fallback_tokenizer_dir(settings.seed_dir)
+    if fallback:
+        return fallback, "gpt2-bpe (until a model is ready)"
+    return None, None
+
+
+def list_datasets(engine: Engine, actor: User, limit: int = 200) -> list[Dataset]:
+    """The datasets ``actor`` may see, newest first."""
+    return repo.list_datasets(engine, limit=limit, owner=access.owner_filter(actor))
+
+
+def usable_models(engine: Engine, actor: User) -> list[Model]:
+    """The models ``actor`` may train on or preview with (own, shared; all for an admin)."""
+    return repo.list_models(engine, owner=access.owner_filter(actor))
+
+
+def default_model(engine: Engine, actor: User) -> Model | None:
+    """The model used for a dataset's first report: the first ready one ``actor`` may use."""
+    models = usable_models(engine, actor)
+    return next((m for m in models if m.status == "ready"), models[0] if models else None)
+
+
+def default_max_seq_length(model: Model | None) -> int:
+    """The max_seq_length a run form and a dataset's report start from, in tokens: TrainSpec's
+    default capped at the model's context length (``max_position_embeddings`` recorded at import;
+    stories260K has 512), so the report counts over-long rows against the length the run will use."""
+    default = TrainSpec.model_fields["max_seq_length"].default
+    limit = ((model.info or {}) if model else {}).get("max_position_embeddings")
+    return min(default, limit) if isinstance(limit, int) and limit > 0 else default
+
+
+def report_for(path: str, model: Model | None, template_choice: str | None, max_seq_length: int,
+               settings: Settings, dataset_format: str | None = None) -> dict[str, Any]:
+    """The validation report of the file at ``path`` as a run on ``model`` would see it, with the
+    chat template chosen exactly as run creation chooses it. Blocking (tokenises the file).
+
+    Raises:
+        DatasetError: the file cannot be used (the message names the row and field).
+    """
+    name, text = choose_template(template_choice, model.chat_template if model else None)
+    tok_dir, label = tokenizer_for(model, settings)
+    report = inspect_file(path, tokenizer_dir=tok_dir, chat_template=text,
+                          max_seq_length=max_seq_length, dataset_format=dataset_format)
+    report.update(model=model.name if model else None, model_id=model.id if model else None,
+                  tokenizer=label, template_name=name)
+    return report
+
+
+def _prompts_report(path: Path, sft_error: DatasetError, prompt_column: str | None = None,
+                    answer_column: str | None = None) -> dict | None:
+    """The prompt-dataset report of a file that is no SFT dataset (GSM8K rows, OpenAI RFT rows
+    whose messages end on a user turn), with the SFT reason kept; None when it is neither."""
+    from app.data.prompts import inspect_prompts
+
+    try:
+        report = inspect_prompts(str(path), prompt_column, answer_column)
+    except DatasetError:
+        return None
+    return {**report, "format": "prompts", "sft_error": str(sft_error)}
+
+
+def _place(settings: Settings, temp_path: Path, filename: str) -> tuple[str, Path]:
+    """Check the extension and move the received file to its final name under uploads/.
+    Raises StudioError(invalid, ``file``); the temporary file is removed then."""
+    ext = os.path.splitext(filename)[1].lower()
+    if ext not in SUPPORTED:
+        Path(temp_path).unlink(missing_ok=True)
+        raise invalid("file", f"unsupported file type {ext or '(no extension)'!r}; "
+                              f"use one of {', '.join(SUPPORTED)}")
+    ds_id = new_id("file")
+    final = settings.data_dir / "uploads" / f"{ds_id}-{safe_filename(filename)}"
+    os.replace(temp_path, final)
+    return ds_id, final
+
+
+@contextmanager
+def _removed_on_error(path: Path) -> Iterator[None]:
+    """Delete ``path`` when the block raises (nothing half-recorded stays on disk)."""
+    try:
+        yield
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
+
+
+def record_upload(engine: Engine, settings: Settings, actor: User, temp_path: Path, filename: str,
+                  size: int, *, prompts_fallback: bool = False) -> Dataset:
+    """Validate a received file as an SFT dataset and record it, owned by ``actor``. Blocking.
+
+    ``prompts_fallback`` (the OpenAI Files API, where SFT and reinforcement files share
+    ``purpose="fine-tune"``): a file that is no SFT dataset but a GRPO prompt dataset is recorded
+    as one (format ``prompts``; an SFT job on it is refused with the reason).
+    The temporary file is consumed: moved under ``uploads/`` or deleted.
+
+    Raises:
+        StudioError: invalid (field ``file``) for an unsupported type or unusable content.
+    """
+    ds_id, final = _place(settings, temp_path, filename)
+    with _removed_on_error(final):
+        model = default_model(engine, actor)
+        try:
+            report = report_for(str(final), model, None, default_max_seq_length(model), settings)
+        except DatasetError as exc:
+            report = _prompts_report(final, exc) if prompts_fallback else None
+            if report is None:
+                raise invalid("file", str(exc)) from None
+    return _record(engine, actor, ds_id, final, filename, size, report, "fine-tune")
+
+
+def record_prompt_upload(engine: Engine, settings: Settings, actor: User, temp_path: Path,
+                         filename: str, size: int, prompt_column: str | None = None,
+                         answer_column: str | None = None) -> Dataset:
+    """Validate a received file as a GRPO prompt dataset and record it, owned by ``actor``.
+    Blocking; the temporary file is consumed.
+
+    Raises:
+        StudioError: invalid (field ``file``): unsupported type, no readable row, no prompt column.
+    """
+    from app.data.prompts import inspect_prompts
+
+    ds_id, final = _place(settings, temp_path, filename)
+    with _removed_on_error(final):
+        try:
+            report = inspect_prompts(str(final), prompt_column or None, answer_column or None)
+        except DatasetError as exc:
+            raise invalid("file", str(exc)) from None
+    return _record(engine, actor, ds_id, final, filename, size,
+                   {**report, "format": "prompts"}, "grpo")
+
+
+def _record(engine: Engine, actor: User, ds_id: str, final: Path, filename: str, size: int,
+            report: dict[str, Any], purpose: str) -> Dataset:
+    """Insert the row of a validated upload (owned by ``actor``) and audit it."""
+    ds = Dataset(id=ds_id, filename=filename, path=str(final.resolve()), bytes=size,
+                 format=report.get("format"), rows=report.get("valid_rows") or report.get("rows"),
+                 purpose=purpose, status="processed", report=report, owner=actor.id)
+    repo.add_dataset(engine, ds)
+    audit.record(engine, actor.id, "dataset.uploaded", "dataset", ds.id, filename=filename,
+                 bytes=size, purpose=purpose)
+    return ds
+
+
+def delete_dataset(engine: Engine, settings: Settings, actor: User, dataset_id: str) -> Dataset:
+    """Delete a dataset no run uses, and its uploaded file.
+
+    Raises:
+        StudioError: not_found (unknown or another user's); conflict when a run uses it.
+    """
+    ds = access.dataset(engine, actor, dataset_id)
+    try:
+        repo.delete_dataset(engine, ds.id)
+    except repo.InUse as exc:
+        raise StudioError("conflict", str(exc), "file_id", "file_in_use") from None
+    if is_under(ds.path, settings.data_dir / "uploads"):
+        Path(ds.path).unlink(missing_ok=True)
+    audit.record(engine, actor.id, "dataset.deleted", "dataset", ds.id, filename=ds.filename)
+    return ds
+
+
+def downloaded(engine: Engine, actor: User, object_type: str, object_id: str | int,
+               **detail) -> None:
+    """Record in the audit log that ``actor`` downloaded a file (a dataset, artifact or export)."""
+    audit.record(engine, actor.id, f"{object_type}.downloaded", object_type, str(object_id),
+                 **detail)
+
+
+def is_under(path: str | Path, root: str | Path) -> bool:
+    """True when ``path`` resolves inside ``root`` (no escaping through .. or links)."""
+    try:
+        Path(path).resolve().relative_to(Path(root).resolve())
+        return True
+    except (ValueError, OSError):
+        return False

@@ -1,0 +1,38 @@
+"""The one error type of the use-case layer: a kind, a message and (for bad input) a field.
+
+Surfaces map the kind to HTTP once each (``app.web.errors``): ``not_found`` -> 404 (also for
+another user's object, so ids do not leak), ``invalid`` -> 422 (400 under ``/v1``),
+``unauthorized`` -> 401, ``forbidden`` -> 403, ``conflict`` -> 409, ``too_many`` -> 429,
+``unavailable`` -> 503.
+"""
+from __future__ import annotations
+
+KINDS = ("not_found", "invalid", "unauthorized", "forbidden", "conflict", "too_many", "unavailable")
+
+
+class StudioError(Exception):
+    """A use case refused: ``kind`` (one of :data:`KINDS`), ``message`` for the user, the
+    request ``field`` it is about (None when it concerns the request as a whole), and an
+    optional machine-readable ``code`` (e.g. ``model_in_use``) that surfaces pass on.
+
+    Raises:
+        ValueError: ``kind`` is not one of :data:`KINDS` (a programming error).
+    """
+
+    def __init__(self, kind: str, message: str, field: str | None = None,
+                 code: str | None = None):
+        if kind not in KINDS:
+            raise ValueError(f"unknown StudioError kind {kind!r}")
+        super().__init__(f"{field}: {message}" if field else message)
+        self.kind, self.message, self.field, self.code = kind, message, field, code
+
+
+def not_found(what: str, ident: object) -> StudioError:
+    """``StudioError("not_found")`` phrased as ``no <what> with id '<ident>'``; used for missing
+    objects and for objects the caller may not see alike."""
+    return StudioError("not_found", f"no {what} with id {ident!r}")
+
+
+def invalid(field: str | None, message: str) -> StudioError:
+    """``StudioError("invalid")`` about ``field``."""
+    return StudioError("invalid", message, field)

@@ -1,0 +1,139 @@
+"""Exports of a finished run (adapter, merged 16-bit, GGUF, Ollama): queueing one, reading its
+state, verification and files, and zipping its files for download.
+
+An export is a queue job of kind ``export`` attached to its run; it belongs to the run's owner.
+"""
+from __future__ import annotations
+
+import re
+import tempfile
+import zipfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pydantic import ValidationError
+from sqlalchemy.engine import Engine
+
+from app.settings import Settings
+from app.store import events, queue, repo
+from app.store.schema import Job, JobState
+from app.store.specs import ExportSpec
+from app.studio import access, audit
+from app.studio.datasets import is_under
+from app.studio.errors import StudioError, invalid
+from app.studio.runs import SpecError, field_errors
+
+if TYPE_CHECKING:
+    from app.store.schema import User
+
+FORMATS = [("adapter", "LoRA adapter (PEFT)"), ("merged_16bit", "Merged 16-bit (safetensors)"),
+           ("gguf", "GGUF"), ("ollama", "Ollama (GGUF + Modelfile)")]
+QUANTS = ["F16", "BF16", "Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q4_0", "Q3_K_M", "Q2_K"]
+#: The largest id a job row can have (a 64-bit signed integer); larger ids name nothing.
+MAX_ID = 2**63 - 1
+
+
+def export_job(engine: Engine, actor: User, export_id: int) -> Job:
+    """The export job ``export_id`` if ``actor`` may see its run. Raises StudioError not_found."""
+    if not 0 < export_id <= MAX_ID:
+        raise StudioError("not_found", f"no export with id {export_id}", "id")
+    try:
+        return access.job(engine, actor, export_id, kind="export")
+    except StudioError:
+        raise StudioError("not_found", f"no export with id {export_id}", "id") from None
+
+
+def export_info(engine: Engine, job: Job) -> dict[str, Any]:
+    """One export as the API and the run page show it: ``id``, ``run_id``, ``format``,
+    ``quantization``, ``dtype``, ``status``, ``error``, ``progress``, ``verification`` (the
+    figures, or the diff of a failed check), ``files`` (``name``, ``size``, ``sha256``, ``url``),
+    ``ollama`` and timestamps (epoch seconds)."""
+    payload, result = job.payload or {}, job.result or {}
+    export_key = result.get("export_id") or payload.get("export_id") or f"export-{job.id}"
+    files = [{"name": a.name, "size": a.bytes, "sha256": a.sha256,
+              "url": f"/artifacts/{a.id}/download"}
+             for a in repo.list_artifacts(engine, job.run_id, kind=payload.get("format"))
+             if (a.meta or {}).get("export_id") == export_key]
+    verification = result.get("verification")
+    if verification is None and job.state == JobState.FAILED:
+        for ev in reversed(events.since(engine, job.id, 0, 5000, types=["log"])):
+            if "verification" in ev.data:
+                verification = ev.data["verification"]
+                break
+    prog = events.latest(engine, job.id, "progress")
+    return {"id": job.id, "object": "export", "run_id": job.run_id,
+            "format": payload.get("format"), "quantization": payload.get("quantization", []),
+            "dtype": payload.get("dtype"), "status": job.state, "error": job.error,
+            "created_at": job.created_at, "finished_at": job.finished_at,
+            "progress": prog.data if prog else None, "verification": verification,
+            "files": files, "ollama": result.get("ollama"),
+            "events_url": f"/api/exports/{job.id}/events"}
+
+
+def list_exports(engine: Engine, actor: User, run_id: str) -> list[dict[str, Any]]:
+    """The exports of a run ``actor`` may see, newest first (:func:`export_info` each).
+    Raises StudioError not_found."""
+    access.run(engine, actor, run_id)
+    return [export_info(engine, j) for j in repo.list_run_jobs(engine, run_id, "export")]
+
+
+def queue_export(engine: Engine, actor: User, run_id: str, body: dict[str, Any]) -> Job:
+    """Validate an export request (``format``, ``quantization`` as a list or a comma/space
+    separated string, ``dtype``) for a finished run and queue its job.
+
+    Raises:
+        StudioError: not_found (unknown or another user's run), conflict (run not finished),
+            invalid (unknown field, bad format/quantization/dtype).
+    """
+    run, job = access.run_with_job(engine, actor, run_id)
+    if job is None or job.state != JobState.SUCCEEDED:
+        state = job.state if job else "unknown"
+        raise StudioError("conflict", f"run {run_id} has not finished training (state: {state}); "
+                                      "export it once it has succeeded")
+    unknown = sorted(str(k) for k in set(body) - {"format", "quantization", "dtype"})
+    if unknown:
+        raise invalid(unknown[0], f"unknown field {unknown[0]!r}; an export takes format, "
+                                  "quantization and dtype")
+    quant = body.get("quantization") or []
+    if isinstance(quant, str):
+        quant = [q.strip() for q in quant.replace(",", " ").split() if q.strip()]
+    try:
+        spec = ExportSpec(run_id=run.id, format=body.get("format"),
+                          quantization=quant, dtype=body.get("dtype") or "bf16")
+    except ValidationError as exc:
+        raise SpecError(*field_errors(exc)) from None
+    if spec.quantization and spec.format not in ("gguf", "ollama"):
+        raise invalid("quantization", f"applies to gguf and ollama exports, not {spec.format}")
+    payload = spec.model_dump(mode="json")
+    if spec.format == "ollama":
+        model = repo.get_model(engine, run.model_id)
+        payload["model_name"] = re.sub(r"[^a-z0-9_.-]+", "-", f"{model.name}-{run.id[-8:]}".lower())
+    job = queue.enqueue(engine, "export", payload, run_id=run.id, priority=5, max_attempts=2,
+                        owner=run.owner)
+    audit.record(engine, actor.id, "export.created", "export", job.id, run=run.id,
+                 format=spec.format, quantization=spec.quantization)
+    return job
+
+
+def zip_export(engine: Engine, settings: Settings, actor: User, export_id: int) -> tuple[Path, str]:
+    """Zip a succeeded export's files into a temporary file: ``(zip path, download name)``; the
+    caller deletes the file once sent.
+
+    Raises:
+        StudioError: not_found; conflict when the export is running or failed (no files).
+    """
+    info = export_info(engine, export_job(engine, actor, export_id))
+    if info["status"] != JobState.SUCCEEDED or not info["files"]:
+        why = "is still running" if info["status"] in (JobState.QUEUED, JobState.RUNNING) else \
+            f"{info['status']}; a failed export offers no files"
+        raise StudioError("conflict", f"export {export_id} has no files: it {why}")
+    arts = {a.name: a for a in repo.list_artifacts(engine, info["run_id"], kind=info["format"])}
+    tmp = tempfile.NamedTemporaryFile(prefix="whetstone-export-", suffix=".zip", delete=False)
+    tmp.close()
+    with zipfile.ZipFile(tmp.name, "w", zipfile.ZIP_STORED) as z:
+        for f in info["files"]:
+            path = Path(arts[f["name"]].path)
+            if is_under(path, settings.data_dir) and path.is_file():
+                z.write(path, arcname=f["name"])
+    audit.record(engine, actor.id, "export.downloaded", "export", export_id, run=info["run_id"])
+    return Path(tmp.name), f"{info['run_id']}-{info['format']}-{export_id}.zip"

@@ -1,0 +1,213 @@
+"""SFT runs: the checks a run must pass before it is queued, creating it, cancelling it.
+
+Every surface (the run form, ``POST /api/runs``, ``POST /v1/fine_tuning/jobs``) calls
+:func:`create_sft_run`; GRPO runs reuse the model/dataset/device checks (``app.studio.grpo``).
+The chat template is resolved here, once (:func:`app.data.chat_template.choose_template`), and
+its name and source are stored in the run's spec: the worker and every export use exactly that.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ValidationError
+from sqlalchemy.engine import Engine
+
+from app.data.chat_template import choose_template, render_chat
+from app.data.errors import DatasetError
+from app.data.model_config import missing_targets
+from app.settings import Settings
+from app.store import queue, repo
+from app.store import workers as workers_store
+from app.store.schema import Dataset, Job, JobState, Model, Run
+from app.store.specs import TrainSpec
+from app.studio import access, audit
+from app.studio.errors import StudioError, invalid
+
+if TYPE_CHECKING:
+    from app.store.schema import User
+
+
+def field_errors(exc: ValidationError) -> tuple[dict[str, str], list[str]]:
+    """Map a pydantic ValidationError to ``{field: message}`` plus form-level messages."""
+    out: dict[str, str] = {}
+    general: list[str] = []
+    for err in exc.errors():
+        loc = err.get("loc") or ()
+        msg = err.get("msg", "invalid value").removeprefix("Value error, ")
+        if loc:
+            out.setdefault(str(loc[0]), msg)
+        elif "max_steps" in msg:
+            out.setdefault("max_steps", msg)
+        else:
+            general.append(msg)
+    return out, general
+
+
+class SpecError(StudioError):
+    """A spec that fails validation: ``fields`` maps every bad field to its message; the first
+    one is the error's ``field`` and ``message`` (kind ``invalid``)."""
+
+    def __init__(self, fields: dict[str, str], general: list[str] | None = None):
+        first = next(iter(fields.items()), (None, (general or ["invalid spec"])[0]))
+        super().__init__("invalid", first[1], first[0])
+        self.fields, self.general = fields, general or []
+
+
+def parse_spec(cls: type[BaseModel], raw: dict[str, Any]) -> Any:
+    """``cls(**raw)`` (TrainSpec, GrpoSpec, ExportSpec); raises :class:`SpecError` naming the
+    fields when it does not validate."""
+    try:
+        return cls(**raw)
+    except ValidationError as exc:
+        raise SpecError(*field_errors(exc)) from None
+    except TypeError as exc:  # a non-string key
+        raise SpecError({}, [f"invalid spec: {exc}"]) from None
+
+
+def _for_field(field: str, lookup, *args):
+    """``lookup(*args)``, its not-found error re-raised as about the spec's ``field``."""
+    try:
+        return lookup(*args)
+    except StudioError as exc:
+        raise StudioError(exc.kind, exc.message, field) from None
+
+
+def usable_model(engine: Engine, actor: User, spec) -> Model:
+    """The spec's model row if the actor may use it. Raises StudioError: not_found (field
+    ``model``) when unknown or not the actor's, invalid when it failed to import."""
+    model = _for_field("model", access.model, engine, actor, spec.model)
+    if model.status == "failed":
+        raise invalid("model", f"model {model.name!r} failed to import: "
+                               f"{model.error or 'unknown error'}")
+    return model
+
+
+def check_targets(spec, model: Model) -> None:
+    """Raises StudioError(invalid, ``target_modules``) when a LoRA target names no module of
+    the model."""
+    problem = missing_targets(spec.target_modules, model.path, model.name)
+    if problem:
+        raise invalid("target_modules", problem)
+
+
+def usable_dataset(engine: Engine, actor: User, spec) -> Dataset:
+    """The spec's dataset row if the actor may use it. Raises StudioError: not_found (field
+    ``dataset``) when unknown or not the actor's, invalid when it is not processed."""
+    ds = _for_field("dataset", access.dataset, engine, actor, spec.dataset)
+    if ds.status != "processed":
+        raise invalid("dataset", f"dataset {ds.filename!r} is not usable: {ds.error or ds.status}")
+    return ds
+
+
+def check_qlora_device(engine: Engine, settings: Settings, spec) -> None:
+    """Raises StudioError(invalid, ``load_in_4bit``) when the spec asks for QLoRA and every live
+    worker runs without CUDA. With no live worker the run is accepted: a GPU worker may start
+    later."""
+    if not spec.load_in_4bit:
+        return
+    live = workers_store.live(engine, settings.worker_stale_seconds)
+    if live and not any(workers_store.has_cuda(w) for w in live):
+        devices = "; ".join(sorted({w.device for w in live}))
+        raise invalid("load_in_4bit", "QLoRA (load_in_4bit) needs a CUDA GPU, and no live "
+                      f"worker has one (workers run on: {devices}). Turn load_in_4bit off "
+                      "to train LoRA in full precision, or start a worker on a GPU.")
+
+
+SAMPLE_CHATS = (
+    [{"role": "system", "content": "You are a helpful assistant."},
+     {"role": "user", "content": "What is 2 + 2?"},
+     {"role": "assistant", "content": "2 + 2 = 4."}],
+    [{"role": "user", "content": "What is 2 + 2?"},
+     {"role": "assistant", "content": "2 + 2 = 4."}],
+)
+
+
+def template_problem(source: str | None) -> str | None:
+    """Why the chat template ``source`` cannot be used, else None.
+
+    It must render a sample system+user+assistant conversation (a template that refuses a system
+    turn is accepted when it renders the same chat without one) and the render must contain every
+    user and assistant message. The message is the template's own (``raise_exception`` text, or
+    the syntax error and line) or names the messages it drops.
+    """
+    if not source:
+        return None
+    first = None
+    for chat in SAMPLE_CHATS:
+        try:
+            text = render_chat(chat, source, bos_token="<s>", eos_token="</s>")
+        except DatasetError as exc:
+            first = first or str(exc)
+            continue
+        lost = [m["role"] for m in chat  # a template may fold or drop the system turn
+                if m["role"] != "system" and m["content"] not in text]
+        if lost:
+            return (f"the template does not write the {' and '.join(lost)} messages (a sample "
+                    f"chat renders as {text[:80]!r}); nothing would be trained")
+        return None
+    return first
+
+
+def resolved_template(spec, model: Model):
+    """``spec`` with ``chat_template`` set to the resolved source and ``chat_template_name`` to
+    its name (see :func:`app.data.chat_template.choose_template`).
+
+    Raises StudioError(invalid, ``chat_template``) when the template does not parse or cannot
+    render a sample chat."""
+    try:
+        name, source = choose_template(spec.chat_template, model.chat_template)
+    except DatasetError as exc:
+        raise invalid("chat_template", str(exc)) from None
+    problem = template_problem(source)
+    if problem:
+        raise invalid("chat_template", problem)
+    return spec.model_copy(update={"chat_template": source, "chat_template_name": name})
+
+
+def create_sft_run(engine: Engine, settings: Settings, actor: User, spec: TrainSpec,
+                   name: str | None = None) -> tuple[Run, Job]:
+    """Check the model and dataset are usable by ``actor``, resolve the chat template, then
+    create the run (owned by the actor) and queue its job.
+
+    Raises:
+        StudioError: not_found for an unknown (or another user's) model or dataset; invalid for
+            a failed model, LoRA targets the model does not have, an unusable or GRPO-prompt
+            dataset, a chat template that does not parse or render a sample conversation,
+            QLoRA when every live worker runs without CUDA.
+    """
+    model = usable_model(engine, actor, spec)
+    spec = resolved_template(spec, model)
+    check_targets(spec, model)
+    ds = usable_dataset(engine, actor, spec)
+    if ds.format == "prompts":
+        why = (ds.report or {}).get("sft_error")
+        raise invalid("dataset", f"dataset {ds.filename!r} is a GRPO prompt dataset (prompts "
+                                 f"without responses to train on), not an SFT dataset"
+                                 + (f" ({why})" if why else "") + "; start a GRPO run on it "
+                                 f"at /runs/new/grpo?dataset={ds.id}")
+    check_qlora_device(engine, settings, spec)
+    run, job = repo.create_run(engine, spec, name=name, owner=actor.id)
+    audit.record(engine, actor.id, "run.created", "run", run.id, kind="sft", model=model.name,
+                 dataset=ds.id)
+    return run, job
+
+
+def list_runs(engine: Engine, actor: User, limit: int = 100, after: str | None = None) -> list[Run]:
+    """The runs ``actor`` may see, newest first (``after``: a run id, OpenAI-style cursor)."""
+    return repo.list_runs(engine, limit=limit, after=after, owner=access.owner_filter(actor))
+
+
+def cancel_run(engine: Engine, actor: User, run_id: str, *, if_running: bool = False) -> Run:
+    """Ask the run's job to stop (the worker stops it at the next step).
+
+    Raises:
+        StudioError: not_found (unknown or another user's run); conflict when ``if_running``
+            and the job already ended.
+    """
+    run, job = access.run_with_job(engine, actor, run_id)
+    if job is not None:
+        if if_running and job.state in JobState.FINAL:
+            raise StudioError("conflict", f"fine-tuning job {run_id} is already {job.state}")
+        queue.cancel(engine, job.id)
+        audit.record(engine, actor.id, "run.cancelled", "run", run.id)
+    return run

@@ -1,0 +1,44 @@
+"""Native JSON API for exports: queue one for a finished run, list a run's, read one, stream its
+events.
+
+``POST /api/runs/{run_id}/exports`` with ``{"format", "quantization": str | [str], "dtype"?}``
+queues an ``export`` job and answers ``{"id", "status"}`` (201); ``GET /api/exports/{id}``
+returns ``status``, ``error``, ``progress``, ``verification`` and ``files``.
+"""
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from sse_starlette.sse import EventSourceResponse
+
+from app.studio import exports as exports_uc
+from app.web.api.schemas import ExportList, ExportOut, ExportQueued, json_object
+from app.web.deps import CurrentUser, EngineDep
+from app.web.sse import job_event_stream, start_after
+
+router = APIRouter(prefix="/api", tags=["exports"])
+
+
+@router.post("/runs/{run_id}/exports", status_code=201, response_model=ExportQueued)
+async def create_export(run_id: str, request: Request, engine: EngineDep, user: CurrentUser):
+    body = await json_object(request, 'a JSON object: {"format": ..., "quantization": ...}')
+    job = exports_uc.queue_export(engine, user, run_id, body)
+    return ExportQueued(id=job.id, status=job.state)
+
+
+@router.get("/runs/{run_id}/exports", response_model=ExportList)
+def list_exports(run_id: str, engine: EngineDep, user: CurrentUser):
+    return ExportList(data=exports_uc.list_exports(engine, user, run_id))
+
+
+@router.get("/exports/{export_id}", response_model=ExportOut)
+def get_export(export_id: int, engine: EngineDep, user: CurrentUser):
+    return exports_uc.export_info(engine, exports_uc.export_job(engine, user, export_id))
+
+
+@router.get("/exports/{export_id}/events")
+async def export_events(export_id: int, request: Request, engine: EngineDep, user: CurrentUser,
+                        after: str | None = None):
+    """The export job's events over SSE (resumes after ``Last-Event-ID`` or ``?after=``)."""
+    job = exports_uc.export_job(engine, user, export_id)
+    start = start_after(request.headers.get("last-event-id"), after)
+    return EventSourceResponse(job_event_stream(engine, job.id, start), ping=15)

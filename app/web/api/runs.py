@@ -1,0 +1,52 @@
+"""Native JSON API for runs: list, read, create (SFT and GRPO), cancel."""
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+
+from app.store.specs import GrpoSpec, TrainSpec
+from app.studio import access
+from app.studio import grpo as grpo_runs
+from app.studio import runs as runs_uc
+from app.web.api.schemas import RunList, RunOut, json_object, run_out
+from app.web.deps import CurrentUser, EngineDep, SettingsDep
+
+router = APIRouter(prefix="/api", tags=["runs"])
+
+
+@router.get("/runs", response_model=RunList)
+def list_runs(engine: EngineDep, user: CurrentUser, limit: int = 100, after: str | None = None):
+    """The caller's runs (an admin's: everyone's), newest first."""
+    runs = runs_uc.list_runs(engine, user, limit=max(1, min(limit, 1000)), after=after)
+    return RunList(data=[run_out(engine, r) for r in runs])
+
+
+@router.get("/runs/{run_id}", response_model=RunOut)
+def get_run(run_id: str, engine: EngineDep, user: CurrentUser):
+    return run_out(engine, access.run(engine, user, run_id), full=True)
+
+
+@router.post("/runs", status_code=201, response_model=RunOut)
+async def create_run(request: Request, engine: EngineDep, settings: SettingsDep, user: CurrentUser):
+    """Create an SFT run from a TrainSpec body (plus an optional ``name``)."""
+    body = await json_object(request, "a JSON object (a TrainSpec)")
+    name = body.pop("name", None)
+    spec = runs_uc.parse_spec(TrainSpec, body)
+    run, _ = runs_uc.create_sft_run(engine, settings, user, spec, name)
+    return run_out(engine, run, full=True)
+
+
+@router.post("/runs/grpo", status_code=201, response_model=RunOut)
+async def create_grpo_run(request: Request, engine: EngineDep, settings: SettingsDep,
+                          user: CurrentUser):
+    """Create a GRPO run from a GrpoSpec body (plus an optional ``name``)."""
+    body = await json_object(request, "a JSON object (a GrpoSpec)")
+    name = body.pop("name", None)
+    spec = runs_uc.parse_spec(GrpoSpec, body)
+    run, _ = grpo_runs.create_grpo_run(engine, settings, user, spec, name)
+    return run_out(engine, run, full=True)
+
+
+@router.post("/runs/{run_id}/cancel", response_model=RunOut)
+def cancel_run(run_id: str, engine: EngineDep, user: CurrentUser):
+    """Ask the run's job to stop; answers the run."""
+    return run_out(engine, runs_uc.cancel_run(engine, user, run_id))

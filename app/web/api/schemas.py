@@ -1,0 +1,185 @@
+"""The native ``/api`` shapes: pydantic response models, and the JSON-object body reader.
+
+Times are UNIX epoch seconds (float); sizes are bytes. These models are what ``/api/docs``
+shows; the routes build them from store rows.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import Request
+from pydantic import BaseModel, ConfigDict
+
+from app.store import events, repo
+from app.store.schema import Dataset, Model, Run
+from app.web.errors import ApiError
+
+
+class DatasetOut(BaseModel):
+    """A dataset: its file, detected format, valid row count and the last validation report."""
+
+    id: str
+    filename: str
+    bytes: int
+    format: str | None
+    rows: int | None
+    purpose: str
+    status: str
+    error: str | None
+    report: dict[str, Any] | None
+    owner: str | None
+    created_at: float
+
+
+class DatasetList(BaseModel):
+    data: list[DatasetOut]
+
+
+class ModelOut(BaseModel):
+    """A registered base model; ``path`` is set once the import job made it ``ready``."""
+
+    id: str
+    name: str
+    source: str
+    source_ref: str
+    path: str | None
+    status: str
+    error: str | None
+    chat_template: str | None
+    info: dict[str, Any] | None
+    owner: str | None = None
+    shared: bool = False
+    created_at: float
+
+
+class ModelList(BaseModel):
+    data: list[ModelOut]
+
+
+class ModelDeleted(BaseModel):
+    id: str
+    name: str
+    deleted: bool = True
+
+
+class MetricsSummary(BaseModel):
+    """Count and first/last/min training loss of a run, and its latest metric event."""
+
+    count: int
+    first_loss: float | None = None
+    last_loss: float | None = None
+    min_loss: float | None = None
+    latest: dict[str, Any] | None = None
+
+
+class RunOut(BaseModel):
+    """A run with its job's state; ``metrics`` and ``artifacts`` on single-run reads."""
+
+    model_config = ConfigDict(protected_namespaces=())
+
+    id: str
+    name: str | None
+    kind: str
+    model_id: str
+    dataset_id: str
+    spec: dict[str, Any]
+    job_id: int | None
+    output_dir: str | None
+    owner: str | None
+    created_at: float
+    state: str | None
+    error: str | None
+    cancel_requested: bool
+    started_at: float | None
+    finished_at: float | None
+    events_url: str
+    metrics: MetricsSummary | None = None
+    artifacts: list[dict[str, Any]] | None = None
+
+
+class RunList(BaseModel):
+    data: list[RunOut]
+
+
+class ExportOut(BaseModel):
+    """One export job: status, progress, verification and files (``app.studio.exports``)."""
+
+    id: int
+    object: str = "export"
+    run_id: str | None
+    format: str | None
+    quantization: list[str] | str | None
+    dtype: str | None
+    status: str
+    error: str | None
+    created_at: float
+    finished_at: float | None
+    progress: dict[str, Any] | None
+    verification: dict[str, Any] | None
+    files: list[dict[str, Any]]
+    ollama: dict[str, Any] | None
+    events_url: str
+
+
+class ExportList(BaseModel):
+    object: str = "list"
+    data: list[ExportOut]
+
+
+class ExportQueued(BaseModel):
+    id: int
+    status: str
+
+
+def dataset_out(ds: Dataset) -> DatasetOut:
+    return DatasetOut.model_validate(ds.model_dump())
+
+
+def model_out(m: Model) -> ModelOut:
+    return ModelOut.model_validate(m.model_dump())
+
+
+def metrics_summary(engine, job_id: int | None) -> MetricsSummary:
+    """Count, first/last/min loss and the latest metric event of a job."""
+    if job_id is None:
+        return MetricsSummary(count=0)
+    losses, latest, last = [], None, 0
+    while True:
+        batch = events.since(engine, job_id, last, 5000, types=["metric"])
+        if not batch:
+            break
+        for ev in batch:
+            if isinstance(ev.data.get("loss"), (int, float)):
+                losses.append(ev.data["loss"])
+            latest = ev.data
+        last = batch[-1].id
+    return MetricsSummary(count=len(losses), first_loss=losses[0] if losses else None,
+                          last_loss=losses[-1] if losses else None,
+                          min_loss=min(losses) if losses else None, latest=latest)
+
+
+def run_out(engine, run: Run, full: bool = False) -> RunOut:
+    """A run as the JSON API shows it (job state, timestamps; metrics and artifacts if full)."""
+    _, job = repo.run_with_job(engine, run.id)
+    out = RunOut(**run.model_dump(), state=job.state if job else None,
+                 error=job.error if job else None,
+                 cancel_requested=bool(job and job.cancel_requested),
+                 started_at=job.started_at if job else None,
+                 finished_at=job.finished_at if job else None,
+                 events_url=f"/runs/{run.id}/events")
+    if full:
+        out.metrics = metrics_summary(engine, run.job_id)
+        out.artifacts = [{**a.model_dump(mode="json"), "download_url": f"/artifacts/{a.id}/download"}
+                         for a in repo.list_artifacts(engine, run.id)]
+    return out
+
+
+async def json_object(request: Request, what: str = "a JSON object") -> dict[str, Any]:
+    """The request body, which must be a JSON object. Raises ApiError 400."""
+    try:
+        body = await request.json()
+    except (ValueError, RecursionError):
+        raise ApiError(400, "the request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, f"the request body must be {what}")
+    return body

@@ -1,0 +1,89 @@
+"""View models that several pages share (the run page embeds the exports card; the run forms
+share the chat-template panel). Plain dicts for the templates; every object read goes through
+the use-case layer's ownership checks."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import RedirectResponse, Response
+
+from app.data.chat_template import DEFAULT_TEMPLATES, FALLBACK_TEMPLATE
+from app.store import events, repo
+from app.store.schema import JobState
+from app.studio import access
+from app.studio import exports as exports_uc
+from app.studio.errors import StudioError
+from app.web.deps import is_htmx
+
+# What the run page lists under "Artifacts"; export files are listed under "Exports".
+RUN_ARTIFACT_KINDS = ("adapter", "config", "metrics")
+
+
+def template_ctx(engine, user, model_ref: str | None, choice: str | None = None,
+                 text: str | None = None) -> dict[str, Any]:
+    """What the chat-template part of a run form shows for the chosen model."""
+    model = None
+    if model_ref:
+        try:
+            model = access.model(engine, user, model_ref)
+        except StudioError:
+            model = None
+    names = list(DEFAULT_TEMPLATES)
+    chosen = choice if choice in DEFAULT_TEMPLATES else FALLBACK_TEMPLATE
+    return {"model_name": model.name if model else None,
+            "model_has_template": bool(model and model.chat_template),
+            "names": names, "choice": chosen,
+            "text": text if text else DEFAULT_TEMPLATES[chosen]}
+
+
+def exports_view(engine, user, run_id: str, error: str | None = None,
+                 values: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The exports card of a run page: the form's choices and values, and the run's exports."""
+    run, job = access.run_with_job(engine, user, run_id)
+    items = exports_uc.list_exports(engine, user, run_id)
+    return {"run": run, "exports": items, "export_formats": exports_uc.FORMATS,
+            "export_quants": exports_uc.QUANTS, "export_error": error,
+            "export_values": values or {"format": "gguf", "quantization": ["Q8_0"]},
+            "can_export": bool(job and job.state == JobState.SUCCEEDED),
+            "exports_active": any(e["status"] in (JobState.QUEUED, JobState.RUNNING) for e in items)}
+
+
+def run_view(engine, user, run_id: str) -> dict[str, Any]:
+    """Everything the run page shows at load time."""
+    run, job = access.run_with_job(engine, user, run_id)
+    metric = events.latest(engine, job.id, "metric") if job else None
+    m = metric.data if metric else None
+    progress = 0
+    if m and m.get("total_steps"):
+        progress = min(100, round(100 * m["step"] / max(1, m["total_steps"])))
+    state = job.state if job else "unknown"
+    if state == JobState.SUCCEEDED:
+        progress = 100
+    try:
+        model_name = repo.get_model(engine, run.model_id).name
+    except repo.NotFound:
+        model_name = run.model_id
+    try:
+        dataset_name = repo.get_dataset(engine, run.dataset_id).filename
+    except repo.NotFound:
+        dataset_name = run.dataset_id
+    spec = run.spec or {}
+    return {"run": run, "job": job, "state": state, "metric": m, "progress": progress,
+            "error": job.error if job else None,
+            "cancel_requested": bool(job and job.cancel_requested),
+            "artifacts": [a for a in repo.list_artifacts(engine, run.id)
+                          if a.kind in RUN_ARTIFACT_KINDS and not (a.meta or {}).get("export_id")],
+            "model_name": model_name, "dataset_name": dataset_name,
+            "template_name": spec.get("chat_template_name"),
+            "template_source": spec.get("chat_template"),
+            "spec_json": json.dumps(spec, indent=2), **exports_view(engine, user, run.id)}
+
+
+def redirect_to_run(request: Request, run) -> Response:
+    """After a form created a run: go to its page (HX-Redirect for htmx, else 303)."""
+    url = f"/runs/{run.id}"
+    if is_htmx(request):
+        return Response(status_code=200, headers={"HX-Redirect": url})
+    return RedirectResponse(url, status_code=303)
