@@ -62,6 +62,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         yield
 
     app = FastAPI(title="Whetstone", version="0.1.0", lifespan=lifespan, docs_url="/api/docs",
+                  swagger_ui_oauth2_redirect_url="/api/docs/oauth2-redirect",
                   redoc_url=None, openapi_url="/api/openapi.json")
     app.state.settings = settings
     app.state.engine = get_engine(settings.resolved_database_url)

@@ -76,3 +76,60 @@ def test_validation_errors_are_visible_in_the_browser(page, client):
     # an error that is not a form's (404 here) shows the friendly error card in the page
     page.evaluate("() => htmx.ajax('GET', '/datasets/file-nope', {target: '#run_form'})")
     expect(page.locator("main .error-page")).to_contain_text("no dataset with id")
+
+
+@pytest.fixture
+def evil_site(tmp_path):
+    """Another local origin (its own port) serving the pages under ``tmp_path/evil``."""
+    import functools
+    import http.server
+    import threading
+
+    root = tmp_path / "evil"
+    root.mkdir()
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(root))
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield root, f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+
+
+def test_a_page_from_another_origin_cannot_cancel_or_create_runs(page, client, evil_site):
+    """The signed-in browser visits a page of another local origin that posts forms and fetches
+    to the studio (its session cookie goes along: same site, other port). The CSRF token and
+    Origin checks refuse every request; the studio's own page still cancels."""
+    from app.store import queue, repo
+
+    with (SHARED / "sft" / "alpaca_en_demo.json").open("rb") as fh:
+        ds = client.post("/v1/files", files={"file": ("a.json", fh)}, data={"purpose": "fine-tune"})
+    run = client.post("/api/runs", json={"model": "stories260K", "dataset": ds.json()["id"],
+                                         "max_steps": 5}).json()
+    root, evil = evil_site
+    target = page.base
+    (root / "attack.html").write_text(f"""<!doctype html><body>
+<iframe name="sink"></iframe>
+<form id="cancel" method="post" action="{target}/runs/{run['id']}/cancel" target="sink"></form>
+<form id="create" method="post" action="{target}/runs" target="sink">
+  <input name="model" value="stories260K"><input name="dataset" value="{ds.json()['id']}">
+  <input name="max_steps" value="3"><input name="target_modules" value="q_proj">
+</form>
+<script>
+  document.getElementById('cancel').submit();
+  setTimeout(() => document.getElementById('create').submit(), 300);
+  fetch('{target}/api/runs/{run['id']}/cancel', {{method: 'POST', credentials: 'include'}})
+    .catch(() => {{}}).finally(() => {{ document.title = 'sent'; }});
+</script></body>""")
+    page.goto(f"{evil}/attack.html")
+    page.wait_for_function("document.title === 'sent'")
+    page.wait_for_timeout(1500)  # both form posts have had time to land
+    engine = client.app.state.engine
+    job = queue.get_job(engine, repo.get_run(engine, run["id"]).job_id)
+    assert not job.cancel_requested and job.state == "queued"
+    assert [r.id for r in repo.list_runs(engine)] == [run["id"]]  # nothing was created
+
+    # the same cancel from the studio's own page (token in the form) goes through
+    page.goto(f"{target}/runs/{run['id']}")
+    page.once("dialog", lambda d: d.accept())
+    page.click("#controls button")
+    page.wait_for_timeout(500)
+    assert queue.get_job(engine, job.id).cancel_requested

@@ -185,3 +185,20 @@ def test_models_list_and_retrieve_fine_tuned_models(oai, engine):
             oai.models.retrieve(missing)
         assert exc.value.body["param"] == "model" and exc.value.body["code"] == "model_not_found"
         assert repr(missing) in exc.value.body["message"]
+
+
+def test_an_api_key_works_until_revoked(server, client):
+    """The official client with a key from POST /api/keys lists files; once the key is revoked
+    (DELETE /api/keys/{id}) the same client gets 401 in the OpenAI error shape."""
+    made = client.post("/api/keys", json={"name": "laptop"})
+    assert made.status_code == 201, made.text
+    oai = openai.OpenAI(base_url=server + "/v1", api_key=made.json()["key"], max_retries=0,
+                        timeout=30)
+    assert oai.files.list().data == []
+    assert client.delete(f"/api/keys/{made.json()['id']}").status_code == 204
+    with pytest.raises(openai.AuthenticationError) as exc:
+        oai.files.list()
+    assert exc.value.status_code == 401
+    assert exc.value.body["type"] == "authentication_error"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server + "/v1", api_key="wk-not-a-key", max_retries=0).models.list()
