@@ -67,10 +67,18 @@ def canonical_format(fmt: str) -> str:
     return name
 
 
+#: Columns that mark a row as KTO data: an answer plus a desirable/undesirable flag (TRL's
+#: ``label``, LLaMA-Factory's ``kto_tag``), which supervised training must not learn from.
+KTO_FLAGS = ("label", "kto_tag")
+
+
 def row_signature(data: dict) -> str | None:
-    """The format one row looks like, or None."""
+    """The format one row looks like, or None (``preference`` and ``kto`` are recognised so that
+    they can be refused with the reason)."""
     if "chosen" in data and "rejected" in data:
         return "preference"
+    if any(isinstance(data.get(k), bool) for k in KTO_FLAGS):
+        return "kto"
     for key in CONV_KEYS:
         conv = data.get(key)
         if isinstance(conv, list) and conv:
@@ -112,10 +120,17 @@ def detect_format(rows: Iterable[dict]) -> str:
             "(instruction/input/output), sharegpt (conversations of from/value), messages "
             "(role/content), prompt/completion, or text")
     fmt = votes.most_common(1)[0][0]
+    needs = ("supervised fine-tuning needs alpaca, sharegpt, messages, prompt/completion or text "
+             "rows")
     if fmt == "preference":
-        raise DatasetError("this is preference data (chosen/rejected columns, for DPO/KTO); "
-                           "supervised fine-tuning needs alpaca, sharegpt, messages, "
-                           "prompt/completion or text rows")
+        raise DatasetError("this is preference data (chosen/rejected columns, for DPO); " + needs)
+    if fmt == "kto":
+        flag = next(k for k in KTO_FLAGS if columns.get(k))
+        bad = votes["kto"]
+        raise DatasetError(f"this is KTO data: each row's answer carries a true/false {flag!r} "
+                           f"(desirable or not; {bad} rows checked), for KTO training; supervised "
+                           "fine-tuning would also teach the undesirable answers. Remove the "
+                           f"{flag!r} column and the rows marked false to train on it; " + needs)
     return fmt
 
 
@@ -178,6 +193,9 @@ def _tools_of(value, row: int, field: str) -> list | None:
             value = json.loads(value)
         except json.JSONDecodeError as exc:
             raise DatasetError(f"tools is a string but not valid JSON: {exc.msg}", row=row, field=field) from None
+        except RecursionError:
+            raise DatasetError("tools is a string of JSON nested too deeply", row=row,
+                               field=field) from None
     if isinstance(value, dict):
         value = [value]
     if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):

@@ -198,3 +198,20 @@ def test_unknown_columns_and_preference():
     recs = list(iter_records(SHARED / "preference" / "dpo_en_demo_sharegpt.json"))
     with pytest.raises(DatasetError, match="preference data"):
         detect_format([r.data for r in recs[:10]])
+
+
+def test_kto_data_is_named_not_trained_on():
+    """LLaMA-Factory's KTO demo (messages + a boolean label, half of them false) is refused with
+    what it is, by detection and by the whole-file report the upload runs."""
+    from app.studio.reports import inspect_file
+
+    path = SHARED / "preference" / "kto_en_demo_messages.json"
+    recs = list(iter_records(path))
+    assert sum(r.data["label"] is False for r in recs) > 0  # undesirable answers are in it
+    with pytest.raises(DatasetError, match="this is KTO data") as info:
+        detect_format([r.data for r in recs[:50]])
+    assert "'label'" in info.value.message and "undesirable" in info.value.message
+    with pytest.raises(DatasetError, match="KTO data"):
+        inspect_file(str(path), tokenizer_dir=None, chat_template=None, max_seq_length=512)
+    # a boolean-free label (a classifier's CSV column) is not KTO
+    assert detect_format([{"text": "ham", "label": "spam"}]) == "text"
