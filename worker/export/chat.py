@@ -46,7 +46,27 @@ class ChatLayout:
     asst_pre: str = ""
     asst_post: str = ""
     gen: str = ""
-    stops: list[str] = field(default_factory=list)
+    stops: list[str] = field(default_factory=list)  # Ollama stop strings, end-of-turn first
+    end_of_turn: list[str] = field(default_factory=list)  # the special token closing a turn
+
+
+def end_marker(between: str, asst_pre: str, special_tokens) -> str | None:
+    """The special token that ends an assistant turn, or None.
+
+    ``between`` is the text a template puts between an assistant's content and the next user's
+    content; ``asst_pre`` the text opening an assistant turn. The end-of-turn marker is the
+    first special token (by position) in ``between`` that does not also open the assistant
+    turn: turn-START markers (``<|im_start|>``, ``<|start_header_id|>``, ``<start_of_turn>``)
+    open both user and assistant turns, so they are never taken for the end of one.
+    """
+    best = None
+    for tok in set(special_tokens):
+        at = between.find(tok) if tok else -1
+        if at < 0 or tok in asst_pre:
+            continue
+        if best is None or (at, -len(tok)) < (best[0], -len(best[1])):
+            best = (at, tok)
+    return best[1] if best else None
 
 
 def render(template: str, messages: list[dict], add_generation_prompt: bool = True,
@@ -111,22 +131,27 @@ def derive_layout(template: str, special: dict | None = None, special_tokens: li
     asst_pre = b1[len(user_post):]
     # b2 = asst_post + user_pre ; b0 = head + user_pre. Prefer asst_post = end-of-turn marker.
     split = len(b2) - _common_suffix(b0, b2)
-    for tok in special_tokens:  # never split a special token; end the turn after its marker
+    eot = end_marker(b2, asst_pre, special_tokens)
+    if eot is not None:  # end the turn after its marker (and the whitespace that follows it)
+        end = b2.find(eot) + len(eot)
+        while end < len(b2) and b2[end] in "\n ":
+            end += 1
+        split = max(split, end)
+    for tok in special_tokens:  # never split a special token
         at = b2.find(tok) if tok else -1
-        if at >= 0 and at < split + 1 and (at + len(tok) > split or at == split):
+        if 0 <= at < split < at + len(tok):
             split = at + len(tok)
-            while split < len(b2) and b2[split] in "\n ":
-                split += 1
-            break
     asst_post, user_pre = b2[:split], b2[split:]
     if not b0.endswith(user_pre):
         raise ExportError("chat template: the first user turn differs from later ones")
     head = b0[:len(b0) - len(user_pre)]
     lay = ChatLayout("block", head, user_pre=user_pre, user_post=user_post, asst_pre=asst_pre,
-                     asst_post=asst_post, gen=gen)
+                     asst_post=asst_post, gen=gen, end_of_turn=[eot] if eot else [])
     _system(lay, r, convo)
     stop_text = asst_post + user_pre
-    lay.stops = [t for t in special_tokens if t and t in stop_text]
+    found = sorted((stop_text.find(t), -len(t), t) for t in set(special_tokens)
+                   if t and t in stop_text)
+    lay.stops = [t for _, _, t in found]  # in order of appearance: the end-of-turn marker first
     if not lay.stops:  # markers the vocabulary has no token for (ChatML on a base model):
         lay.stops = _MARKER.findall(stop_text)[:1]  # Ollama stops on the first marker's text
     _self_check(lay, r)

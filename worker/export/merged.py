@@ -92,10 +92,12 @@ def chat_layout(tok, template: str | None):
 
 
 def end_of_turn_tokens(tok, template: str | None) -> list[tuple[str, int]]:
-    """``[(text, id)]`` of the template's end-of-turn markers that are single tokens."""
+    """``[(text, id)]`` of the template's end-of-turn marker when it is a single token of ``tok``
+    (``<|im_end|>``, ``<|eot_id|>``, ``<end_of_turn>``; never a turn-start marker); ``[]`` when
+    there is no template or its end marker is plain text."""
     lay = chat_layout(tok, template)
     out = []
-    for text in (lay.stops if lay else []):
+    for text in (lay.end_of_turn if lay else []):
         ids = tok.convert_tokens_to_ids([text])
         if ids and ids[0] is not None and ids[0] != tok.unk_token_id:
             out.append((text, int(ids[0])))

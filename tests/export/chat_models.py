@@ -1,0 +1,99 @@
+"""Chat tokenizers and tiny chat models for export tests, from real files only.
+
+Each family's tokenizer is the real GPT-2 byte-level BPE (``../shared/data/tokenizers/gpt2-bpe``)
+plus that model family's real special tokens, added in the order of their ids in the real
+tokenizer (so turn-START markers come before end-of-turn markers, as in Qwen2.5's
+``<|im_start|>`` 151644 < ``<|im_end|>`` 151645), and, for Qwen2 and Llama 3, the real split
+regex of their pre-tokenizer (the one llama.cpp selects by ``tokenizer.ggml.pre``).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.export.conftest import DATA
+
+GPT2 = DATA / "tokenizers" / "gpt2-bpe"
+TEMPLATES = DATA / "chat_templates"
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}"
+                 r"\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+
+#: family -> specials (real id order), bos, eos, the end-of-turn marker, split regex
+FAMILIES = {
+    "qwen": (["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>",
+              "<|object_ref_end|>", "<|box_start|>", "<|box_end|>"],
+             None, "<|endoftext|>", "<|im_end|>", _QWEN2_SPLIT),
+    "deepseek": (["<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<｜begin▁of▁sentence｜>",
+                  "<|EOT|>"], "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>",
+                 "<｜end▁of▁sentence｜>", _QWEN2_SPLIT),
+    "llama3": (["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
+                "<|reserved_special_token_1|>", "<|finetune_right_pad_id|>",
+                "<|reserved_special_token_2|>", "<|start_header_id|>", "<|end_header_id|>",
+                "<|eom_id|>", "<|eot_id|>", "<|python_tag|>"],
+               "<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>", _LLAMA3_SPLIT),
+    "gemma": (["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>"],
+              "<bos>", "<eos>", "<end_of_turn>", None),
+    "phi3": (["<|endoftext|>", "<|assistant|>", "<|placeholder1|>", "<|system|>", "<|end|>",
+              "<|user|>"], "<s>", "<|endoftext|>", "<|end|>", None),
+    "mistral": (["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]"], "<s>", "</s>",
+                "</s>", None),
+}
+#: real template file -> family
+TEMPLATE_FAMILY = {"Qwen-Qwen2.5-7B-Instruct": "qwen",
+                   "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B": "deepseek",
+                   "google-gemma-2-2b-it": "gemma", "meta-llama-Llama-3.1-8B-Instruct": "llama3",
+                   "meta-llama-Llama-3.2-3B-Instruct": "llama3",
+                   "microsoft-Phi-3.5-mini-instruct": "phi3",
+                   "mistralai-Mistral-Nemo-Instruct-2407": "mistral"}
+
+
+def chat_tokenizer(family: str, template: str | None = None):
+    """A ``PreTrainedTokenizerFast``: real GPT-2 BPE + ``family``'s specials (see the module)."""
+    from tokenizers import Regex, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from app.data.encode import byte_level_bpe
+
+    specials, bos, eos, _, split = FAMILIES[family]
+    raw = byte_level_bpe(GPT2 / "gpt2_vocab.json", GPT2 / "gpt2_merges.txt", ())
+    if split:
+        raw.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    raw.add_special_tokens(list(dict.fromkeys(s for s in (*specials, bos, eos) if s)))
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token=bos, eos_token=eos,
+                                  pad_token=eos)
+    if template:
+        tok.chat_template = template
+    return tok
+
+
+def template_text(stem: str) -> str:
+    """The real Jinja chat template ``../shared/data/chat_templates/<stem>.jinja``."""
+    return (TEMPLATES / f"{stem}.jinja").read_text()
+
+
+def tiny_model(arch: str, vocab_size: int, bos_id, eos_id, tied: bool = True, seed: int = 0):
+    """A random-init tiny ``Qwen2``/``Llama``/``Gemma2`` causal LM (fp32, eval mode)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=256, bos_token_id=bos_id, eos_token_id=eos_id,
+                  tie_word_embeddings=tied)
+    extra = {"gemma2": dict(head_dim=8, sliding_window=64, query_pre_attn_scalar=8)}.get(arch, {})
+    names = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+             "llama": ("LlamaConfig", "LlamaForCausalLM"),
+             "gemma2": ("Gemma2Config", "Gemma2ForCausalLM")}[arch]
+    cfg = getattr(transformers, names[0])(**common, **extra)
+    cfg.architectures = [names[1]]
+    return getattr(transformers, names[1])(cfg).eval()
+
+
+def save_base(model, tok, folder: Path) -> Path:
+    """Save ``model`` + ``tok`` as a local HF base-model folder."""
+    model.save_pretrained(folder, safe_serialization=True)
+    tok.save_pretrained(folder)
+    return folder
