@@ -10,6 +10,10 @@ const files = [
   ["node_modules/htmx.org/dist/htmx.min.js", "htmx.min.js"],
   ["node_modules/htmx-ext-sse/dist/sse.min.js", "htmx-ext-sse.min.js"],
   ["node_modules/chart.js/dist/chart.umd.min.js", "chart.umd.min.js"],
+  // Swagger UI for /api/docs (served from here, so the docs work offline)
+  ["node_modules/swagger-ui-dist/swagger-ui-bundle.js", "swagger-ui-bundle.js"],
+  ["node_modules/swagger-ui-dist/swagger-ui.css", "swagger-ui.css"],
+  ["node_modules/swagger-ui-dist/favicon-32x32.png", "swagger-ui-favicon.png"],
 ];
 mkdirSync(out, { recursive: true });
 for (const [src, name] of files) {

@@ -18,7 +18,7 @@ from sqlalchemy import text
 from app.settings import Settings, get_settings
 from app.store import workers as workers_store
 from app.store.db import get_engine, session_scope
-from app.web import errors
+from app.web import docs, errors
 from app.web.deps import get_engine as dep_engine
 
 log = logging.getLogger("whetstone.web")
@@ -61,12 +61,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         _seed_demo_model(app.state.engine, settings)
         yield
 
-    app = FastAPI(title="Whetstone", version="0.1.0", lifespan=lifespan, docs_url="/api/docs",
-                  swagger_ui_oauth2_redirect_url="/api/docs/oauth2-redirect",
+    # docs_url=None: app.web.docs serves /api/docs with Swagger UI from static/vendor (no CDN)
+    app = FastAPI(title="Whetstone", version="0.1.0", lifespan=lifespan, docs_url=None,
                   redoc_url=None, openapi_url="/api/openapi.json")
     app.state.settings = settings
     app.state.engine = get_engine(settings.resolved_database_url)
     errors.install(app)
+    docs.install(app)
     app.mount("/static", StaticFiles(directory=str(STATIC_DIR), check_dir=False), name="static")
 
     @app.get("/healthz")
