@@ -22,9 +22,13 @@ its character offsets overlap a trained character span.  Sequences longer than
 """
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
+import operator
 import os
 from dataclasses import dataclass, field
+from operator import itemgetter
 
 from tokenizers import Tokenizer
 
@@ -171,15 +175,29 @@ def load_tokenizer_bundle(model_dir: str | os.PathLike) -> TokenizerBundle:
                            specials.get("bos_token"), specials.get("eos_token"), specials)
 
 
+def _monotone(values: list[int]) -> bool:
+    return all(map(operator.le, values, values[1:]))
+
+
 def _trained_flags(offsets, special_mask, spans, train_all: bool) -> list[bool]:
-    flags = []
-    for (s, e), special in zip(offsets, special_mask):
-        if train_all:
-            flags.append(True)
-        elif e <= s:
-            flags.append(False)
-        else:
-            flags.append(any(s < b and e > a for a, b in spans))
+    """One flag per token: True when its character offsets overlap a trained span (zero-width
+    tokens never, unless everything is trained). Tokenizers give non-decreasing offsets, so each
+    span marks one contiguous run of tokens found by bisection (C-speed list work, no per-token
+    Python loop); offsets out of order fall back to checking every token."""
+    n = len(offsets)
+    if train_all:
+        return [True] * n
+    starts = list(map(itemgetter(0), offsets))
+    ends = list(map(itemgetter(1), offsets))
+    if not (_monotone(starts) and _monotone(ends)):
+        return [e > s and any(s < b and e > a for a, b in spans) for s, e in offsets]
+    flags = [False] * n
+    for a, b in spans:
+        lo, hi = bisect.bisect_right(ends, a), bisect.bisect_left(starts, b)
+        if lo < hi:
+            flags[lo:hi] = [True] * (hi - lo)
+    for i in itertools.compress(range(n), map(operator.le, ends, starts)):
+        flags[i] = False  # zero-width (e <= s): nothing of the text, never trained
     return flags
 
 
@@ -197,6 +215,68 @@ def _segments(text: str, tokenizer: Tokenizer, ids, offsets, special_mask, flags
         else:
             segs.append([piece, flag])
     return [(t, f) for t, f in segs if t]
+
+
+@dataclass
+class Prepared:
+    """An example rendered to text, before tokenisation (see :func:`prepare_example`)."""
+
+    kind: str
+    text: str
+    spans: list[tuple[int, int]]
+
+    @property
+    def add_special_tokens(self) -> bool:
+        """Chat renderings carry their own BOS; text and prompt/completion get the tokenizer's."""
+        return self.kind != "messages"
+
+
+def prepare_example(example: dict, template: str | None, *, bos_token: str | None = None,
+                    eos_token: str | None = None,
+                    special_tokens: dict[str, str] | None = None) -> Prepared:
+    """Render one canonical example to the text that is tokenised and its trained character
+    spans (assistant turns; the completion; all of a text).
+
+    Raises:
+        DatasetError: a messages example without a chat template, or the template fails.
+    """
+    kind = example_kind(example)
+    if kind == "messages":
+        if not template:
+            raise DatasetError("the model has no chat template; choose one of "
+                               + ", ".join(DEFAULT_TEMPLATES))
+        rendered = render_with_spans(example["messages"], template, bos_token=bos_token or "",
+                                     eos_token=eos_token or "", tools=example.get("tools"),
+                                     special_tokens=special_tokens)
+        return Prepared(kind, rendered.text, list(rendered.assistant_spans))
+    if kind == "text":
+        return Prepared(kind, example["text"], [(0, len(example["text"]))])
+    text = example["prompt"] + example["completion"]
+    return Prepared(kind, text, [(len(example["prompt"]), len(text))])
+
+
+def finish_encoding(prep: Prepared, enc, tokenizer: Tokenizer, *, eos_token: str | None = None,
+                    max_seq_length: int | None = None, train_on_responses_only: bool = True,
+                    with_segments: bool = True) -> Encoded:
+    """Labels, truncation and (``with_segments``) preview segments of a prepared example from
+    its ``tokenizers.Encoding`` ``enc`` (encoded with ``prep.add_special_tokens``)."""
+    text, spans = prep.text, prep.spans
+    ids, offsets, smask = list(enc.ids), list(enc.offsets), list(enc.special_tokens_mask)
+    eos_id = tokenizer.token_to_id(eos_token) if eos_token else None
+    if prep.kind != "messages" and eos_id is not None and (not ids or ids[-1] != eos_id):
+        ids.append(eos_id)
+        offsets.append((len(text), len(text)))
+        smask.append(1)
+    flags = _trained_flags(offsets, smask, spans, not train_on_responses_only)
+    if prep.kind != "messages" and eos_id is not None and ids and ids[-1] == eos_id:
+        flags[-1] = True  # the appended EOS ends the trained completion/text
+    num_tokens = len(ids)
+    truncated = max_seq_length is not None and num_tokens > max_seq_length
+    if truncated:
+        ids, offsets, smask, flags = (x[:max_seq_length] for x in (ids, offsets, smask, flags))
+    labels = [i if f else IGNORE_INDEX for i, f in zip(ids, flags)]
+    segments = _segments(text, tokenizer, ids, offsets, smask, flags) if with_segments else []
+    return Encoded(ids, labels, truncated, segments, num_tokens)
 
 
 def encode_example(example: dict, tokenizer: Tokenizer, template: str | None, *,
@@ -218,40 +298,31 @@ def encode_example(example: dict, tokenizer: Tokenizer, template: str | None, *,
     Raises:
         DatasetError: a messages example without a chat template, or the template fails.
     """
-    kind = example_kind(example)
-    eos_id = tokenizer.token_to_id(eos_token) if eos_token else None
-    if kind == "messages":
-        if not template:
-            raise DatasetError("the model has no chat template; choose one of "
-                               + ", ".join(DEFAULT_TEMPLATES))
-        rendered = render_with_spans(example["messages"], template, bos_token=bos_token or "",
-                                     eos_token=eos_token or "", tools=example.get("tools"),
-                                     special_tokens=special_tokens)
-        text, spans = rendered.text, rendered.assistant_spans
-        enc = tokenizer.encode(text, add_special_tokens=False)
-        ids, offsets, smask = list(enc.ids), list(enc.offsets), list(enc.special_tokens_mask)
-    else:
-        if kind == "text":
-            text, spans = example["text"], [(0, len(example["text"]))]
-        else:
-            text = example["prompt"] + example["completion"]
-            spans = [(len(example["prompt"]), len(text))]
-        enc = tokenizer.encode(text, add_special_tokens=True)
-        ids, offsets, smask = list(enc.ids), list(enc.offsets), list(enc.special_tokens_mask)
-        if eos_id is not None and (not ids or ids[-1] != eos_id):
-            ids.append(eos_id)
-            offsets.append((len(text), len(text)))
-            smask.append(1)
-    flags = _trained_flags(offsets, smask, spans, not train_on_responses_only)
-    if kind != "messages" and eos_id is not None and ids and ids[-1] == eos_id:
-        flags[-1] = True  # the appended EOS ends the trained completion/text
-    num_tokens = len(ids)
-    truncated = max_seq_length is not None and num_tokens > max_seq_length
-    if truncated:
-        ids, offsets, smask, flags = (x[:max_seq_length] for x in (ids, offsets, smask, flags))
-    labels = [i if f else IGNORE_INDEX for i, f in zip(ids, flags)]
-    return Encoded(ids, labels, truncated, _segments(text, tokenizer, ids, offsets, smask, flags),
-                   num_tokens)
+    prep = prepare_example(example, template, bos_token=bos_token, eos_token=eos_token,
+                           special_tokens=special_tokens)
+    enc = tokenizer.encode(prep.text, add_special_tokens=prep.add_special_tokens)
+    return finish_encoding(prep, enc, tokenizer, eos_token=eos_token, max_seq_length=max_seq_length,
+                           train_on_responses_only=train_on_responses_only)
+
+
+def encode_prepared_batch(preps: list[Prepared], bundle: TokenizerBundle, *,
+                          max_seq_length: int | None = None, train_on_responses_only: bool = True,
+                          with_segments: bool = False) -> list[Encoded]:
+    """Tokenise many prepared examples with the tokenizer's batch encoder (Rust threads, the
+    GIL released); the results equal :func:`encode_example`'s one by one."""
+    out: list[Encoded | None] = [None] * len(preps)
+    for special in (False, True):
+        idx = [i for i, p in enumerate(preps) if p.add_special_tokens == special]
+        if not idx:
+            continue
+        encs = bundle.tokenizer.encode_batch([preps[i].text for i in idx],
+                                             add_special_tokens=special)
+        for i, enc in zip(idx, encs):
+            out[i] = finish_encoding(preps[i], enc, bundle.tokenizer, eos_token=bundle.eos_token,
+                                     max_seq_length=max_seq_length,
+                                     train_on_responses_only=train_on_responses_only,
+                                     with_segments=with_segments)
+    return out  # type: ignore[return-value]
 
 
 def encode_with_bundle(example: dict, bundle: TokenizerBundle, template: str | None = None, *,

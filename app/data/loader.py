@@ -28,7 +28,6 @@ from __future__ import annotations
 import csv
 import json
 import os
-import sys
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -39,6 +38,15 @@ TEXT_EXTENSIONS = {".json": "json", ".jsonl": "jsonl", ".ndjson": "jsonl", ".csv
 SUPPORTED_EXTENSIONS = tuple(TEXT_EXTENSIONS)
 ROW_LIST_KEYS = ("data", "rows", "examples", "train", "records", "items")
 ENDOFTEXT = "<|endoftext|>"
+#: Bounds that keep a reader's memory small whatever the file holds (a row, a CSV field or a
+#: line larger than this is refused by row number; a Parquet file is checked from its metadata
+#: before any data is decompressed).
+MAX_ROW_BYTES = 8 * 1024 * 1024
+MAX_ROWS = 5_000_000
+PARQUET_MAX_ROW_GROUP_BYTES = 512 * 1024 * 1024
+PARQUET_MAX_TOTAL_BYTES = 8 * 1024 * 1024 * 1024
+PARQUET_MAX_ROW_GROUPS = 100_000
+PARQUET_MAX_COLUMNS = 1_000
 _UTF8_HINT = ("the file is not valid UTF-8 (it looks like Latin-1/Windows-1252 or Mac-Roman); "
               "re-save it as UTF-8 and upload it again")
 
@@ -82,13 +90,58 @@ def _utf8_error(exc: UnicodeDecodeError, base_offset: int, line: int | None,
     return DatasetError(f"invalid UTF-8 byte 0x{bad.hex()} at {where}: {_UTF8_HINT}", row=row)
 
 
-def _decoded_lines(fh, on_error_row) -> Iterator[tuple[int, str]]:
+class LineTooLong(Exception):
+    """A line over :data:`MAX_ROW_BYTES` (its bytes were skipped, never held in memory)."""
+
+    def __init__(self, lineno: int, size: int):
+        super().__init__(lineno, size)
+        self.lineno, self.size = lineno, size
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1024 * 1024):.1f} MiB"
+
+
+def too_large(what: str, size: int) -> str:
+    """The message for a row or field over the size limit."""
+    return (f"{what} is {_mib(size)}, over the limit of {_mib(MAX_ROW_BYTES)} per row; "
+            "split it or leave it out")
+
+
+def _bounded_lines(fh, limit: int) -> Iterator[tuple[int, bytes | None, int]]:
+    """(1-based line number, raw line or None when longer than ``limit`` bytes, its size);
+    an over-long line is skipped in chunks, so memory stays under ``limit``."""
+    lineno = 0
+    while True:
+        raw = fh.readline(limit + 1)
+        if not raw:
+            return
+        lineno += 1
+        if len(raw) <= limit or raw.endswith(b"\n"):
+            yield lineno, raw, len(raw)
+            continue
+        size = len(raw)
+        while raw and not raw.endswith(b"\n"):
+            raw = fh.readline(1024 * 1024)
+            size += len(raw)
+        yield lineno, None, size
+
+
+def _decoded_lines(fh, on_error_row, on_long=None) -> Iterator[tuple[int, str]]:
     """Yield (1-based line number, decoded line with its line ending) from a binary file.
 
-    ``on_error_row()`` gives the row number to name when a line is not UTF-8.
+    ``on_error_row()`` gives the row number to name when a line is not UTF-8. A line over
+    :data:`MAX_ROW_BYTES` raises :class:`LineTooLong`, or, with ``on_long``, is reported
+    through ``on_long(lineno, size)`` and skipped.
     """
     offset = 0
-    for lineno, raw in enumerate(fh, start=1):
+    for lineno, raw, size in _bounded_lines(fh, MAX_ROW_BYTES):
+        if raw is None:
+            offset += size
+            if on_long is None:
+                raise LineTooLong(lineno, size)
+            on_long(lineno, size)
+            continue
         if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
             raw, offset = raw[3:], 3
         try:
@@ -118,6 +171,13 @@ def iter_records(path: str | os.PathLike, kind: str | None = None) -> Iterator[R
             line and byte offset), a JSON document that does not parse (line/column),
             an empty file, an invalid Parquet file.
     """
+    try:
+        yield from _iter_records(path, kind)
+    except LineTooLong as exc:
+        raise DatasetError(too_large(f"line {exc.lineno}", exc.size)) from None
+
+
+def _iter_records(path, kind: str | None) -> Iterator[Record]:
     kind = kind or file_kind(path)
     if not os.path.isfile(path):
         raise DatasetError("file not found")
@@ -164,6 +224,27 @@ def _iter_json(path, kind: str) -> Iterator[Record]:
     if kind == "jsonl" and first != "[":
         yield from _iter_jsonl(path)
         return
+    if os.path.getsize(path) <= MAX_ROW_BYTES:
+        yield from _iter_small_json(path, first)
+    elif first == "{" and _first_line_is_object(path):
+        yield from _iter_jsonl(path)  # a large .json file holding JSON Lines
+    else:
+        yield from _iter_json_stream(path, first)
+
+
+def _first_line_is_object(path) -> bool:
+    """True when the first line of the file is a whole JSON object (JSON Lines in a .json)."""
+    with _open(path) as fh:
+        raw = fh.readline(MAX_ROW_BYTES + 1)
+    try:
+        return isinstance(json.loads(raw.decode("utf-8-sig")), dict)
+    except (ValueError, RecursionError):
+        return False
+
+
+def _iter_small_json(path, first: str) -> Iterator[Record]:
+    """A document of at most :data:`MAX_ROW_BYTES` read whole (an array, one example, rows
+    under a key, or JSON Lines), so that a syntax error names its line and column."""
     with _open(path) as fh:
         raw = fh.read()
     if raw.startswith(b"\xef\xbb\xbf"):
@@ -180,9 +261,67 @@ def _iter_json(path, kind: str) -> Iterator[Record]:
             yield from _iter_jsonl(path)  # a .json file holding JSON Lines
             return
         raise DatasetError(f"invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
+    except RecursionError:
+        raise DatasetError("the JSON document is nested too deeply to be a dataset") from None
     rows = _rows_of_document(doc)
     for i, item in enumerate(rows, start=1):
         yield _record_of(item, i)
+
+
+def _rows_key(path) -> str | None:
+    """The first top-level key of a large ``{...}`` document whose value is an array of rows."""
+    import ijson
+
+    with _open(path) as fh:
+        key = None
+        for prefix, event, value in ijson.parse(fh):
+            if prefix == "" and event == "map_key":
+                key = value
+            elif prefix == key and event == "start_array" and key in ROW_LIST_KEYS:
+                return key
+            elif prefix == "" and event == "end_map":
+                return None
+    return None
+
+
+def _iter_json_stream(path, first: str) -> Iterator[Record]:
+    """Rows of a JSON array (or of a large object's row list) read item by item with ijson,
+    so memory holds one row at a time; a row spanning more than :data:`MAX_ROW_BYTES` of the
+    file is refused by number."""
+    import ijson
+
+    prefix = "item"
+    if first == "{":
+        key = _rows_key(path)
+        if key is None:
+            raise DatasetError(f"the JSON object is larger than {_mib(MAX_ROW_BYTES)} and holds no "
+                               f"list of rows under {', '.join(ROW_LIST_KEYS)}")
+        prefix = f"{key}.item"
+    elif first != "[":
+        raise DatasetError("the JSON document is not an array of objects or an object")
+    row = 0
+    with _open(path) as fh:
+        last = 0
+        try:
+            for item in ijson.items(fh, prefix, use_float=True):
+                row += 1
+                pos = fh.tell()
+                if row > MAX_ROWS:
+                    raise DatasetError(f"the file holds more than {MAX_ROWS:,} rows")
+                size, last = pos - last, pos
+                if size > MAX_ROW_BYTES + 2 * 65536 and not isinstance(item, (int, float, bool)):
+                    yield Record(row, None, DatasetError(too_large(f"row {row}", size), row=row))
+                    continue
+                yield _record_of(item, row)
+        except ijson.IncompleteJSONError as exc:
+            msg = " ".join(str(exc).split())[:300]
+            if "invalid utf-8" in msg.lower() or "utf-8" in msg.lower():
+                raise DatasetError(f"the file is not valid UTF-8 near row {row + 1}: {_UTF8_HINT}",
+                                   row=row + 1) from None
+            raise DatasetError(f"invalid JSON after row {row}: {msg}", row=row + 1) from None
+        except UnicodeDecodeError as exc:
+            raise DatasetError(f"invalid UTF-8 near row {row + 1}: {_UTF8_HINT}", row=row + 1) \
+                from None
 
 
 def _rows_of_document(doc) -> list:
@@ -210,8 +349,14 @@ def _record_of(item, row: int, line: int | None = None) -> Record:
 
 def _iter_jsonl(path) -> Iterator[Record]:
     row = 0
+    long_lines: list[tuple[int, int]] = []
     with _open(path) as fh:
-        for lineno, line in _decoded_lines(fh, lambda: row + 1):
+        lines = _decoded_lines(fh, lambda: row + 1, lambda n, size: long_lines.append((n, size)))
+        for lineno, line in lines:
+            while long_lines:
+                n, size = long_lines.pop(0)
+                row += 1
+                yield Record(row, None, DatasetError(too_large(f"line {n}", size), row=row), n)
             if not line.strip():
                 continue
             row += 1
@@ -221,11 +366,18 @@ def _iter_jsonl(path) -> Iterator[Record]:
                 yield Record(row, None, DatasetError(
                     f"invalid JSON on line {lineno}, column {exc.colno}: {exc.msg}", row=row), lineno)
                 continue
+            except RecursionError:
+                yield Record(row, None, DatasetError(
+                    f"line {lineno} is nested too deeply to be a dataset row", row=row), lineno)
+                continue
             yield _record_of(item, row, lineno)
+        for n, size in long_lines:
+            row += 1
+            yield Record(row, None, DatasetError(too_large(f"line {n}", size), row=row), n)
 
 
 def _iter_csv(path, delimiter: str) -> Iterator[Record]:
-    csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
+    csv.field_size_limit(MAX_ROW_BYTES)
     state = {"row": 0}
     with _open(path) as fh:
         lines = _decoded_lines(fh, lambda: state["row"] + 1)
@@ -261,15 +413,50 @@ def _iter_csv(path, delimiter: str) -> Iterator[Record]:
                     yield Record(row, data, None, start_line)
                 start_line = end_line + 1
         except csv.Error as exc:
+            if "field larger than field limit" in str(exc):
+                raise DatasetError(f"a field of row {state['row'] + 1} is over the limit of "
+                                   f"{_mib(MAX_ROW_BYTES)} per row; split it or leave it out",
+                                   row=state["row"] + 1) from None
             raise DatasetError(f"malformed CSV near line {line_of.get('last', '?')}: {exc}",
                                row=state["row"] + 1) from None
+
+
+def check_parquet(pf) -> None:
+    """Refuse a Parquet file whose metadata promises more than the reader may decompress
+    (rows, row groups, columns, uncompressed bytes per row group and in all), before reading.
+
+    Raises:
+        DatasetError: naming the limit and the value the file declares.
+    """
+    md = pf.metadata
+    checks = ((md.num_rows, MAX_ROWS, "rows"), (md.num_row_groups, PARQUET_MAX_ROW_GROUPS,
+                                                  "row groups"),
+              (md.num_columns, PARQUET_MAX_COLUMNS, "columns"))
+    for value, limit, what in checks:
+        if value > limit:
+            raise DatasetError(f"the Parquet file declares {value:,} {what}; the limit is {limit:,}")
+    total = 0
+    for i in range(md.num_row_groups):
+        rg = md.row_group(i)
+        size = max(rg.total_byte_size, sum(rg.column(c).total_uncompressed_size
+                                           for c in range(rg.num_columns)))
+        total += size
+        if size > PARQUET_MAX_ROW_GROUP_BYTES or total > PARQUET_MAX_TOTAL_BYTES:
+            raise DatasetError(f"the Parquet file decompresses to more than "
+                               f"{_mib(min(size, total))} (row group {i + 1}); the limits are "
+                               f"{_mib(PARQUET_MAX_ROW_GROUP_BYTES)} per row group and "
+                               f"{_mib(PARQUET_MAX_TOTAL_BYTES)} in all")
+        if rg.num_rows and size / rg.num_rows > MAX_ROW_BYTES:
+            raise DatasetError(too_large(f"an average row of row group {i + 1}",
+                                         int(size / rg.num_rows)))
 
 
 def _iter_parquet(path) -> Iterator[Record]:
     try:
         import pyarrow.parquet as pq
         pf = pq.ParquetFile(path)
-        batches = pf.iter_batches(batch_size=1024)
+        check_parquet(pf)
+        batches = pf.iter_batches(batch_size=256)
         row = 0
         for batch in batches:
             for item in batch.to_pylist():

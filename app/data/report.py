@@ -13,12 +13,15 @@ from typing import Iterator
 from pydantic import BaseModel
 
 from .chat_template import DEFAULT_TEMPLATES, resolve_template
-from .encode import Encoded, TokenizerBundle, encode_with_bundle, load_tokenizer_bundle
+from .encode import (Encoded, Prepared, TokenizerBundle, encode_prepared_batch, encode_with_bundle,
+                     load_tokenizer_bundle, prepare_example)
 from .errors import DatasetError, RowIssue
 from .formats import canonical_format, detect_format, normalize_row
 from .loader import file_kind, iter_records, txt_json_hint
 
 DETECT_SAMPLE_ROWS = 100
+#: Rows rendered, then tokenised together by the tokenizer's batch encoder.
+ENCODE_BATCH_ROWS = 256
 
 
 class Issue(BaseModel):
@@ -110,19 +113,35 @@ def iter_rows(path: str | os.PathLike, tokenizer: TokenizerBundle | str | os.Pat
         raise DatasetError(f"{fmt} rows need a chat template and the model has none; choose one "
                            f"of: {', '.join(DEFAULT_TEMPLATES)}")
 
-    def gen() -> Iterator[RowResult]:
-        for rec in itertools.chain(head, records):
+    def results(batch: list) -> Iterator[RowResult]:
+        """The batch's rows in order: problems as errors, the rest tokenised in one batch."""
+        prepared: list[tuple[int, dict, list, Prepared]] = []
+        out: dict[int, RowResult] = {}
+        for rec in batch:
             if rec.error is not None:
-                yield RowResult(rec.row, error=RowIssue.from_error(rec.error, rec.row))
+                out[rec.row] = RowResult(rec.row, error=RowIssue.from_error(rec.error, rec.row))
                 continue
             try:
                 example, warns = normalize_row(rec.data, fmt, rec.row)
-                enc = encode_with_bundle(example, bundle, template, max_seq_length=max_seq_length,
-                                         train_on_responses_only=train_on_responses_only)
+                prep = prepare_example(example, template or bundle.chat_template,
+                                       bos_token=bundle.bos_token, eos_token=bundle.eos_token,
+                                       special_tokens=bundle.special_tokens)
             except DatasetError as err:
-                yield RowResult(rec.row, error=RowIssue.from_error(err, rec.row))
+                out[rec.row] = RowResult(rec.row, error=RowIssue.from_error(err, rec.row))
                 continue
-            yield RowResult(rec.row, example, enc, None, warns)
+            prepared.append((rec.row, example, warns, prep))
+        encoded = encode_prepared_batch([p[3] for p in prepared], bundle,
+                                        max_seq_length=max_seq_length,
+                                        train_on_responses_only=train_on_responses_only)
+        for (row, example, warns, _), enc in zip(prepared, encoded):
+            out[row] = RowResult(row, example, enc, None, warns)
+        for rec in batch:
+            yield out[rec.row]
+
+    def gen() -> Iterator[RowResult]:
+        chain = itertools.chain(head, records)
+        while batch := list(itertools.islice(chain, ENCODE_BATCH_ROWS)):
+            yield from results(batch)
 
     return fmt, gen()
 
@@ -169,7 +188,9 @@ def inspect_dataset(path: str | os.PathLike, tokenizer: TokenizerBundle | str | 
     Raises:
         DatasetError: whole-file problems, or (``raise_if_empty``) no valid row at all.
     """
-    fmt, rows = iter_rows(path, tokenizer, chat_template, max_seq_length,
+    bundle = _bundle(tokenizer)
+    template = resolve_template(chat_template, bundle.chat_template)
+    fmt, rows = iter_rows(path, bundle, chat_template, max_seq_length,
                           train_on_responses_only, fmt)
     total = valid = over = untrained = warning_count = 0
     errors: list[Issue] = []
@@ -194,8 +215,10 @@ def inspect_dataset(path: str | os.PathLike, tokenizer: TokenizerBundle | str | 
             if len(warnings) < max_issues:
                 warnings.append(Issue(row=w.row, field=w.field, message=w.message))
         if len(preview) < preview_rows:
-            preview.append(PreviewRow(row=res.row, segments=enc.segments, num_tokens=enc.num_tokens,
-                                      num_trained=enc.num_trained, truncated=enc.truncated))
+            full = encode_with_bundle(res.example, bundle, template, max_seq_length=max_seq_length,
+                                      train_on_responses_only=train_on_responses_only)
+            preview.append(PreviewRow(row=res.row, segments=full.segments, num_tokens=full.num_tokens,
+                                      num_trained=full.num_trained, truncated=full.truncated))
     hint = txt_json_hint(path) if file_kind(path) == "txt" else None
     if hint:
         warning_count += 1
