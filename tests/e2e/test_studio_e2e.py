@@ -112,10 +112,8 @@ def assert_adapter_changes_output(adapter_dir: Path, studio: Studio) -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    with studio.client() as c:
-        models = c.get("/api/models").json()
-    models = models.get("data", models) if isinstance(models, dict) else models
-    base_dir = next(m["path"] for m in models if m["name"] == "stories260K")
+    # the API never shows server paths: the demo model's prepared folder is the one under models/
+    base_dir = next((studio.data_dir / "models").glob("*/config.json")).parent
     tok = AutoTokenizer.from_pretrained(base_dir)
     base = AutoModelForCausalLM.from_pretrained(base_dir, torch_dtype=torch.float32)
     ids = tok("<|im_start|>user\nTell me a story.<|im_end|>\n<|im_start|>assistant\n",

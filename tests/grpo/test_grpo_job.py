@@ -176,3 +176,16 @@ def test_cancel_stops_a_long_generation(studio):
     assert "t" in seen and job.state == JobState.CANCELLED, (job.state, job.error)
     assert done - seen["t"] < 5
     assert not [m for m in _events(studio, job.id, "metric") if m.get("step")]
+
+
+def test_a_run_that_learns_nothing_says_so(studio):
+    """A reward no completion can earn: every group has equal (zero) rewards, so after three steps
+    the run log carries a warning that names what to change (issue 19 item 11)."""
+    never = [{"name": "regex_match", "label": "never", "params": {"pattern": r"\bQQXQQ\b"}}]
+    run, job = _run(studio, dataset=studio["toy"], max_steps=4, **{**TOY, "rewards": never})
+    assert job.state == JobState.SUCCEEDED, job.error
+    metrics = _events(studio, job.id, "metric")
+    assert all(m["frac_zero_std_groups"] == 1.0 for m in metrics)
+    warnings = [e for e in _events(studio, job.id, "log") if e.get("level") == "warning"
+                and "GRPO is not learning" in e["message"]]
+    assert len(warnings) == 1 and "num_generations" in warnings[0]["message"]

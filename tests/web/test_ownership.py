@@ -218,3 +218,17 @@ def test_admin_gets_through_to_a_s_objects(app, objs):
             r = call(objs["admin"], method, fill(route.path, objs))
             assert r.status_code not in (401, 403, 404), \
                 f"admin {method} {route.path}: {r.status_code} {r.text[:200]}"
+
+
+def test_no_api_response_shows_a_server_path(app, objs, settings):
+    """Models, runs (with artifacts), datasets, exports and the /v1 objects never carry the data
+    dir's absolute path (issue 19 item 5)."""
+    root = str(settings.data_dir.resolve())
+    urls = ["/api/models", "/api/runs", f"/api/runs/{objs['run']}", "/api/datasets",
+            f"/api/datasets/{objs['dataset']}", f"/api/runs/{objs['run']}/exports",
+            f"/api/exports/{objs['export']}", "/v1/files", f"/v1/files/{objs['dataset']}",
+            "/v1/fine_tuning/jobs", f"/v1/fine_tuning/jobs/{objs['run']}", "/v1/models"]
+    for url in urls:
+        r = objs["a"].get(url)
+        assert r.status_code == 200, (url, r.status_code)
+        assert root not in r.text and str(settings.data_dir) not in r.text, url

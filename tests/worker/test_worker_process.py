@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -147,6 +148,16 @@ def test_train_30_steps_loss_falls_and_adapter_works(env) -> None:
               "chat_template.jinja"):
         assert (adapter / f).exists(), f
     assert (run_dir / "checkpoints" / "checkpoint-30" / "optimizer.pt").exists()
+    # portable: the adapter names its base as others load it; no server path in what downloads
+    acfg = json.loads((adapter / "adapter_config.json").read_text())
+    assert acfg["base_model_name_or_path"] == "stories260K"
+    card = (adapter / "README.md").read_text()
+    assert card.startswith("---\nbase_model: stories260K\n") and "karpathy/tinyllamas" in card
+    assert "identity_alpaca.json" in card and "`r`: `8`" in card and "final_loss" in card
+    with zipfile.ZipFile(kinds["adapter"].path) as z:
+        for name in z.namelist():
+            assert str(env["dir"]) not in z.read(name).decode("latin-1"), name
+    assert str(env["dir"]) not in (run_dir / "config.json").read_text()
 
     base_dir = repo.get_model(eng, "stories260K").path
     tok = AutoTokenizer.from_pretrained(base_dir)

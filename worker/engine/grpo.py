@@ -269,10 +269,16 @@ def grpo_config(spec, output_dir: str, cuda: bool, optim: str, **overrides: Any)
 
 def progress_callback(metric: Callable[..., None], sample: Callable[..., None],
                       stop_reason: Callable[[], str | None], trainer_ref: Callable[[], Any],
-                      on_stop: Callable[[str], None] | None = None, sample_every: int = 1):
+                      on_stop: Callable[[str], None] | None = None, sample_every: int = 1,
+                      warn: Callable[[str], None] | None = None):
     """A TrainerCallback: GRPO metric events (rewards per function, std, KL, length, zero-variance
-    fraction), sample-table events, and stops on cancel / lease loss / shutdown."""
+    fraction), sample-table events, ``warn`` when nothing is being learned
+    (:class:`worker.engine.grpo_health.ZeroVarianceWatch`), and stops on cancel / lease loss /
+    shutdown."""
     from worker.engine.callbacks import stopping_callback
+    from worker.engine.grpo_health import ZeroVarianceWatch
+
+    watch = ZeroVarianceWatch()
 
     class _Callback(stopping_callback()):
         def __init__(self):
@@ -302,6 +308,10 @@ def progress_callback(metric: Callable[..., None], sample: Callable[..., None],
             if "reward" in avg:
                 self.rewards.append((state.global_step, avg["reward"]))
             metric(**data)
+            problem = watch.observe(state.global_step, avg.get("frac_zero_std_groups"),
+                                    avg.get("groups"))
+            if problem and warn is not None:
+                warn(problem)
             if trainer.samples and state.global_step % sample_every == 0:
                 sample(step=state.global_step, rows=trainer.samples)
 

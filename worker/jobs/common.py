@@ -179,16 +179,28 @@ def log_lora(ctx: JobContext, spec, model, suffix: str = "") -> int:
 
 
 # ---- config.json, resume, adapter -----------------------------------------------------------
+def run_name(ctx: JobContext, run_id: str) -> str | None:
+    """The run's user-given name (None when it has none or the row is gone)."""
+    try:
+        return repo.get_run(ctx.engine, run_id).name
+    except repo.NotFound:
+        return None
+
+
 def model_config_entry(model_row: Model) -> dict[str, Any]:
-    """The ``model`` entry of config.json."""
-    return {"id": model_row.id, "name": model_row.name, "path": model_row.path,
+    """The ``model`` entry of config.json (a downloadable record: no server paths)."""
+    from worker.jobs.card import base_model_id
+
+    return {"id": model_row.id, "name": model_row.name, "base_model": base_model_id(model_row),
             "source": model_row.source, "info": model_row.info}
 
 
 def training_arguments(args) -> dict[str, Any]:
-    """The scalar entries of a TrainingArguments (for config.json)."""
+    """The scalar entries of a TrainingArguments (for config.json, a downloadable record: the
+    folders on the server, such as ``output_dir``, are left out)."""
     return {k: v for k, v in args.to_dict().items()
-            if isinstance(v, (int, float, str, bool, type(None)))}
+            if isinstance(v, (int, float, str, bool, type(None)))
+            and not (isinstance(v, str) and os.path.isabs(v))}
 
 
 def write_config(ctx: JobContext, run_id: str, run_dir: Path, config: dict[str, Any]) -> None:
@@ -211,9 +223,13 @@ def last_checkpoint(ctx: JobContext, ckpt_dir: Path) -> str | None:
 
 
 def save_adapter(ctx: JobContext, run_id: str, run_dir: Path, trainer, tokenizer,
-                 template: str | None) -> tuple[Path, Path]:
-    """Save the final adapter (+ tokenizer, chat template) to ``adapter/`` through a temp folder,
-    zip it to ``adapter.zip`` and record the ``adapter`` artifact. Returns (folder, zip)."""
+                 template: str | None, model_row: Model, card: str) -> tuple[Path, Path]:
+    """Save the final adapter (+ tokenizer, chat template, the model card ``card`` as README.md)
+    to ``adapter/`` through a temp folder, with ``base_model_name_or_path`` naming the base as
+    others can load it (:mod:`worker.jobs.card`); zip it to ``adapter.zip`` and record the
+    ``adapter`` artifact. Returns (folder, zip)."""
+    from worker.jobs.card import make_portable
+
     ctx.progress("save", 0, 1, "saving the adapter")
     adapter_dir = run_dir / "adapter"
     tmp = run_dir / f".adapter.tmp-{ctx.job.id}"
@@ -222,6 +238,8 @@ def save_adapter(ctx: JobContext, run_id: str, run_dir: Path, trainer, tokenizer
     tokenizer.save_pretrained(str(tmp))
     if template and not (tmp / "chat_template.jinja").exists():
         (tmp / "chat_template.jinja").write_text(template, encoding="utf-8")
+    make_portable(tmp, model_row)
+    (tmp / "README.md").write_text(card, encoding="utf-8")
     shutil.rmtree(adapter_dir, ignore_errors=True)
     tmp.rename(adapter_dir)
     zip_path = run_dir / "adapter.zip"

@@ -24,6 +24,7 @@ from app.store.specs import GrpoSpec
 from worker import gpu
 from worker.context import JobContext, JobError
 from worker.jobs import common
+from worker.jobs.card import model_card
 from worker.rewards.base import RewardError
 
 
@@ -80,7 +81,8 @@ def run(ctx: JobContext) -> dict[str, Any]:
     callback = grpo.progress_callback(ctx.metric, ctx.reporter.sample, ctx.stop_reason,
                                       lambda: holder["trainer"],
                                       on_stop=lambda r: ctx.log(f"stopping training ({r})"),
-                                      sample_every=spec.sample_every)
+                                      sample_every=spec.sample_every,
+                                      warn=lambda m: ctx.log(m, "warning"))
     trainer = grpo.make_trainer(model, tokenizer, prompts.dataset, args, scorer,
                                 spec.max_prompt_length, [callback], on_log=ctx.log,
                                 check=ctx.check)
@@ -94,7 +96,7 @@ def run(ctx: JobContext) -> dict[str, Any]:
         "spec": {**spec.model_dump(mode="json"), "optim": optim},
         "requested_optim": spec.optim,
         "model": common.model_config_entry(model_row),
-        "dataset": {"id": ds_row.id, "filename": ds_row.filename, "path": ds_row.path,
+        "dataset": {"id": ds_row.id, "filename": ds_row.filename,
                     "rows_used": prompts.rows, "rows_skipped": prompts.skipped,
                     "prompt_column": prompts.prompt_column,
                     "answer_column": prompts.answer_column, "columns": prompts.columns},
@@ -120,11 +122,16 @@ def run(ctx: JobContext) -> dict[str, Any]:
     runtime = time.monotonic() - t0
 
     # ---- adapter ------------------------------------------------------------------------------
-    adapter_dir, zip_path = common.save_adapter(ctx, run_id, run_dir, trainer, tokenizer,
-                                                 chosen.source)
-
     rewards = [r for _, r in callback.rewards]
     k = max(1, min(5, len(rewards) // 4))
+    card = model_card(model_row, run_id, common.run_name(ctx, run_id), "grpo",
+                      spec.model_dump(mode="json"),
+                      {"filename": ds_row.filename, "rows": prompts.rows}, chosen.name,
+                      {"steps": trainer.state.global_step, "first_rewards_mean": _mean(rewards[:k]),
+                       "last_rewards_mean": _mean(rewards[-k:])}, common.versions())
+    adapter_dir, zip_path = common.save_adapter(ctx, run_id, run_dir, trainer, tokenizer,
+                                                 chosen.source, model_row, card)
+
     result = {
         "steps": trainer.state.global_step, "train_runtime": round(runtime, 3),
         "first_reward": rewards[0] if rewards else None,

@@ -23,6 +23,7 @@ from app.store.specs import TrainSpec
 from worker import gpu
 from worker.context import JobContext, JobError
 from worker.jobs import common
+from worker.jobs.card import model_card
 
 
 def run(ctx: JobContext) -> dict[str, Any]:
@@ -78,7 +79,7 @@ def run(ctx: JobContext) -> dict[str, Any]:
         "spec": {**spec.model_dump(mode="json"), "optim": optim},
         "requested_optim": spec.optim,
         "model": common.model_config_entry(model_row),
-        "dataset": {"id": ds_row.id, "filename": ds_row.filename, "path": ds_row.path,
+        "dataset": {"id": ds_row.id, "filename": ds_row.filename,
                     "format": ds_row.format, "rows_used": enc.rows, "tokens": enc.tokens,
                     "trained_tokens": enc.trained_tokens, "truncated_rows": enc.truncated},
         "chat_template": {"name": chosen.name, "template": chosen.source},
@@ -96,10 +97,18 @@ def run(ctx: JobContext) -> dict[str, Any]:
     runtime = time.monotonic() - t0
 
     # ---- adapter ------------------------------------------------------------------------
-    adapter_dir, zip_path = common.save_adapter(ctx, run_id, run_dir, trainer, tokenizer,
-                                                 chosen.source)
-
     losses = callback.losses
+    card = model_card(model_row, run_id, common.run_name(ctx, run_id), "sft",
+                      spec.model_dump(mode="json"),
+                      {"filename": ds_row.filename, "rows": enc.rows, "format": ds_row.format},
+                      chosen.name, {"steps": trainer.state.global_step,
+                                    "first_loss": losses[0][1] if losses else None,
+                                    "final_loss": losses[-1][1] if losses else None,
+                                    "train_loss": out.training_loss},
+                      common.versions())
+    adapter_dir, zip_path = common.save_adapter(ctx, run_id, run_dir, trainer, tokenizer,
+                                                 chosen.source, model_row, card)
+
     state = trainer.state
     result = {
         "final_loss": losses[-1][1] if losses else None,

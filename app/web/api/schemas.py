@@ -36,13 +36,13 @@ class DatasetList(BaseModel):
 
 
 class ModelOut(BaseModel):
-    """A registered base model; ``path`` is set once the import job made it ``ready``."""
+    """A registered base model (``status`` ready once its import job prepared it; its folder on
+    the server is never shown)."""
 
     id: str
     name: str
     source: str
     source_ref: str
-    path: str | None
     status: str
     error: str | None
     chat_template: str | None
@@ -84,7 +84,6 @@ class RunOut(BaseModel):
     dataset_id: str
     spec: dict[str, Any]
     job_id: int | None
-    output_dir: str | None
     owner: str | None
     created_at: float
     state: str | None
@@ -161,7 +160,7 @@ def metrics_summary(engine, job_id: int | None) -> MetricsSummary:
 def run_out(engine, run: Run, full: bool = False) -> RunOut:
     """A run as the JSON API shows it (job state, timestamps; metrics and artifacts if full)."""
     _, job = repo.run_with_job(engine, run.id)
-    out = RunOut(**run.model_dump(), state=job.state if job else None,
+    out = RunOut(**run.model_dump(exclude={"output_dir"}), state=job.state if job else None,
                  error=job.error if job else None,
                  cancel_requested=bool(job and job.cancel_requested),
                  started_at=job.started_at if job else None,
@@ -169,7 +168,8 @@ def run_out(engine, run: Run, full: bool = False) -> RunOut:
                  events_url=f"/runs/{run.id}/events")
     if full:
         out.metrics = metrics_summary(engine, run.job_id)
-        out.artifacts = [{**a.model_dump(mode="json"), "download_url": f"/artifacts/{a.id}/download"}
+        out.artifacts = [{**a.model_dump(mode="json", exclude={"path"}),
+                          "download_url": f"/artifacts/{a.id}/download"}
                          for a in repo.list_artifacts(engine, run.id)]
     return out
 
