@@ -8,22 +8,17 @@ database, migrated by Alembic.
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
-import secrets
 import time
 from pathlib import Path
 
 import pytest
-from sqlalchemy import create_engine, inspect, text
+from sqlalchemy import inspect
 
 from app.store import events, queue
 from app.store.db import make_engine
-from app.store.db import reset_engines
 from app.store.migrate import upgrade
 from app.store.schema import JobState
-
-PG_URL = os.environ.get("WHETSTONE_TEST_POSTGRES_URL", "")
-
+from tests.store.pgdb import throwaway_database
 
 @pytest.fixture(params=["sqlite", "postgres"])
 def url(request, tmp_path: Path) -> str:
@@ -32,19 +27,9 @@ def url(request, tmp_path: Path) -> str:
         upgrade(u)
         yield u
         return
-    if not PG_URL:
-        pytest.skip("WHETSTONE_TEST_POSTGRES_URL is not set (make test sets it)")
-    name = f"whetstone_{secrets.token_hex(6)}"
-    admin = create_engine(PG_URL, isolation_level="AUTOCOMMIT")
-    with admin.connect() as c:
-        c.execute(text(f"CREATE DATABASE {name}"))
-    u = PG_URL.rsplit("/", 1)[0] + f"/{name}"
-    upgrade(u)
-    yield u
-    reset_engines()
-    with admin.connect() as c:
-        c.execute(text(f"DROP DATABASE {name} WITH (FORCE)"))
-    admin.dispose()
+    with throwaway_database() as u:
+        upgrade(u)
+        yield u
 
 
 @pytest.fixture()
