@@ -32,12 +32,16 @@ SUPPORTED = (".json", ".jsonl", ".ndjson", ".csv", ".tsv", ".parquet", ".txt")
 
 def safe_filename(name: str, limit: int = 120) -> str:
     """A file-system-safe version of an uploaded file's name that keeps its extension: path
-    parts dropped, unusual characters replaced by ``_``, the stem shortened to fit ``limit``."""
+    parts dropped, unusual characters replaced by ``_``, the stem shortened so the whole name
+    fits ``limit`` bytes of UTF-8 (file systems count bytes: 255 at most a name, and one
+    character of a non-Latin name takes 2-4)."""
     base = os.path.basename(name.replace("\\", "/")) or "upload"
     stem, ext = os.path.splitext(base)
     clean = "".join(c if c.isalnum() or c in "._-" else "_" for c in stem).strip("._") or "upload"
-    ext = "".join(c for c in ext if c.isalnum() or c == ".")[:16]
-    return clean[: max(1, limit - len(ext))] + ext
+    ext = "".join(c for c in ext if c.isascii() and (c.isalnum() or c == "."))[:16]
+    room = max(1, limit - len(ext))
+    clean = clean.encode("utf-8")[:room].decode("utf-8", "ignore") or "upload"
+    return clean + ext
 
 
 def ready_tokenizer_path(model: Model | None) -> str | None:

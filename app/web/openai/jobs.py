@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Request
+from starlette.concurrency import run_in_threadpool
 
 from app.store import events
 from app.store.schema import Run
@@ -32,6 +33,16 @@ _IGNORED = {"integrations", "metadata", "suffix", "seed", "validation_file", "hy
             "method", "model", "training_file"}
 
 
+def _object(value: Any, param: str) -> dict[str, Any]:
+    """``value`` as a dict (None: empty). Raises ApiError 400 naming ``param`` otherwise."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ApiError(400, f"{param} must be an object, not {type(value).__name__}", param,
+                       "invalid_value")
+    return dict(value)
+
+
 def spec_from_openai(body: dict[str, Any]) -> dict[str, Any]:
     """TrainSpec input from an OpenAI job-create body (hyperparameters + our extra fields)."""
     if not isinstance(body, dict):
@@ -42,13 +53,14 @@ def spec_from_openai(body: dict[str, Any]) -> dict[str, Any]:
     if body.get("validation_file"):
         raise ApiError(400, "validation_file is not supported yet; leave it out", "validation_file",
                        "unsupported_parameter")
-    hp: dict[str, Any] = dict(body.get("hyperparameters") or {})
+    hp: dict[str, Any] = _object(body.get("hyperparameters"), "hyperparameters")
     method = body.get("method")
     if method:
         if not isinstance(method, dict) or method.get("type", "supervised") != "supervised":
             raise ApiError(400, "method.type must be 'supervised' or 'reinforcement'", "method.type",
                            "unsupported_parameter")
-        hp.update((method.get("supervised") or {}).get("hyperparameters") or {})
+        supervised = _object(method.get("supervised"), "method.supervised")
+        hp.update(_object(supervised.get("hyperparameters"), "method.supervised.hyperparameters"))
     raw: dict[str, Any] = {"model": body["model"], "dataset": body["training_file"]}
     mapping = {"n_epochs": "num_train_epochs", "batch_size": "per_device_train_batch_size"}
     for key, value in hp.items():
@@ -93,9 +105,10 @@ async def create_job(request: Request, engine: EngineDep, settings: SettingsDep,
                        "invalid_value")
     if isinstance(body, dict) and isinstance(body.get("method"), dict) \
             and body["method"].get("type") == "reinforcement":
-        return create_reinforcement_job(engine, settings, user, body)
+        return await run_in_threadpool(create_reinforcement_job, engine, settings, user, body)
     spec = runs_uc.parse_spec(TrainSpec, spec_from_openai(body))
-    run, job = runs_uc.create_sft_run(engine, settings, user, spec, name=body.get("suffix"))
+    run, job = await run_in_threadpool(runs_uc.create_sft_run, engine, settings, user, spec,
+                                       body.get("suffix"))
     return job_object(engine, run, job)
 
 
