@@ -63,7 +63,7 @@ def read_checkpoint(path: str | Path) -> tuple[Llama2cConfig, dict[str, np.ndarr
         version = struct.unpack_from("<i", raw, 4)[0]
         if version != 1:
             raise Llama2cFormatError(
-                f"{path}: llama2.c checkpoint version {version} is not supported "
+                f"{path}: this llama2.c checkpoint version is not supported "
                 "(only fp32 legacy v0 and v1; v2 is Q8_0)")
         params = struct.unpack_from("<7i", raw, 8)
         shared = bool(raw[36])
@@ -76,7 +76,8 @@ def read_checkpoint(path: str | Path) -> tuple[Llama2cConfig, dict[str, np.ndarr
     dim, hidden, n_layers, n_heads, n_kv, vocab, seq_len = params
     vocab = abs(vocab)
     if min(dim, hidden, n_layers, n_heads, n_kv, vocab, seq_len) <= 0 or dim % n_heads:
-        raise Llama2cFormatError(f"{path}: implausible llama2.c header {params}")
+        raise Llama2cFormatError(f"{path}: not a llama2.c checkpoint (its header does not hold "
+                                 "positive sizes with dim divisible by n_heads)")
     cfg = Llama2cConfig(dim, hidden, n_layers, n_heads, n_kv, vocab, seq_len, shared, version)
     head = dim // n_heads
     kv_dim = n_kv * head
@@ -106,9 +107,9 @@ def read_checkpoint(path: str | Path) -> tuple[Llama2cConfig, dict[str, np.ndarr
         order.append("wcls")
     need = offset + 4 * sum(int(np.prod(shapes[k])) for k in order)
     if len(raw) != need:
-        raise Llama2cFormatError(
-            f"{path}: expected {need} bytes for header {params} "
-            f"({'tied' if shared else 'untied'} classifier, v{version}), found {len(raw)}")
+        raise Llama2cFormatError(  # the header's values are file content: never quoted
+            f"{path}: not a llama2.c checkpoint (its size, {len(raw)} bytes, does not match "
+            "the sizes its header declares)")
     out: dict[str, np.ndarray] = {}
     for name in order:
         n = int(np.prod(shapes[name]))
@@ -158,9 +159,9 @@ def read_tokenizer(path: str | Path, vocab_size: int) -> list[tuple[str, float]]
                 raise Llama2cFormatError(f"{path}: truncated piece at id {len(out)}")
             off += n
             out.append((piece, score))
-    except (struct.error, UnicodeDecodeError) as e:
+    except (struct.error, UnicodeDecodeError) as e:  # no detail: it would quote file bytes
         raise Llama2cFormatError(f"{path}: not a llama2.c tokenizer for {vocab_size} tokens "
-                                 f"({e})") from e
+                                 f"(unreadable after {len(out)} pieces)") from None
     if off != len(raw):
         raise Llama2cFormatError(f"{path}: {len(raw) - off} trailing bytes after {vocab_size} "
                                  "tokens; the tokenizer does not match the checkpoint's vocab")

@@ -15,6 +15,7 @@ On success the model row gets ``status=ready``, ``path``, ``chat_template`` and 
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import struct
 from pathlib import Path
@@ -24,6 +25,7 @@ from app.store import repo
 from app.store.specs import ImportModelSpec
 from worker.context import JobContext, JobError
 
+log = logging.getLogger("worker.import_model")
 WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
 
 
@@ -122,7 +124,7 @@ def _build(ctx: JobContext, model, tmp: Path) -> dict[str, Any]:
         try:
             llama_info = convert(files[0], files[1], tmp)
         except Llama2cFormatError as e:
-            raise JobError(str(e)) from e
+            raise JobError(str(e)) from None  # the cause would quote file bytes
         out = validate_hf_folder(tmp)
         out["info"].update(llama_info)
         return out
@@ -149,6 +151,19 @@ def _build(ctx: JobContext, model, tmp: Path) -> dict[str, Any]:
     raise JobError(f"unknown model source {model.source!r} (hf | local | llama2c)")
 
 
+def content_free_error(exc: Exception, model) -> Exception:
+    """The error to show for a failed import: ``exc`` itself when its message is ours
+    (:class:`JobError`, which never quotes file content) or the operating system's (OSError:
+    the reason and the path); otherwise a :class:`JobError` naming only the exception type, since
+    a parser's message may quote bytes of the file (the full error goes to the worker log)."""
+    if isinstance(exc, (JobError, OSError)):
+        return exc
+    log.warning("import of model %s failed", model.name, exc_info=exc)
+    return JobError(f"{model.source} model {model.name!r} could not be read ({type(exc).__name__}; "
+                    "the files are not a model this importer understands; details are in the "
+                    "worker log)")
+
+
 def run(ctx: JobContext) -> dict[str, Any]:
     spec = ImportModelSpec.model_validate(ctx.payload)
     model = repo.get_model(ctx.engine, spec.model_id)
@@ -167,8 +182,10 @@ def run(ctx: JobContext) -> dict[str, Any]:
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, Exception):
-            msg = str(e) if isinstance(e, JobError) else f"{type(e).__name__}: {e}"
-            repo.update_model(ctx.engine, model.id, status="failed", error=msg[:2000])
+            safe = content_free_error(e, model)
+            repo.update_model(ctx.engine, model.id, status="failed", error=str(safe)[:2000])
+            if safe is not e:
+                raise safe from None
         raise
     info = built["info"]
     repo.update_model(ctx.engine, model.id, status="ready", path=str(final), error=None,
