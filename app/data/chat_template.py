@@ -340,8 +340,12 @@ def choose_template(requested: str | None, model_template: str | None) -> tuple[
     built-in :data:`FALLBACK_TEMPLATE` is used. Called once when a run is created; the stored
     name and source are what the worker and every export use.
 
+    Custom and model source is checked in a separate process under a time and memory budget
+    (:func:`app.data.template_check.template_problem`: blocking, call it off the event loop).
+
     Raises:
-        DatasetError: ``requested`` is Jinja source that does not parse.
+        DatasetError: the chosen Jinja source does not compile, fails on or drops the messages
+            of a sample chat, or runs over the budget (the message says which).
     """
     key = (requested or "").strip()
     if key.lower() == "none":
@@ -352,8 +356,17 @@ def choose_template(requested: str | None, model_template: str | None) -> tuple[
         same = [n for n, src in DEFAULT_TEMPLATES.items() if src.strip() == key]
         if same:
             return same[0], DEFAULT_TEMPLATES[same[0]]
-        compile_template(requested)
-        return "custom", requested
+        return "custom", _checked(requested)
     if model_template:
-        return "model", model_template
+        return "model", _checked(model_template)
     return FALLBACK_TEMPLATE, DEFAULT_TEMPLATES[FALLBACK_TEMPLATE]
+
+
+def _checked(source: str) -> str:
+    """``source`` once it passed the out-of-process check. Raises DatasetError otherwise."""
+    from app.data.template_check import template_problem
+
+    problem = template_problem(source)
+    if problem:
+        raise DatasetError(problem)
+    return source

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ValidationError
 from sqlalchemy.engine import Engine
 
-from app.data.chat_template import choose_template, render_chat
+from app.data.chat_template import choose_template
 from app.data.errors import DatasetError
 from app.data.model_config import missing_targets
 from app.settings import Settings
@@ -20,7 +20,7 @@ from app.store import queue, repo
 from app.store import workers as workers_store
 from app.store.schema import Dataset, Job, JobState, Model, Run
 from app.store.specs import TrainSpec
-from app.studio import access, audit
+from app.studio import access, audit, calibration, validation
 from app.studio.errors import StudioError, invalid
 
 if TYPE_CHECKING:
@@ -92,8 +92,13 @@ def check_targets(spec, model: Model) -> None:
 
 def usable_dataset(engine: Engine, actor: User, spec) -> Dataset:
     """The spec's dataset row if the actor may use it. Raises StudioError: not_found (field
-    ``dataset``) when unknown or not the actor's, invalid when it is not processed."""
-    ds = _for_field("dataset", access.dataset, engine, actor, spec.dataset)
+    ``dataset``) when unknown or not the actor's, invalid when it is not processed (still
+    validating: "still validating, n/N rows")."""
+    ds = validation.check_stale(engine, _for_field("dataset", access.dataset, engine, actor,
+                                                   spec.dataset))
+    if ds.status == validation.VALIDATING:
+        raise invalid("dataset", f"dataset {ds.filename!r} is {validation.progress_text(ds)}; "
+                                 "start the run when it is processed")
     if ds.status != "processed":
         raise invalid("dataset", f"dataset {ds.filename!r} is not usable: {ds.error or ds.status}")
     return ds
@@ -113,54 +118,19 @@ def check_qlora_device(engine: Engine, settings: Settings, spec) -> None:
                       "to train LoRA in full precision, or start a worker on a GPU.")
 
 
-SAMPLE_CHATS = (
-    [{"role": "system", "content": "You are a helpful assistant."},
-     {"role": "user", "content": "What is 2 + 2?"},
-     {"role": "assistant", "content": "2 + 2 = 4."}],
-    [{"role": "user", "content": "What is 2 + 2?"},
-     {"role": "assistant", "content": "2 + 2 = 4."}],
-)
-
-
-def template_problem(source: str | None) -> str | None:
-    """Why the chat template ``source`` cannot be used, else None.
-
-    It must render a sample system+user+assistant conversation (a template that refuses a system
-    turn is accepted when it renders the same chat without one) and the render must contain every
-    user and assistant message. The message is the template's own (``raise_exception`` text, or
-    the syntax error and line) or names the messages it drops.
-    """
-    if not source:
-        return None
-    first = None
-    for chat in SAMPLE_CHATS:
-        try:
-            text = render_chat(chat, source, bos_token="<s>", eos_token="</s>")
-        except DatasetError as exc:
-            first = first or str(exc)
-            continue
-        lost = [m["role"] for m in chat  # a template may fold or drop the system turn
-                if m["role"] != "system" and m["content"] not in text]
-        if lost:
-            return (f"the template does not write the {' and '.join(lost)} messages (a sample "
-                    f"chat renders as {text[:80]!r}); nothing would be trained")
-        return None
-    return first
-
-
 def resolved_template(spec, model: Model):
     """``spec`` with ``chat_template`` set to the resolved source and ``chat_template_name`` to
     its name (see :func:`app.data.chat_template.choose_template`).
 
-    Raises StudioError(invalid, ``chat_template``) when the template does not parse or cannot
-    render a sample chat."""
+    Blocking: a custom or model template is checked in a child process (up to
+    :data:`app.data.template_check.TIME_BUDGET_S` seconds).
+
+    Raises StudioError(invalid, ``chat_template``) when the template does not compile, cannot
+    render a sample chat, or runs over the time or memory budget."""
     try:
         name, source = choose_template(spec.chat_template, model.chat_template)
     except DatasetError as exc:
         raise invalid("chat_template", str(exc)) from None
-    problem = template_problem(source)
-    if problem:
-        raise invalid("chat_template", problem)
     return spec.model_copy(update={"chat_template": source, "chat_template_name": name})
 
 
@@ -173,7 +143,8 @@ def create_sft_run(engine: Engine, settings: Settings, actor: User, spec: TrainS
         StudioError: not_found for an unknown (or another user's) model or dataset; invalid for
             a failed model, LoRA targets the model does not have, an unusable or GRPO-prompt
             dataset, a chat template that does not parse or render a sample conversation,
-            QLoRA when every live worker runs without CUDA.
+            QLoRA when every live worker runs without CUDA, a run whose estimated GPU memory
+            exceeds the largest live GPU (code ``too_big_for_gpus``).
     """
     model = usable_model(engine, actor, spec)
     spec = resolved_template(spec, model)
@@ -186,7 +157,8 @@ def create_sft_run(engine: Engine, settings: Settings, actor: User, spec: TrainS
                                  + (f" ({why})" if why else "") + "; start a GRPO run on it "
                                  f"at /runs/new/grpo?dataset={ds.id}")
     check_qlora_device(engine, settings, spec)
-    run, job = repo.create_run(engine, spec, name=name, owner=actor.id)
+    estimate_gib = calibration.for_new_run(engine, settings, model, spec, "sft")
+    run, job = repo.create_run(engine, spec, name=name, owner=actor.id, estimate_gib=estimate_gib)
     audit.record(engine, actor.id, "run.created", "run", run.id, kind="sft", model=model.name,
                  dataset=ds.id)
     return run, job

@@ -25,12 +25,21 @@ def choose_template(spec, model_template: str | None) -> ChosenTemplate:
 
     A spec written before runs stored the resolution (no ``chat_template_name``) is resolved
     with the same rule the web uses (:func:`app.data.chat_template.choose_template`), and
-    ``note`` says which template that gave, for a log event. Raises DatasetError on Jinja that
-    does not parse.
+    ``note`` says which template that gave, for a log event. A custom or model template is
+    checked in a child process under a time and memory budget (a spec stored before that check
+    existed could freeze this process while compiling). Raises DatasetError on Jinja that does
+    not compile, fails a sample chat or runs over the budget.
     """
+    from app.data.chat_template import DEFAULT_TEMPLATES
     from app.data.chat_template import choose_template as resolve
+    from app.data.errors import DatasetError
+    from app.data.template_check import template_problem
 
     if getattr(spec, "chat_template_name", None):
+        if spec.chat_template_name not in DEFAULT_TEMPLATES:  # checked again, within a budget
+            problem = template_problem(spec.chat_template)
+            if problem:
+                raise DatasetError(f"chat_template: {problem}")
         return ChosenTemplate(spec.chat_template_name, spec.chat_template)
     name, source = resolve(spec.chat_template, model_template)
     note = None

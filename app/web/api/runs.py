@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
+from starlette.concurrency import run_in_threadpool
 
 from app.store.specs import GrpoSpec, TrainSpec
 from app.studio import access
@@ -31,7 +32,7 @@ async def create_run(request: Request, engine: EngineDep, settings: SettingsDep,
     body = await json_object(request, "a JSON object (a TrainSpec)")
     name = body.pop("name", None)
     spec = runs_uc.parse_spec(TrainSpec, body)
-    run, _ = runs_uc.create_sft_run(engine, settings, user, spec, name)
+    run, _ = await run_in_threadpool(runs_uc.create_sft_run, engine, settings, user, spec, name)
     return run_out(engine, run, full=True)
 
 
@@ -42,7 +43,8 @@ async def create_grpo_run(request: Request, engine: EngineDep, settings: Setting
     body = await json_object(request, "a JSON object (a GrpoSpec)")
     name = body.pop("name", None)
     spec = runs_uc.parse_spec(GrpoSpec, body)
-    run, _ = grpo_runs.create_grpo_run(engine, settings, user, spec, name)
+    run, _ = await run_in_threadpool(grpo_runs.create_grpo_run, engine, settings, user, spec,
+                                      name)
     return run_out(engine, run, full=True)
 
 

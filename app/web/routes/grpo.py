@@ -132,7 +132,8 @@ async def create_grpo_form(request: Request, engine: EngineDep, settings: Settin
     try:
         spec = runs_uc.parse_spec(GrpoSpec, raw)
         if not errors:
-            run, _ = create_grpo_run(engine, settings, user, spec, values.get("name") or None)
+            run, _ = await run_in_threadpool(create_grpo_run, engine, settings, user, spec,
+                                             values.get("name") or None)
     except runs_uc.SpecError as exc:
         errors, general = {**exc.fields, **errors}, exc.general
     except StudioError as exc:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import RedirectResponse, Response
 from sse_starlette.sse import EventSourceResponse
+from starlette.concurrency import run_in_threadpool
 
 from app.data.chat_template import DEFAULT_TEMPLATES
 from app.store.specs import ALL_LINEAR, SCHEDULERS, TrainSpec
@@ -130,7 +131,8 @@ async def create_run(request: Request, engine: EngineDep, settings: SettingsDep,
     try:
         spec = runs_uc.parse_spec(TrainSpec, raw)
         if not errors:
-            run, _ = runs_uc.create_sft_run(engine, settings, user, spec, name)
+            run, _ = await run_in_threadpool(runs_uc.create_sft_run, engine, settings, user,
+                                             spec, name)
     except runs_uc.SpecError as exc:
         errors, general = {**exc.fields, **errors}, exc.general
     except StudioError as exc:
