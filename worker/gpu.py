@@ -37,16 +37,19 @@ def device_name() -> str:
     return f"cpu ({os.cpu_count() or 1} cores, {platform.machine()})"
 
 
+def _nvml_handle(pynvml):
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip() or "0"
+    return (pynvml.nvmlDeviceGetHandleByIndex(int(visible)) if visible.isdigit()
+            else pynvml.nvmlDeviceGetHandleByUUID(visible))
+
+
 def _nvml_used_gib() -> float | None:
     try:
         import pynvml
 
         pynvml.nvmlInit()
         try:
-            visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip() or "0"
-            handle = (pynvml.nvmlDeviceGetHandleByIndex(int(visible)) if visible.isdigit()
-                      else pynvml.nvmlDeviceGetHandleByUUID(visible))
-            return pynvml.nvmlDeviceGetMemoryInfo(handle).used / 2**30
+            return pynvml.nvmlDeviceGetMemoryInfo(_nvml_handle(pynvml)).used / 2**30
         finally:
             pynvml.nvmlShutdown()
     except Exception:  # noqa: BLE001 - no NVML (CPU box, container without driver)
@@ -85,3 +88,76 @@ def peak_memory_gib() -> tuple[float, str]:
         except Exception:  # noqa: BLE001
             pass
     return rss_gib(), "rss"
+
+
+_rss_peak = 0.0
+
+
+def total_gib() -> float | None:
+    """Total memory of GPU 0 in GiB (what the worker registers as its capacity); None on CPU."""
+    if not cuda_available():
+        return None
+    try:
+        return _torch().cuda.get_device_properties(0).total_memory / 2**30
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _nvml_process_gib() -> float | None:
+    """GPU memory NVML charges to this process on GPU 0 (GiB: allocator + CUDA context), or None."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            pid = os.getpid()
+            for p in pynvml.nvmlDeviceGetComputeRunningProcesses(_nvml_handle(pynvml)):
+                if p.pid == pid and p.usedGpuMemory is not None:
+                    return p.usedGpuMemory / 2**30
+            return None
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001 - no NVML, or a container that hides other PIDs
+        return None
+
+
+def reset_peak() -> None:
+    """Start a job's peak measurement: torch's peak counters on CUDA, the sampled RSS peak."""
+    global _rss_peak
+    _rss_peak = rss_gib()
+    if cuda_available():
+        try:
+            _torch().cuda.reset_peak_memory_stats(0)
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def peak_gib() -> float:
+    """The job's peak so far in GiB: torch's allocator peak on CUDA, else the largest RSS sampled
+    since :func:`reset_peak` (each call samples it)."""
+    global _rss_peak
+    if cuda_available():
+        try:
+            return _torch().cuda.max_memory_allocated(0) / 2**30
+        except Exception:  # noqa: BLE001
+            pass
+    _rss_peak = max(_rss_peak, rss_gib())
+    return _rss_peak
+
+
+def peak() -> dict[str, float | str | None]:
+    """The measured peak for a job's result (``memory_peak``), GiB: ``peak_gib`` and ``kind``
+    (``gpu``: torch max_memory_allocated, with ``reserved_gib`` = max_memory_reserved and
+    ``nvml_gib`` = NVML's figure for this process now, which includes the CUDA context; ``rss``:
+    the largest resident set size sampled on the CPU)."""
+    value = peak_gib()
+    if cuda_available():
+        try:
+            reserved = _torch().cuda.max_memory_reserved(0) / 2**30
+        except Exception:  # noqa: BLE001
+            reserved = None
+        nvml = _nvml_process_gib()
+        return {"kind": "gpu", "peak_gib": round(value, 4),
+                "reserved_gib": None if reserved is None else round(reserved, 4),
+                "nvml_gib": None if nvml is None else round(nvml, 4), "total_gib": total_gib()}
+    return {"kind": "rss", "peak_gib": round(value, 4)}

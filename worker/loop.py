@@ -97,7 +97,8 @@ class Worker:
         migrate.upgrade(url)
         self.engine = get_engine(url)
         workers.register(self.engine, self.worker_id, socket.gethostname(), os.getpid(),
-                         gpu.device_name())
+                         gpu.device_name(), gpu.total_gib() if {"train", "grpo"} & set(self.kinds)
+                         else None)
         self.reaper = Reaper(self.engine, min(self.settings.reap_interval_seconds,
                                               REAP_MAX_PERIOD_SECONDS), REAP_GRACE_SECONDS)
         self.reaper.reap_once(restarted=self.worker_id)

@@ -137,6 +137,9 @@ def _fenced_end(engine: Engine, job_id: int, worker_id: str, state: str,
             job.error = error
         if result is not None:
             job.result = result
+            peak = result.get("memory_peak") if isinstance(result, dict) else None
+            if isinstance(peak, dict) and peak.get("peak_gib") is not None:
+                job.peak_gib, job.peak_kind = float(peak["peak_gib"]), peak.get("kind")
         s.add(job)
         _state_event(s, job_id, state, **({"error": error} if error else {}))
         return True

@@ -149,9 +149,11 @@ def update_model(engine: Engine, model_id: str, **fields: Any) -> Model:
 
 # ---- runs -------------------------------------------------------------------------------
 def create_run(engine: Engine, spec: TrainSpec, *, kind: str = "sft", name: str | None = None,
-               owner: str | None = None, priority: int = 0) -> tuple[Run, Job]:
+               owner: str | None = None, priority: int = 0,
+               estimate_gib: float | None = None) -> tuple[Run, Job]:
     """Create a run and queue its training job in one transaction. The run row holds the spec;
-    the job's payload only names the run (``{"spec_version", "run_id"}``).
+    the job's payload only names the run (``{"spec_version", "run_id"}``); ``estimate_gib`` is
+    the job's estimated GPU allocator peak in GiB (``app.studio.estimate``), if known.
 
     ``spec.model`` may be a model id or name; it is resolved to the id. Raises NotFound when the
     model or dataset does not exist.
@@ -167,7 +169,8 @@ def create_run(engine: Engine, spec: TrainSpec, *, kind: str = "sft", name: str 
         s.flush()
         job = Job(kind="train" if kind == "sft" else kind,
                   payload={"spec_version": payload["spec_version"], "run_id": run.id},
-                  priority=priority, run_id=run.id, owner=owner, max_attempts=3)
+                  priority=priority, run_id=run.id, owner=owner, max_attempts=3,
+                  estimate_gib=estimate_gib)
         s.add(job)
         s.flush()
         run.job_id = job.id

@@ -114,6 +114,11 @@ class Job(SQLModel, table=True):
     finished_at: float | None = None
     error: str | None = Field(default=None, sa_column=Column(Text))
     result: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
+    # memory (GiB): the allocator peak estimated at creation (app.studio.estimate, calibrated)
+    # and the one measured (peak_kind "gpu": torch max_memory_allocated; "rss": the CPU process)
+    estimate_gib: float | None = None
+    peak_gib: float | None = None
+    peak_kind: str | None = None
 
 
 class JobEvent(SQLModel, table=True):
@@ -154,6 +159,7 @@ class Worker(SQLModel, table=True):
     started_at: float = Field(default_factory=now)
     last_seen: float = Field(default_factory=now)
     current_job_id: int | None = None
+    gpu_total_gib: float | None = None  # total memory of its GPU (GiB); None on the CPU
 
 
 class User(SQLModel, table=True):

@@ -8,11 +8,14 @@ from app.store.db import session_scope
 from app.store.schema import Worker, now
 
 
-def register(engine: Engine, worker_id: str, host: str, pid: int, device: str) -> None:
-    """Insert or refresh this worker's row."""
+def register(engine: Engine, worker_id: str, host: str, pid: int, device: str,
+             gpu_total_gib: float | None = None) -> None:
+    """Insert or refresh this worker's row; ``gpu_total_gib`` is its GPU's total memory in GiB
+    (None for a CPU worker or a lane that runs no GPU jobs)."""
     with session_scope(engine, immediate=True) as s:
         w = s.get(Worker, worker_id) or Worker(id=worker_id, host=host, pid=pid, device=device)
         w.host, w.pid, w.device, w.last_seen = host, pid, device, now()
+        w.gpu_total_gib = gpu_total_gib
         s.add(w)
 
 
@@ -43,3 +46,10 @@ def live(engine: Engine, stale_seconds: float) -> list[Worker]:
     """Workers seen within the last ``stale_seconds`` seconds."""
     with session_scope(engine) as s:
         return list(s.exec(select(Worker).where(Worker.last_seen >= now() - stale_seconds)).all())
+
+
+def largest_gpu_gib(engine: Engine, stale_seconds: float) -> float | None:
+    """The largest total GPU memory (GiB) among workers seen within ``stale_seconds`` seconds;
+    None when no live worker reports a GPU."""
+    sizes = [w.gpu_total_gib for w in live(engine, stale_seconds) if w.gpu_total_gib]
+    return max(sizes) if sizes else None

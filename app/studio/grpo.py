@@ -15,7 +15,7 @@ from app.settings import Settings
 from app.store import repo
 from app.store.schema import Dataset, Job, Run
 from app.store.specs import GrpoSpec
-from app.studio import audit
+from app.studio import audit, calibration
 from app.studio.errors import StudioError, invalid
 from app.studio.runs import (check_qlora_device, check_targets, resolved_template, usable_dataset,
                              usable_model)
@@ -37,7 +37,8 @@ def create_grpo_run(engine: Engine, settings: Settings, actor: User, spec: GrpoS
 
     Raises:
         StudioError: forbidden (field ``rewards``) for custom rewards the actor may not run;
-            not_found for an unknown or another user's model/dataset; invalid otherwise.
+            not_found for an unknown or another user's model/dataset; invalid otherwise (code
+            ``too_big_for_gpus`` when the estimated GPU memory exceeds the largest live GPU).
     """
     if spec.has_custom_rewards and not custom_rewards_allowed(actor):
         raise StudioError("forbidden", "custom Python rewards are not allowed for this user; an "
@@ -52,7 +53,9 @@ def create_grpo_run(engine: Engine, settings: Settings, actor: User, spec: GrpoS
     spec = with_dataset_columns(spec, ds)
     check_columns(spec, ds)
     check_qlora_device(engine, settings, spec)
-    run, job = repo.create_run(engine, spec, kind="grpo", name=name, owner=actor.id)
+    estimate_gib = calibration.for_new_run(engine, settings, model, spec, "grpo")
+    run, job = repo.create_run(engine, spec, kind="grpo", name=name, owner=actor.id,
+                               estimate_gib=estimate_gib)
     audit.record(engine, actor.id, "run.created", "run", run.id, kind="grpo", model=model.name,
                  dataset=ds.id, custom_rewards=spec.has_custom_rewards)
     return run, job

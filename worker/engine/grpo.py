@@ -304,7 +304,8 @@ def progress_callback(metric: Callable[..., None], sample: Callable[..., None],
                         completion_length=logs.get("completions/mean_length"),
                         clipped_ratio=logs.get("completions/clipped_ratio"),
                         step_seconds=round(per_step, 3) if per_step else None,
-                        eta_seconds=eta, memory_gib=round(mem, 4), memory_kind=kind, **avg)
+                        eta_seconds=eta, memory_gib=round(mem, 4), memory_kind=kind,
+                        peak_gib=round(gpu.peak_gib(), 4), **avg)
             if "reward" in avg:
                 self.rewards.append((state.global_step, avg["reward"]))
             metric(**data)

@@ -223,7 +223,8 @@ def progress_callback(metric: Callable[..., None], stop_reason: Callable[[], str
             metric(step=state.global_step, total_steps=state.max_steps, loss=loss,
                    learning_rate=logs.get("learning_rate"), grad_norm=logs.get("grad_norm"),
                    tokens_per_second=round(tps, 2), eta_seconds=eta,
-                   memory_gib=round(mem, 4), memory_kind=kind, epoch=logs.get("epoch"),
+                   memory_gib=round(mem, 4), memory_kind=kind,
+                   peak_gib=round(gpu.peak_gib(), 4), epoch=logs.get("epoch"),
                    tokens_seen=tokens)
 
     return _Callback()

@@ -35,6 +35,7 @@ def _mean(xs: list[float]) -> float | None:
 def run(ctx: JobContext) -> dict[str, Any]:
     """Train a LoRA adapter with GRPO for the run in ``ctx.payload`` (see the module docstring)."""
     run_id, spec = common.job_spec(ctx, GrpoSpec, "grpo")
+    gpu.reset_peak()  # the result's memory_peak is this job's
     if spec.has_custom_rewards and not common.owner_may_run_custom_rewards(ctx):
         raise JobError("this run has a custom Python reward, and custom rewards are not allowed "
                        "for its owner (an admin allows them on the Admin page)")
@@ -138,7 +139,7 @@ def run(ctx: JobContext) -> dict[str, Any]:
         "final_reward": rewards[-1] if rewards else None,
         "first_rewards_mean": _mean(rewards[:k]), "last_rewards_mean": _mean(rewards[-k:]),
         "rows": prompts.rows, "adapter_dir": str(adapter_dir), "adapter_zip": str(zip_path),
-        "chat_template": chosen.name,
+        "chat_template": chosen.name, "memory_peak": gpu.peak(),
     }
     ctx.log(f"done: {trainer.state.global_step} steps in {runtime:.1f}s, mean reward "
             f"{result['first_rewards_mean']} -> {result['last_rewards_mean']}")

@@ -95,6 +95,11 @@ def validate_hf_folder(folder: Path) -> dict[str, Any]:
         "layers": text_cfg.get("num_hidden_layers"),
         "hidden_size": text_cfg.get("hidden_size"),
         "vocab": text_cfg.get("vocab_size"),
+        # the shape app.studio.estimate needs for a run's GPU memory
+        **{k: text_cfg.get(k) for k in ("intermediate_size", "num_attention_heads",
+                                        "num_key_value_heads", "head_dim")},
+        "tie_word_embeddings": bool(text_cfg.get("tie_word_embeddings",
+                                                 cfg.get("tie_word_embeddings", False))),
         "max_position_embeddings": text_cfg.get("max_position_embeddings"),
         "has_chat_template": bundle.chat_template is not None,
         "bos_token": bundle.bos_token, "eos_token": bundle.eos_token,

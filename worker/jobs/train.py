@@ -12,7 +12,7 @@ Payload: the fields of :class:`app.store.specs.TrainSpec` plus ``run_id``. Write
 * ``adapter.zip``: the same folder zipped, for download (artifact ``adapter``).
 
 Result: ``{"final_loss", "train_loss", "steps", "train_runtime", "tokens", "trained_tokens",
-"rows", "adapter_dir", "adapter_zip"}``.
+"rows", "adapter_dir", "adapter_zip", "memory_peak"}`` (``memory_peak``: :func:`worker.gpu.peak`).
 """
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ from worker.jobs.card import model_card
 def run(ctx: JobContext) -> dict[str, Any]:
     """Train a LoRA adapter for the run in ``ctx.payload`` (see the module docstring)."""
     run_id, spec = common.job_spec(ctx, TrainSpec, "train")
+    gpu.reset_peak()  # the result's memory_peak is this job's
     model_row, ds_row = common.job_inputs(ctx, spec)
 
     from worker.engine import data as edata
@@ -117,7 +118,7 @@ def run(ctx: JobContext) -> dict[str, Any]:
         "train_runtime": round(runtime, 3), "tokens": int(state.num_input_tokens_seen or 0),
         "trained_tokens_per_epoch": enc.trained_tokens, "rows": enc.rows,
         "adapter_dir": str(adapter_dir), "adapter_zip": str(zip_path),
-        "chat_template": chosen.name,
+        "chat_template": chosen.name, "memory_peak": gpu.peak(),
     }
     ctx.log(f"done: {state.global_step} steps in {runtime:.1f}s, final loss "
             f"{result['final_loss']}")

@@ -1,0 +1,116 @@
+"""A run's GPU memory estimate, corrected by the peaks measured on earlier jobs, and the refusal of
+a run no GPU could hold.
+
+The correction is per (model, job kind, 4-bit or not): the median of ``measured / estimated``
+over the newest :data:`WINDOW` succeeded jobs of that key whose worker measured a GPU peak
+(``jobs.peak_kind = 'gpu'``; a CPU worker's RSS says nothing about a GPU). The estimate of each
+earlier job is recomputed from its run's stored spec with today's formula, so a change of the
+formula never mixes with old stored figures. One calibration run is enough; the median keeps one
+odd run from swinging it; the factor is clamped to [:data:`MIN_FACTOR`, :data:`MAX_FACTOR`].
+"""
+from __future__ import annotations
+
+from statistics import median
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy.engine import Engine
+from sqlmodel import select
+
+from app.settings import Settings
+from app.store import workers as workers_store
+from app.store.db import session_scope
+from app.store.schema import Job, JobState, Model, Run
+from app.store.specs import GrpoSpec, TrainSpec
+from app.studio.errors import StudioError
+from app.studio.estimate import Estimate, estimate_job, model_shape
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel
+
+WINDOW = 20
+MIN_FACTOR, MAX_FACTOR = 0.5, 4.0
+_SPECS: dict[str, type[BaseModel]] = {"train": TrainSpec, "grpo": GrpoSpec}
+
+
+def job_kind(run_kind: str) -> str:
+    """The job kind of a run kind (``sft`` -> ``train``, ``grpo`` -> ``grpo``)."""
+    return "train" if run_kind == "sft" else run_kind
+
+
+def raw_estimate(model: Model, spec: Any, kind: str) -> Estimate | None:
+    """The uncorrected estimate of a ``kind`` job (``train`` | ``grpo`` | ``export`` |
+    ``import_model``) of ``model``; None when the model's shape is unknown."""
+    return estimate_job(kind, model_shape(model.info, model.path), spec)
+
+
+def measured_pairs(engine: Engine, model: Model, kind: str, four_bit: bool,
+                   window: int = WINDOW) -> list[tuple[float, float]]:
+    """``(estimated, measured)`` allocator peaks in GiB of the newest succeeded ``kind`` jobs of
+    ``model`` with the same ``load_in_4bit`` whose GPU peak was measured, newest first."""
+    with session_scope(engine) as s:
+        rows = s.exec(
+            select(Job.peak_gib, Run.spec).join(Run, Run.id == Job.run_id)
+            .where(Run.model_id == model.id, Job.kind == kind, Job.state == JobState.SUCCEEDED,
+                   Job.peak_kind == "gpu", Job.peak_gib.is_not(None))
+            .order_by(Job.id.desc()).limit(4 * window)).all()
+    out: list[tuple[float, float]] = []
+    for peak, raw_spec in rows:
+        if bool(raw_spec.get("load_in_4bit")) != four_bit:
+            continue
+        try:
+            spec = _SPECS[kind](**raw_spec)
+        except Exception:  # noqa: BLE001 - a spec an older version stored: skip it
+            continue
+        est = raw_estimate(model, spec, kind)
+        if est is not None and est.allocated_gib > 0 and peak > 0:
+            out.append((est.allocated_gib, float(peak)))
+        if len(out) >= window:
+            break
+    return out
+
+
+def correction(engine: Engine, model: Model, kind: str, four_bit: bool) -> tuple[float, int]:
+    """``(factor, n)``: the median measured/estimated ratio over ``n`` earlier jobs (1.0, 0 when
+    none), clamped to [MIN_FACTOR, MAX_FACTOR]."""
+    pairs = measured_pairs(engine, model, kind, four_bit)
+    if not pairs:
+        return 1.0, 0
+    factor = median(m / e for e, m in pairs)
+    return min(MAX_FACTOR, max(MIN_FACTOR, factor)), len(pairs)
+
+
+def estimate(engine: Engine, model: Model, spec: Any, kind: str) -> Estimate | None:
+    """The estimate of a ``kind`` job for ``spec`` on ``model``, corrected by earlier measured
+    peaks (see the module docstring); None when the model's shape is unknown."""
+    est = raw_estimate(model, spec, kind)
+    if est is None or kind not in _SPECS:
+        return est
+    factor, n = correction(engine, model, kind, bool(spec.load_in_4bit))
+    return est.corrected(factor, n)
+
+
+def check_fits(engine: Engine, settings: Settings, est: Estimate | None) -> None:
+    """Refuse a job no live GPU worker could hold: raises StudioError(invalid, code
+    ``too_big_for_gpus``) naming the estimate and the largest GPU (GiB) when ``est.total_gib``
+    exceeds it. No estimate, or no live worker reporting a GPU (CPU workers only, or none yet):
+    no refusal."""
+    if est is None or est.total_gib <= 0:
+        return
+    largest = workers_store.largest_gpu_gib(engine, settings.worker_stale_seconds)
+    if largest is not None and est.total_gib > largest:
+        raise StudioError(
+            "invalid", f"this run needs about {est.total_gib:.1f} GiB of GPU memory (estimate: "
+            f"weights {est.weights_gib:.1f}, adapter + optimizer {est.adapter_optimizer_gib:.1f}, "
+            f"activations {est.activations_gib:.1f}, logits {est.logits_gib:.1f}, KV cache "
+            f"{est.kv_cache_gib:.1f}, CUDA context {est.context_gib:.1f}); the largest GPU of the "
+            f"live workers has {largest:.1f} GiB. Lower max_seq_length or the batch size, set "
+            "load_in_4bit, or lower vram_budget_gib.", None, code="too_big_for_gpus")
+
+
+def for_new_run(engine: Engine, settings: Settings, model: Model, spec: Any,
+                run_kind: str) -> float | None:
+    """At run creation: the calibrated estimate's allocator peak (GiB) to store on the job, after
+    :func:`check_fits` (raises StudioError ``too_big_for_gpus``); None when the shape is unknown."""
+    est = estimate(engine, model, spec, job_kind(run_kind))
+    check_fits(engine, settings, est)
+    return None if est is None else round(est.allocated_gib, 4)
