@@ -29,6 +29,7 @@ class Settings(BaseSettings):
             write lock before giving up with "database is locked" (seconds; the worker then
             backs off and retries, the web answers 503 "busy, retry").
         max_upload_mb: largest accepted dataset upload (MiB).
+        validate_timeout_seconds: time budget of a dataset's background validation (seconds).
         ollama_url: Ollama server used by "push to Ollama" exports.
         import_root: the only server folder under which members may register local models
             (``WHETSTONE_IMPORT_ROOT``; a HF folder or llama2.c files); empty = members register
@@ -72,6 +73,7 @@ class Settings(BaseSettings):
     sqlite_busy_timeout_seconds: float = Field(default=30.0, gt=0)
     worker_stale_seconds: float = Field(default=30.0, gt=0)
     max_upload_mb: int = Field(default=512, gt=0)
+    validate_timeout_seconds: float = Field(default=600.0, gt=0)
     ollama_url: str = "http://127.0.0.1:11434"
     import_root: Path | None = None
     # accounts and sign-in

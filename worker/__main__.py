@@ -1,7 +1,10 @@
 """``python -m worker`` / ``whetstone-worker``: claim and run jobs from the queue.
 
 Flags: ``--once`` (one job, then exit), ``--poll-interval SECONDS``, ``--worker-id ID``,
-``--kinds train,import_model``. Settings come from ``WHETSTONE_*`` (see app/settings.py).
+``--kinds train,import_model`` (exactly these kinds, in one loop), ``--no-cpu-lane``. Without
+``--kinds`` the process runs two lanes: the main one claims training (train, grpo) and a CPU lane
+(worker id ``<id>-cpu``, its own thread) claims exports, model imports and dataset validation, so
+those never wait behind a training run. Settings come from ``WHETSTONE_*`` (see app/settings.py).
 SIGTERM/SIGINT stop the current job (training checkpoints first), put it back in the queue,
 unregister the worker and exit 0.
 """
@@ -25,7 +28,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seconds between queue polls when idle (default 1.0)")
     p.add_argument("--worker-id", default=None, help="default: <hostname>-<pid>")
     p.add_argument("--kinds", default=None,
-                   help="comma-separated job kinds to claim (default: all this worker knows)")
+                   help="comma-separated job kinds to claim in one loop (default: all this "
+                        "worker knows, CPU kinds on the CPU lane)")
+    p.add_argument("--no-cpu-lane", action="store_true",
+                   help="no CPU lane: one loop claims every kind (CPU kinds wait behind training)")
     return p.parse_args(argv)
 
 
@@ -33,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from worker.loop import HANDLERS, Worker
+    from worker.loop import CPU_KINDS, HANDLERS, Worker
 
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()] if args.kinds else None
     unknown = sorted(set(kinds or []) - set(HANDLERS))
@@ -41,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"unknown job kinds: {', '.join(unknown)} (known: {', '.join(sorted(HANDLERS))})",
               file=sys.stderr)
         return 2
+    lane = kinds is None and not args.no_cpu_lane
+    if lane:
+        kinds = [k for k in sorted(HANDLERS) if k not in CPU_KINDS]
     w = Worker(Settings(), worker_id=args.worker_id, kinds=kinds, poll_interval=args.poll_interval)
     first = {"at": None}
 
@@ -62,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     try:
         w.start()
+        if lane:
+            w.start_cpu_lane()
         return w.serve(once=args.once)
     except KeyboardInterrupt:  # a second signal while idle or starting
         return 0

@@ -49,7 +49,11 @@ HANDLERS: dict[str, str] = {
     "train": "worker.jobs.train:run",
     "grpo": "worker.jobs.grpo:run",
     "export": "worker.jobs.export:run",
+    "validate_dataset": "worker.jobs.validate_dataset:run",
 }
+#: Kinds that need no GPU: with a CPU lane (the default) they are claimed by a second loop of
+#: the worker process and never wait behind a training job; train and grpo stay on the main lane.
+CPU_KINDS = queue.CPU_KINDS
 
 
 def handler_for(kind: str) -> Callable[[JobContext], dict[str, Any] | None]:
@@ -85,6 +89,8 @@ class Worker:
         self.reaper: Reaper | None = None
         self._handler_lock = threading.Lock()
         self._handler_thread: int | None = None  # thread id while a handler runs
+        self.lane: Worker | None = None  # the CPU lane this worker started, if any
+        self._lane_thread: threading.Thread | None = None
 
     # ---- lifecycle ---------------------------------------------------------------------
     def start(self) -> None:
@@ -112,8 +118,33 @@ class Worker:
         log.info("worker %s ready on %s (kinds: %s)", self.worker_id, gpu.device_name(),
                  ", ".join(self.kinds))
 
+    def start_cpu_lane(self, kinds: tuple[str, ...] = CPU_KINDS) -> Worker:
+        """Start a second claim loop in this process (its own thread, worker id
+        ``<id>-cpu``, lease and heartbeat) that claims only ``kinds``, so that CPU work (exports,
+        imports, dataset validation) runs beside a training job instead of behind it. It shares
+        this worker's shutdown flag; :meth:`stop` waits for it. Call after :meth:`start`."""
+        lane = Worker(self.settings, f"{self.worker_id}-cpu", list(kinds), self.poll_interval)
+        lane.engine, lane.shutdown = self.engine, self.shutdown
+        workers.register(self.engine, lane.worker_id, socket.gethostname(), os.getpid(),
+                         f"{gpu.device_name()} (cpu lane)")
+        if self.reaper is not None:
+            self.reaper.reap_once(restarted=lane.worker_id)
+        self.lane = lane
+        self._lane_thread = threading.Thread(target=lane.serve, name="cpu-lane", daemon=True)
+        self._lane_thread.start()
+        log.info("cpu lane %s ready (kinds: %s)", lane.worker_id, ", ".join(lane.kinds))
+        return lane
+
     def stop(self) -> None:
-        """Stop the reaper, unregister (called on exit)."""
+        """Stop the CPU lane (its job goes back to the queue) and the reaper, unregister
+        (called on exit)."""
+        if self._lane_thread is not None:
+            self.shutdown.set()
+            self._lane_thread.join(timeout=self.settings.lease_seconds)
+            try:
+                workers.unregister(self.engine, self.lane.worker_id)
+            except Exception:  # noqa: BLE001
+                log.exception("could not unregister worker %s", self.lane.worker_id)
         if self.reaper is not None:
             self.reaper.stop()
         if self.engine is not None:

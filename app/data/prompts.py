@@ -75,15 +75,19 @@ def prompt_messages(value: Any, column: str, system_prompt: str | None = None) -
 
 
 def inspect_prompts(path: str | os.PathLike, prompt_column: str | None = None,
-                    answer_column: str | None = None, preview: int = 3) -> dict[str, Any]:
+                    answer_column: str | None = None, preview: int = 3,
+                    on_rows=None) -> dict[str, Any]:
     """A report for a prompt dataset: rows, usable rows, columns, the prompt and reference
-    columns and a preview. Raises DatasetError when no row is readable or has a prompt."""
+    columns and a preview; ``on_rows(n)`` is called as rows are read (it may raise to stop).
+    Raises DatasetError when no row is readable or has a prompt."""
     rows = bad = usable = 0
     first: dict | None = None
     columns: set[str] = set()
     previews: list[dict] = []
     pcol = acol = None
-    for rec in iter_records(path):
+    from app.data.report import counted
+
+    for rec in counted(iter_records(path), on_rows):
         rows += 1
         if rec.data is None:
             bad += 1

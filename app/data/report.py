@@ -17,7 +17,7 @@ from .encode import (Encoded, Prepared, TokenizerBundle, encode_prepared_batch, 
                      load_tokenizer_bundle, prepare_example)
 from .errors import DatasetError, RowIssue
 from .formats import canonical_format, detect_format, normalize_row
-from .loader import file_kind, iter_records, txt_json_hint
+from .loader import MAX_ROWS, file_kind, iter_records, txt_json_hint
 
 DETECT_SAMPLE_ROWS = 100
 #: Rows rendered, then tokenised together by the tokenizer's batch encoder.
@@ -146,6 +146,21 @@ def iter_rows(path: str | os.PathLike, tokenizer: TokenizerBundle | str | os.Pat
     return fmt, gen()
 
 
+def counted(items, on_rows=None, every: int = ENCODE_BATCH_ROWS):
+    """``items`` unchanged, calling ``on_rows(n)`` every ``every`` items and at the end; over
+    :data:`app.data.loader.MAX_ROWS` items raises DatasetError."""
+    n = 0
+    for item in items:
+        n += 1
+        if n > MAX_ROWS:
+            raise DatasetError(f"the file holds more than {MAX_ROWS:,} rows; split it")
+        if on_rows is not None and n % every == 0:
+            on_rows(n)
+        yield item
+    if on_rows is not None:
+        on_rows(n)
+
+
 def _nice_width(span: int, max_bins: int) -> int:
     raw = max(1, math.ceil(span / max_bins))
     base = 10 ** int(math.floor(math.log10(raw)))
@@ -171,7 +186,7 @@ def inspect_dataset(path: str | os.PathLike, tokenizer: TokenizerBundle | str | 
                     chat_template: str | None = None, max_seq_length: int | None = 2048,
                     train_on_responses_only: bool = True, fmt: str | None = None,
                     preview_rows: int = 5, max_issues: int = 100,
-                    raise_if_empty: bool = True) -> DatasetReport:
+                    raise_if_empty: bool = True, on_rows=None) -> DatasetReport:
     """Validate a whole dataset file and build its :class:`DatasetReport`.
 
     Args:
@@ -184,6 +199,8 @@ def inspect_dataset(path: str | os.PathLike, tokenizer: TokenizerBundle | str | 
         preview_rows: how many valid rows to render for the preview.
         max_issues: cap on listed errors and warnings (the counts are exact).
         raise_if_empty: raise when no row is valid, naming the first bad row and field.
+        on_rows: called with the rows read so far every :data:`ENCODE_BATCH_ROWS` rows (it may
+            raise to stop the work: a time budget, a cancelled job).
 
     Raises:
         DatasetError: whole-file problems, or (``raise_if_empty``) no valid row at all.
@@ -198,7 +215,7 @@ def inspect_dataset(path: str | os.PathLike, tokenizer: TokenizerBundle | str | 
     warnings: list[Issue] = []
     lengths: list[int] = []
     preview: list[PreviewRow] = []
-    for res in rows:
+    for res in counted(rows, on_rows):
         total += 1
         if res.error is not None:
             first_error = first_error or res.error

@@ -32,6 +32,11 @@ from app.store.db import is_sqlite, session_scope
 from app.store.schema import Job, JobEvent, JobState, now
 
 
+#: Job kinds that need no GPU: a worker's CPU lane claims them, so they never wait behind a
+#: training job (train, grpo), which its main lane runs.
+CPU_KINDS = ("export", "import_model", "validate_dataset")
+
+
 class JobNotFound(LookupError):
     """Raised when a job id does not exist."""
 

@@ -17,10 +17,10 @@ from sqlalchemy.engine import Engine
 from app.data.chat_template import choose_template
 from app.data.errors import DatasetError
 from app.settings import Settings
-from app.store import repo
+from app.store import queue, repo
 from app.store.schema import Dataset, Model, new_id
 from app.store.specs import TrainSpec
-from app.studio import access, audit
+from app.studio import access, audit, validation
 from app.studio.errors import StudioError, invalid
 from app.studio.reports import fallback_tokenizer_dir, inspect_file
 
@@ -88,9 +88,11 @@ def default_max_seq_length(model: Model | None) -> int:
 
 
 def report_for(path: str, model: Model | None, template_choice: str | None, max_seq_length: int,
-               settings: Settings, dataset_format: str | None = None) -> dict[str, Any]:
+               settings: Settings, dataset_format: str | None = None,
+               on_rows=None) -> dict[str, Any]:
     """The validation report of the file at ``path`` as a run on ``model`` would see it, with the
-    chat template chosen exactly as run creation chooses it. Blocking (tokenises the file).
+    chat template chosen exactly as run creation chooses it. Blocking (tokenises the file);
+    ``on_rows(n)`` is called as rows are read and may raise to stop.
 
     Raises:
         DatasetError: the file cannot be used (the message names the row and field).
@@ -98,7 +100,8 @@ def report_for(path: str, model: Model | None, template_choice: str | None, max_
     name, text = choose_template(template_choice, model.chat_template if model else None)
     tok_dir, label = tokenizer_for(model, settings)
     report = inspect_file(path, tokenizer_dir=tok_dir, chat_template=text,
-                          max_seq_length=max_seq_length, dataset_format=dataset_format)
+                          max_seq_length=max_seq_length, dataset_format=dataset_format,
+                          on_rows=on_rows)
     report.update(model=model.name if model else None, model_id=model.id if model else None,
                   tokenizer=label, template_name=name)
     return report
@@ -143,59 +146,70 @@ def _removed_on_error(path: Path) -> Iterator[None]:
 
 def record_upload(engine: Engine, settings: Settings, actor: User, temp_path: Path, filename: str,
                   size: int, *, prompts_fallback: bool = False) -> Dataset:
-    """Validate a received file as an SFT dataset and record it, owned by ``actor``. Blocking.
+    """Record a received file as an SFT dataset owned by ``actor``, in state ``validating``,
+    and queue its validation (a ``validate_dataset`` job, :mod:`app.studio.validation`);
+    returns at once. The temporary file is consumed: moved under ``uploads/`` or deleted.
 
     ``prompts_fallback`` (the OpenAI Files API, where SFT and reinforcement files share
     ``purpose="fine-tune"``): a file that is no SFT dataset but a GRPO prompt dataset is recorded
     as one (format ``prompts``; an SFT job on it is refused with the reason).
-    The temporary file is consumed: moved under ``uploads/`` or deleted.
 
     Raises:
-        StudioError: invalid (field ``file``) for an unsupported type or unusable content.
+        StudioError: invalid (field ``file``) for an unsupported file type.
     """
     ds_id, final = _place(settings, temp_path, filename)
     with _removed_on_error(final):
-        model = default_model(engine, actor)
-        try:
-            report = report_for(str(final), model, None, default_max_seq_length(model), settings)
-        except DatasetError as exc:
-            report = _prompts_report(final, exc) if prompts_fallback else None
-            if report is None:
-                raise invalid("file", str(exc)) from None
-    return _record(engine, actor, ds_id, final, filename, size, report, "fine-tune")
+        return validation.start(engine, actor, ds_id, final, filename, size, "fine-tune",
+                                {"mode": "sft_or_prompts" if prompts_fallback else "sft"})
 
 
 def record_prompt_upload(engine: Engine, settings: Settings, actor: User, temp_path: Path,
                          filename: str, size: int, prompt_column: str | None = None,
                          answer_column: str | None = None) -> Dataset:
-    """Validate a received file as a GRPO prompt dataset and record it, owned by ``actor``.
-    Blocking; the temporary file is consumed.
+    """Record a received file as a GRPO prompt dataset owned by ``actor``, in state
+    ``validating``, and queue its validation; returns at once (the file is consumed).
 
     Raises:
-        StudioError: invalid (field ``file``): unsupported type, no readable row, no prompt column.
+        StudioError: invalid (field ``file``) for an unsupported file type.
+    """
+    ds_id, final = _place(settings, temp_path, filename)
+    with _removed_on_error(final):
+        return validation.start(engine, actor, ds_id, final, filename, size, "grpo",
+                                {"mode": "prompts", "prompt_column": prompt_column or None,
+                                 "answer_column": answer_column or None})
+
+
+def compute_report(engine: Engine, settings: Settings, ds: Dataset, options: dict[str, Any],
+                   on_rows=None) -> tuple[dict[str, Any], str]:
+    """(report, purpose) of an uploaded file for ``options["mode"]`` (see
+    :func:`record_upload`): the SFT report with the owner's default model, or the prompt report.
+    ``on_rows(n)`` is called as rows are read (it may raise to stop). Blocking.
+
+    Raises:
+        DatasetError: the file is no usable dataset (the message names the row and field).
     """
     from app.data.prompts import inspect_prompts
 
-    ds_id, final = _place(settings, temp_path, filename)
-    with _removed_on_error(final):
-        try:
-            report = inspect_prompts(str(final), prompt_column or None, answer_column or None)
-        except DatasetError as exc:
-            raise invalid("file", str(exc)) from None
-    return _record(engine, actor, ds_id, final, filename, size,
-                   {**report, "format": "prompts"}, "grpo")
+    if options.get("mode") == "prompts":
+        report = inspect_prompts(ds.path, options.get("prompt_column"),
+                                 options.get("answer_column"), on_rows=on_rows)
+        return {**report, "format": "prompts"}, "grpo"
+    from app.studio.accounts import get_user
 
-
-def _record(engine: Engine, actor: User, ds_id: str, final: Path, filename: str, size: int,
-            report: dict[str, Any], purpose: str) -> Dataset:
-    """Insert the row of a validated upload (owned by ``actor``) and audit it."""
-    ds = Dataset(id=ds_id, filename=filename, path=str(final.resolve()), bytes=size,
-                 format=report.get("format"), rows=report.get("valid_rows") or report.get("rows"),
-                 purpose=purpose, status="processed", report=report, owner=actor.id)
-    repo.add_dataset(engine, ds)
-    audit.record(engine, actor.id, "dataset.uploaded", "dataset", ds.id, filename=filename,
-                 bytes=size, purpose=purpose)
-    return ds
+    try:
+        owner = get_user(engine, ds.owner) if ds.owner else None
+    except StudioError:  # the uploader's account is gone: the report still needs a tokenizer
+        owner = None
+    model = default_model(engine, owner) if owner else None
+    try:
+        return report_for(ds.path, model, None, default_max_seq_length(model), settings,
+                          on_rows=on_rows), ds.purpose
+    except DatasetError as exc:
+        report = _prompts_report(Path(ds.path), exc) if options.get("mode") == "sft_or_prompts" \
+            else None
+        if report is None:
+            raise
+        return report, ds.purpose
 
 
 def delete_dataset(engine: Engine, settings: Settings, actor: User, dataset_id: str) -> Dataset:
@@ -205,6 +219,8 @@ def delete_dataset(engine: Engine, settings: Settings, actor: User, dataset_id: 
         StudioError: not_found (unknown or another user's); conflict when a run uses it.
     """
     ds = access.dataset(engine, actor, dataset_id)
+    if ds.status == validation.VALIDATING and validation.job_id(ds) is not None:
+        queue.cancel(engine, validation.job_id(ds))  # its job stops at the next batch of rows
     try:
         repo.delete_dataset(engine, ds.id)
     except repo.InUse as exc:

@@ -59,20 +59,22 @@ def fallback_tokenizer_dir(seed_dir: Path | None) -> str | None:
 
 def inspect_file(path: str | Path, *, tokenizer_dir: str | None, chat_template: str | None = None,
                  max_seq_length: int = 1024, dataset_format: str | None = None,
-                 train_on_responses_only: bool = True) -> dict[str, Any]:
+                 train_on_responses_only: bool = True, on_rows=None) -> dict[str, Any]:
     """The validation report of a dataset file as a JSON dict.
 
     Without any tokenizer the rows are still read, detected and validated (no token counts).
+    ``on_rows(n)`` is called with the rows read so far, every few hundred rows (it may raise
+    to stop the work).
 
     Raises:
         DatasetError: a whole-file problem (unreadable, not UTF-8, no valid row, ...).
     """
     if tokenizer_dir is None:
-        return _untokenized_report(Path(path), max_seq_length, dataset_format)
+        return _untokenized_report(Path(path), max_seq_length, dataset_format, on_rows)
     report = inspect_dataset(str(path), load_bundle(tokenizer_dir), chat_template=chat_template,
                              max_seq_length=max_seq_length, fmt=dataset_format,
                              train_on_responses_only=train_on_responses_only,
-                             preview_rows=PREVIEW_ROWS, max_issues=MAX_ISSUES)
+                             preview_rows=PREVIEW_ROWS, max_issues=MAX_ISSUES, on_rows=on_rows)
     data = report.model_dump(mode="json")
     data["tokenized"] = True
     return normalize_report(data, max_seq_length)
@@ -97,10 +99,12 @@ def normalize_report(r: dict[str, Any], max_seq_length: int) -> dict[str, Any]:
     return r
 
 
-def _untokenized_report(path: Path, max_seq_length: int, dataset_format: str | None) -> dict[str, Any]:
+def _untokenized_report(path: Path, max_seq_length: int, dataset_format: str | None,
+                        on_rows=None) -> dict[str, Any]:
     from app.data import formats, loader
+    from app.data.report import counted
 
-    records = list(loader.iter_records(path))
+    records = list(counted(loader.iter_records(path), on_rows))
     good = [rec for rec in records if rec.error is None and rec.data is not None]
     invalid = [rec.error.to_dict() for rec in records if rec.error is not None]
     if not good:

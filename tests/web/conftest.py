@@ -90,3 +90,27 @@ def admin_key(app, server) -> str:
 
     admin = accounts.authenticate(app.state.engine, ADMIN_USER, ADMIN_PASSWORD)
     return accounts.create_api_key(app.state.engine, admin, "tests")[1]
+
+
+def run_validations(app) -> int:
+    """Run every queued ``validate_dataset`` job in this process through the real job function
+    (worker.jobs.validate_dataset.run), ending each as the worker loop would; returns how many.
+    Web tests have no worker process: an upload stays ``validating`` until this runs."""
+    from app.store import queue
+    from worker.context import JobContext
+    from worker.jobs import validate_dataset
+    from worker.progress import Reporter
+
+    engine, settings, n = app.state.engine, app.state.settings, 0
+    while (job := queue.claim(engine, "tests-inline", 60, ["validate_dataset"])) is not None:
+        ctx = JobContext(engine, settings, job, "tests-inline", Reporter(engine, job.id))
+        try:
+            result = validate_dataset.run(ctx)
+        except Exception as exc:  # noqa: BLE001 - recorded like the worker loop does
+            ctx.reporter.flush()
+            queue.fail(engine, job.id, "tests-inline", str(exc))
+        else:
+            ctx.reporter.flush()
+            queue.finish(engine, job.id, "tests-inline", result)
+        n += 1
+    return n

@@ -20,6 +20,7 @@ from app.store import queue, repo
 from app.store.schema import Artifact
 from tests.conftest import SHARED_DATA, need_shared_data
 from tests.web.conftest import ADMIN_PASSWORD, ADMIN_USER
+from tests.web.conftest import run_validations
 
 #: Routes anyone may call (sign-in, first-run setup, health, the API docs).
 PUBLIC = {"/login", "/logout", "/setup", "/healthz", "/api/login/access-token", "/api/docs",
@@ -78,6 +79,7 @@ def objs(app, server, engine, settings, tmp_path):
         r = a.post("/v1/files", files={"file": ("alpaca.json", fh)}, data={"purpose": "fine-tune"})
     assert r.status_code == 200, r.text
     dataset = r.json()["id"]
+    run_validations(app)
     r = a.post("/api/models", json={"source": "hf", "hf_id": "alice/tiny-model"})
     assert r.status_code == 201, r.text
     model, model_name = r.json()["id"], r.json()["name"]

@@ -8,6 +8,7 @@ from app.store import events, queue, repo
 from app.store.specs import TrainSpec
 
 from tests.conftest import SHARED_DATA as SHARED
+from tests.web.conftest import run_validations
 
 
 def _queued_run(client, engine) -> str:
@@ -16,6 +17,7 @@ def _queued_run(client, engine) -> str:
     with path.open("rb") as fh:
         r = client.post("/datasets", files={"file": (path.name, fh)}, follow_redirects=False)
     ds = r.headers["location"].rsplit("/", 1)[1]
+    run_validations(client.app)
     model = client.get("/api/models").json()["data"][0]["id"]
     run, _ = repo.create_run(engine, TrainSpec(model=model, dataset=ds, max_steps=2))
     return run.id

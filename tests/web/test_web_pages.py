@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from tests.web.conftest import signed_in
+from tests.web.conftest import run_validations
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -141,6 +142,7 @@ def test_delete_models_refused_while_runs_use_them(client, engine):
     with path.open("rb") as fh:
         ds = client.post("/datasets", files={"file": (path.name, fh)},
                          follow_redirects=False).headers["location"].rsplit("/", 1)[1]
+    run_validations(client.app)
     used = repo.add_model(engine, Model(name="used", source="hf", source_ref="x/used",
                                         status="ready"), import_job=False)
     assert client.post("/api/runs", json={"model": "used", "dataset": ds}).status_code == 201
@@ -187,6 +189,7 @@ def test_small_things_health_favicon_cancel_confirm_artifacts_workers_and_length
     with path.open("rb") as fh:
         ds = client.post("/datasets", files={"file": (path.name, fh)},
                          follow_redirects=False).headers["location"].rsplit("/", 1)[1]
+    run_validations(client.app)
     runs = [client.post("/api/runs", json={"model": "stories260K", "dataset": ds}).json()["id"]
             for _ in range(2)]
     run_page = client.get(f"/runs/{runs[0]}").text

@@ -8,12 +8,15 @@ from app.store import events, queue, repo
 from app.store.schema import Artifact
 
 from tests.conftest import SHARED_DATA as SHARED
+from tests.web.conftest import run_validations
 
 
-def _upload(client, name="alpaca_en_demo.json") -> str:
+def _upload(client, name="alpaca_en_demo.json", validate: bool = True) -> str:
     path = SHARED / "sft" / name
     with path.open("rb") as fh:
         r = client.post("/datasets", files={"file": (path.name, fh)}, follow_redirects=False)
+    if validate:
+        run_validations(client.app)
     return r.headers["location"].rsplit("/", 1)[1]
 
 
@@ -239,3 +242,22 @@ def test_qlora_is_refused_at_creation_when_every_live_worker_has_no_cuda(client,
     r = client.post("/api/runs", json=qlora)
     assert r.status_code == 201 and r.json()["spec"]["load_in_4bit"] is True
     assert len(client.get("/api/runs").json()["data"]) == 3
+
+
+def test_run_on_a_dataset_still_validating_is_a_field_error(client):
+    """The upload returns while the file is validated in the background; a run on it meanwhile
+    is refused on the ``dataset`` field with how far validation got, on every surface."""
+    ds_id = _upload(client, validate=False)
+    assert client.get(f"/api/datasets/{ds_id}").json()["status"] == "validating"
+    r = client.post("/runs", data=_form(client, ds_id))
+    assert r.status_code == 422
+    assert "still validating, 0/? rows" in r.text
+    r = client.post("/api/runs", json={"model": "stories260K", "dataset": ds_id, "max_steps": 1})
+    assert r.status_code == 422, r.text
+    err = r.json()
+    assert "still validating" in json.dumps(err) and "dataset" in json.dumps(err)
+    assert client.get("/v1/files/" + ds_id).json()["status"] == "uploaded"
+    run_validations(client.app)
+    assert client.get("/v1/files/" + ds_id).json()["status"] == "processed"
+    r = client.post("/runs", data=_form(client, ds_id), follow_redirects=False)
+    assert r.status_code == 303, r.text[:300]

@@ -95,7 +95,8 @@ def test_imports_demo_model_and_survives_a_failing_job(env) -> None:
         "stories260K ready", env["proc"])
     assert m.info["params"] == 260032 and m.info["has_chat_template"] is False
     assert Path(m.path, "model.safetensors").exists()
-    assert [w.id for w in workers.live(eng, 30)] == ["w-main"]
+    # two lanes: training on w-main, exports/imports/validation on its CPU lane
+    assert sorted(w.id for w in workers.live(eng, 30)) == ["w-main", "w-main-cpu"]
 
     bad = queue.enqueue(eng, "import_model", {"spec_version": 1, "model_id": "model-nope"})
     j = _wait(lambda: _ended(eng, bad.id), 60, "failing job", env["proc"])

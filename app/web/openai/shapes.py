@@ -162,10 +162,15 @@ def sample_message(d: dict[str, Any]) -> str:
 
 
 def file_object(ds: Dataset) -> dict[str, Any]:
-    """A dataset as an OpenAI ``file`` object."""
+    """A dataset as an OpenAI ``file`` object: ``status`` is ``uploaded`` while it is validated
+    in the background (``status_details`` says how far), then ``processed`` or ``error``."""
+    status, details = ds.status, ds.error
+    if status == "validating":
+        status, details = "uploaded", ((ds.report or {}).get("validating") or {}) and \
+            f"validating: {(ds.report['validating'].get('done') or 0):,} rows read"
     return {"id": ds.id, "object": "file", "bytes": ds.bytes, "created_at": int(ds.created_at),
-            "filename": ds.filename, "purpose": ds.purpose, "status": ds.status,
-            "status_details": ds.error, "expires_at": None}
+            "filename": ds.filename, "purpose": ds.purpose, "status": status,
+            "status_details": details or None, "expires_at": None}
 
 
 def result_file_object(art: Artifact) -> dict[str, Any]:

@@ -5,15 +5,17 @@ from urllib.parse import urlencode
 
 from fastapi import APIRouter, Request
 from fastapi.responses import RedirectResponse, Response
+from sse_starlette.sse import EventSourceResponse
 from starlette.concurrency import run_in_threadpool
 
 from app.data.chat_template import DEFAULT_TEMPLATES
 from app.data.errors import DatasetError
-from app.studio import access
+from app.studio import access, validation
 from app.studio import datasets as datasets_uc
 from app.studio.errors import StudioError
 from app.web.deps import CurrentUser, EngineDep, SettingsDep, current_user, get_engine, get_settings, is_htmx
 from app.web.render import render
+from app.web.sse import job_event_stream, start_after
 from app.web.uploads import UploadError, receive_upload
 
 router = APIRouter()
@@ -103,6 +105,13 @@ async def _report_ctx(request: Request, ds, model: str | None, chat_template: st
     return ctx, 200
 
 
+def validating_page(request: Request, ds):
+    """A dataset still being validated: its progress, followed live over SSE."""
+    return render(request, "dataset_validating.html", {
+        "dataset": ds, "progress": (ds.report or {}).get("validating") or {},
+        "progress_text": validation.progress_text(ds).replace("still validating", "validating")})
+
+
 def prompt_dataset_page(request: Request, ds):
     """A GRPO prompt dataset's page: rows, prompt/answer columns, example prompts and a link to
     the GRPO run form (the SFT report and run form do not apply)."""
@@ -115,13 +124,15 @@ async def dataset_page(request: Request, dataset_id: str, engine: EngineDep, use
                        max_seq_length: str | None = None):
     """The dataset's stored report; with ``model``/``chat_template``/``max_seq_length`` in the
     query (the selector submitted without htmx, or a shared link) the report for those."""
-    ds = access.dataset(engine, user, dataset_id)
+    ds = validation.check_stale(engine, access.dataset(engine, user, dataset_id))
+    if ds.status == validation.VALIDATING:
+        return validating_page(request, ds)
     if ds.format == "prompts":
         return prompt_dataset_page(request, ds)
     if any(v not in (None, "") for v in (model, chat_template, max_seq_length)):
         ctx, status = await _report_ctx(request, ds, model, chat_template, max_seq_length)
         return render(request, "dataset.html", ctx, block="report", status_code=status)
-    report = ds.report or None
+    report = (ds.report or None) if ds.status == validation.PROCESSED else None
     selected = _pick_model(engine, user, None, report)
     length = (report or {}).get("max_seq_length", datasets_uc.default_max_seq_length(selected))
     return render(request, "dataset.html", {
@@ -136,8 +147,24 @@ async def dataset_report(request: Request, dataset_id: str, engine: EngineDep, u
                          model: str | None = None, chat_template: str | None = None,
                          max_seq_length: str | None = None):
     ds = access.dataset(engine, user, dataset_id)
+    if ds.status == validation.VALIDATING:
+        return validating_page(request, ds)
     if ds.format == "prompts":
         return prompt_dataset_page(request, ds)
     ctx, status = await _report_ctx(request, ds, model, chat_template, max_seq_length)
     ctx["oob_train_link"] = is_htmx(request)
     return render(request, "dataset.html", ctx, block="report", status_code=status)
+
+
+@router.get("/datasets/{dataset_id}/events")
+async def dataset_events(request: Request, dataset_id: str, engine: EngineDep, user: CurrentUser,
+                         after: str | None = None):
+    """SSE of the dataset's validation job (``progress``: "validating n / N rows", then
+    ``state`` and ``end``); 204 when it has none."""
+    ds = access.dataset(engine, user, dataset_id)
+    job_id = validation.job_id(ds)
+    if job_id is None:
+        return Response(status_code=204)
+    start = start_after(request.headers.get("last-event-id"), after)
+    return EventSourceResponse(job_event_stream(engine, job_id, start), ping=15,
+                               headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

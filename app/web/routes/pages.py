@@ -1,4 +1,5 @@
-"""Dashboard: the caller's runs (an admin's: everyone's) and the live workers."""
+"""Dashboard: the caller's runs and jobs of every kind with their queue position (an admin's:
+everyone's), and the live workers."""
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
@@ -6,6 +7,7 @@ from fastapi import APIRouter, Request
 from app.store import events, queue, repo
 from app.store import workers as workers_store
 from app.studio import access, accounts
+from app.studio import jobs as jobs_uc
 from app.studio import runs as runs_uc
 from app.web.deps import CurrentUser, EngineDep, SettingsDep
 from app.web.render import render
@@ -52,5 +54,6 @@ def dashboard(request: Request, engine: EngineDep, settings: SettingsDep, user: 
               if access.is_admin(user) else {})
     return render(request, "dashboard.html",
                   {"runs": run_rows(engine, user), "workers": workers, "owners": owners,
+                   "jobs": jobs_uc.list_jobs(engine, user),
                    "job_runs": _job_runs(engine, user, [w.current_job_id for w in workers])},
                   block="runs")

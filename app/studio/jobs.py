@@ -1,0 +1,78 @@
+"""The queue as a user sees it: every job kind with its state, lane and place in the queue.
+
+A worker process runs two lanes (see worker/loop.py): ``gpu`` (train, grpo) and ``cpu``
+(exports, model imports, dataset validation, :data:`app.store.queue.CPU_KINDS`), so a queued job's
+position counts only the jobs ahead of it in its own lane (priority first, then age), across
+every user; the list shows the caller's own jobs (an admin's: everyone's).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from sqlalchemy.engine import Engine
+from sqlmodel import select
+
+from app.store.db import session_scope
+from app.store.queue import CPU_KINDS
+from app.store.schema import Job, JobState, Run
+from app.studio import access
+
+if TYPE_CHECKING:
+    from app.store.schema import User
+
+KIND_LABELS = {"train": "training", "grpo": "GRPO training", "export": "export",
+               "import_model": "model import", "validate_dataset": "dataset validation"}
+
+
+@dataclass(frozen=True)
+class JobRow:
+    """One job on the dashboard. ``position``: 1 for the next job its lane will claim (None
+    unless queued); ``target``: the run, dataset or model it works on."""
+
+    id: int
+    kind: str
+    label: str
+    lane: str
+    state: str
+    position: int | None
+    target: str | None
+    run_id: str | None
+    owner: str | None
+    created_at: float
+    error: str | None
+
+
+def lane_of(kind: str) -> str:
+    """``cpu`` for the kinds a worker's CPU lane claims, else ``gpu``."""
+    return "cpu" if kind in CPU_KINDS else "gpu"
+
+
+def list_jobs(engine: Engine, actor: User, recent: int = 20) -> list[JobRow]:
+    """The jobs ``actor`` may see: every queued or running one (queued in claim order, with
+    its position in its lane), then the ``recent`` newest finished ones."""
+    with session_scope(engine) as s:
+        active = list(s.exec(select(Job).where(Job.state.in_([JobState.QUEUED, JobState.RUNNING]))
+                             .order_by(Job.priority.desc(), Job.id)).all())
+        done = list(s.exec(select(Job).where(Job.state.in_(JobState.FINAL))
+                           .order_by(Job.id.desc()).limit(recent * 5)).all())
+        run_ids = {j.run_id for j in active + done if j.run_id}
+        run_owner = ({r.id: r.owner for r in s.exec(select(Run).where(Run.id.in_(run_ids))).all()}
+                     if run_ids else {})
+    counters = {"cpu": 0, "gpu": 0}
+    rows: list[JobRow] = []
+    finished: list[JobRow] = []
+    for job in active + done:
+        lane, position = lane_of(job.kind), None
+        if job.state == JobState.QUEUED:
+            counters[lane] += 1
+            position = counters[lane]
+        owner = run_owner.get(job.run_id, job.owner) if job.run_id else job.owner
+        if not access.can_see(actor, owner):
+            continue
+        payload = job.payload or {}
+        row = JobRow(job.id, job.kind, KIND_LABELS.get(job.kind, job.kind), lane, job.state,
+                     position, job.run_id or payload.get("dataset_id") or payload.get("model_id"),
+                     job.run_id, owner, job.created_at, job.error)
+        (rows if job.state not in JobState.FINAL else finished).append(row)
+    return rows + finished[:recent]
