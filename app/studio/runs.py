@@ -22,6 +22,7 @@ from app.store.schema import Dataset, Job, JobState, Model, Run
 from app.store.specs import TrainSpec
 from app.studio import access, audit, calibration, validation
 from app.studio.errors import StudioError, invalid
+from app.studio.seqlen import fit_max_seq_length
 
 if TYPE_CHECKING:
     from app.store.schema import User
@@ -142,12 +143,13 @@ def create_sft_run(engine: Engine, settings: Settings, actor: User, spec: TrainS
     Raises:
         StudioError: not_found for an unknown (or another user's) model or dataset; invalid for
             a failed model, LoRA targets the model does not have, an unusable or GRPO-prompt
-            dataset, a chat template that does not parse or render a sample conversation,
+            dataset, a chat template that does not parse or render a sample conversation, a
+            max_seq_length past the model's context or too short for its template,
             QLoRA when every live worker runs without CUDA, a run whose estimated GPU memory
             exceeds the largest live GPU (code ``too_big_for_gpus``).
     """
     model = usable_model(engine, actor, spec)
-    spec = resolved_template(spec, model)
+    spec = fit_max_seq_length(resolved_template(spec, model), model)
     check_targets(spec, model)
     ds = usable_dataset(engine, actor, spec)
     if ds.format == "prompts":

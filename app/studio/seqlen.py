@@ -1,0 +1,59 @@
+"""``max_seq_length``: one default and one bound for every way a run is created.
+
+The run form, ``/api`` and ``/v1`` all start from :func:`app.studio.datasets.default_max_seq_length`
+(TrainSpec's 1024 capped at the model's context window) when the caller names no length. A length
+past the context window is refused (rows would train on positions the model never saw; Whetstone
+does not scale RoPE), and so is a length too short to hold one minimal exchange in the run's chat
+template with the model's own tokenizer (every row would be cut before its answer, and the worker
+would find nothing to train on).
+"""
+from __future__ import annotations
+
+from app.data.chat_template import render_chat
+from app.data.errors import DatasetError
+from app.data.template_check import SAMPLE_CHATS
+from app.store.schema import Model
+from app.studio.datasets import default_max_seq_length, ready_tokenizer_path
+from app.studio.errors import invalid
+from app.studio.reports import load_bundle
+
+
+def template_tokens(model: Model, template: str | None) -> int | None:
+    """Tokens that a one-question, one-answer chat takes in ``template`` with the model's
+    tokenizer (None when the model is not ready or has no template to measure)."""
+    folder = ready_tokenizer_path(model)
+    if not folder or not template:
+        return None
+    try:
+        bundle = load_bundle(folder)
+        text = render_chat(SAMPLE_CHATS[1], template, bos_token=bundle.bos_token or "",
+                           eos_token=bundle.eos_token or "")
+    except (DatasetError, OSError, ValueError):
+        return None
+    return len(bundle.tokenizer.encode(text, add_special_tokens=False).ids)
+
+
+def fit_max_seq_length(spec, model: Model):
+    """``spec`` with ``max_seq_length`` defaulted to the model's (when the caller named none),
+    after checking a given one against the model's context and the template's needs.
+
+    ``spec.chat_template`` must already be resolved (the run's template source).
+
+    Raises:
+        StudioError: invalid (field ``max_seq_length``): longer than the model's context window,
+            or too short for one exchange in the template.
+    """
+    if "max_seq_length" not in spec.model_fields_set:
+        spec = spec.model_copy(update={"max_seq_length": default_max_seq_length(model)})
+    n = spec.max_seq_length
+    context = (model.info or {}).get("max_position_embeddings")
+    if isinstance(context, int) and context > 0 and n > context:
+        raise invalid("max_seq_length", f"{n} is longer than {model.name}'s context window "
+                      f"({context} tokens, max_position_embeddings); use {context} or less")
+    need = template_tokens(model, spec.chat_template)
+    if need is not None and n <= need:
+        raise invalid("max_seq_length", f"{n} tokens cannot hold even a one-line question and "
+                      f"answer in the {spec.chat_template_name or 'chosen'} template "
+                      f"({need} tokens with {model.name}'s tokenizer), so every row would be cut "
+                      f"before its answer; use at least {need + 1}, and more for real rows")
+    return spec
