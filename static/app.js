@@ -25,8 +25,10 @@
     if (chart || typeof window.Chart === "undefined") return chart;
     chart = new window.Chart($("loss-chart"), {
       type: "line",
+      // points are drawn while there are few (a run at step 1 shows its one point)
       data: { datasets: [{ label: "training loss", data: points, borderColor: "#2f6fdf",
-        backgroundColor: "rgba(47,111,223,0.1)", pointRadius: 0, borderWidth: 2, tension: 0.2 }] },
+        backgroundColor: "rgba(47,111,223,0.1)", borderWidth: 2, tension: 0.2,
+        pointRadius: (c) => (c.dataset.data.length <= 40 ? 3 : 0) }] },
       options: { animation: false, maintainAspectRatio: false, parsing: false,
         scales: { x: { type: "linear", title: { display: true, text: "step" } },
                   y: { title: { display: true, text: "loss" }, ticks: { callback: window.whetstoneTick } } },
@@ -44,6 +46,16 @@
     const el = $("m-state");
     el.textContent = state;
     el.className = "state state-" + state;
+    if (FINAL.includes(state)) $("m-eta").textContent = "—";  // a finished run has no ETA
+  }
+  const warned = new Set();
+  function warn(message) {  // run warnings (log events of level warning) in the box by the stats
+    if (warned.has(message)) return;
+    warned.add(message);
+    const li = document.createElement("li");
+    li.textContent = message;
+    $("run-warnings").querySelector("ul").append(li);
+    $("run-warnings").hidden = false;
   }
   function log(line) {
     const el = $("log");
@@ -61,7 +73,9 @@
     if (d.learning_rate !== undefined) $("m-lr").textContent = fmt(d.learning_rate);
     if (d.grad_norm !== undefined) $("m-grad").textContent = fmt(d.grad_norm);
     if (d.tokens_per_second !== undefined && $("m-tps")) $("m-tps").textContent = fmt(d.tokens_per_second);
-    if (d.eta_seconds !== undefined) $("m-eta").textContent = duration(d.eta_seconds);
+    if (d.eta_seconds !== undefined && !FINAL.includes($("m-state").textContent)) {
+      $("m-eta").textContent = duration(d.eta_seconds);
+    }
     if (d.memory_gib !== undefined) $("m-mem").textContent = `${fmt(d.memory_gib)} GiB ${d.memory_kind || ""}`;
     if (d.total_steps) $("m-progress").style.width = Math.min(100, (100 * d.step) / d.total_steps) + "%";
     if (d.loss !== undefined && d.loss !== null) { points.push({ x: d.step, y: d.loss }); redraw(); }
@@ -76,6 +90,7 @@
   es.addEventListener("log", (e) => {
     const d = JSON.parse(e.data);
     log(`[${stamp(d.ts)}] ${d.level && d.level !== "info" ? d.level + ": " : ""}${d.message}`);
+    if (d.level === "warning" || d.level === "warn") warn(d.message);
   });
   es.addEventListener("progress", (e) => {
     const d = JSON.parse(e.data);
@@ -89,6 +104,8 @@
       const runId = root.dataset.runId;
       window.htmx.ajax("GET", `/runs/${runId}`, { target: "#artifacts", swap: "outerHTML" });
       window.htmx.ajax("GET", `/runs/${runId}`, { target: "#controls", swap: "outerHTML" });
+      // the Exports card follows the run's state (the form appears once training succeeded)
+      window.htmx.ajax("GET", `/runs/${runId}/exports`, { target: "#exports", swap: "outerHTML" });
     }
   });
 })();

@@ -54,11 +54,18 @@
       auxChart.update("none");
     });
   }
+  const HEADS = Array.from(document.querySelectorAll("#grpo-samples thead th"), (th) => th.textContent);
   function cell(text, cls) {
     const td = document.createElement("td");
     td.textContent = text;
     if (cls) td.className = cls;
     return td;
+  }
+  function row(cells) {  // each cell labelled with its column (phones show the rows stacked)
+    const tr = document.createElement("tr");
+    cells.forEach((td, i) => { if (HEADS[i]) td.dataset.label = HEADS[i]; });
+    tr.append(...cells);
+    return tr;
   }
 
   const es = new EventSource(root.dataset.eventsUrl);
@@ -88,11 +95,9 @@
     const body = document.querySelector("#grpo-samples tbody");
     body.textContent = "";
     for (const r of d.rows || []) {
-      const tr = document.createElement("tr");
       const rewards = Object.entries(r.rewards || {}).map(([k, v]) => `${k}: ${fmt(v)}`).join("\n");
-      tr.append(cell(d.step), cell(r.group), cell(r.prompt, "text"), cell(r.completion, "text"),
-                cell(rewards, "text"), cell(fmt(r.reward)), cell(fmt(r.advantage)));
-      body.append(tr);
+      body.append(row([cell(d.step), cell(r.group), cell(r.prompt, "text"), cell(r.completion, "text"),
+                       cell(rewards, "text"), cell(fmt(r.reward)), cell(fmt(r.advantage))]));
     }
   });
   es.addEventListener("end", () => es.close());

@@ -17,7 +17,7 @@ from sqlalchemy.engine import Engine
 from app.settings import Settings
 from app.store import events, queue, repo
 from app.store.schema import Job, JobState
-from app.store.specs import ExportSpec
+from app.store.specs import GGUF_TYPES, ExportSpec
 from app.studio import access, audit
 from app.studio.datasets import is_under
 from app.studio.errors import StudioError, invalid
@@ -28,7 +28,8 @@ if TYPE_CHECKING:
 
 FORMATS = [("adapter", "LoRA adapter (PEFT)"), ("merged_16bit", "Merged 16-bit (safetensors)"),
            ("gguf", "GGUF"), ("ollama", "Ollama (GGUF + Modelfile)")]
-QUANTS = ["F16", "BF16", "Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q4_0", "Q3_K_M", "Q2_K"]
+#: The GGUF types an export may ask for: the form offers exactly what the API accepts.
+QUANTS = list(GGUF_TYPES)
 #: The largest id a job row can have (a 64-bit signed integer); larger ids name nothing.
 MAX_ID = 2**63 - 1
 

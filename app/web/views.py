@@ -14,6 +14,7 @@ from app.store import events, repo
 from app.store.schema import JobState
 from app.studio import access
 from app.studio import exports as exports_uc
+from app.studio import verification
 from app.studio.errors import StudioError
 from app.web.deps import is_htmx
 
@@ -42,7 +43,8 @@ def exports_view(engine, user, run_id: str, error: str | None = None,
                  values: dict[str, Any] | None = None) -> dict[str, Any]:
     """The exports card of a run page: the form's choices and values, and the run's exports."""
     run, job = access.run_with_job(engine, user, run_id)
-    items = exports_uc.list_exports(engine, user, run_id)
+    items = [{**e, "verification_summary": verification.summarize(e["verification"])}
+             for e in exports_uc.list_exports(engine, user, run_id)]
     return {"run": run, "exports": items, "export_formats": exports_uc.FORMATS,
             "export_quants": exports_uc.QUANTS, "export_error": error,
             "export_values": values or {"format": "gguf", "quantization": ["Q8_0"]},
