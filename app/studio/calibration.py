@@ -22,7 +22,7 @@ from app.store.db import session_scope
 from app.store.schema import Job, JobState, Model, Run
 from app.store.specs import GrpoSpec, TrainSpec
 from app.studio.errors import StudioError
-from app.studio.estimate import Estimate, estimate_job, model_shape
+from app.studio.estimate import CUDA_CONTEXT_GIB, Estimate, estimate_job, model_shape
 
 if TYPE_CHECKING:
     from pydantic import BaseModel
@@ -114,3 +114,22 @@ def for_new_run(engine: Engine, settings: Settings, model: Model, spec: Any,
     est = estimate(engine, model, spec, job_kind(run_kind))
     check_fits(engine, settings, est)
     return None if est is None else round(est.allocated_gib, 4)
+
+
+def memory_summary(job: Job | None) -> dict[str, Any]:
+    """A job's memory for the run page and ``/api/runs/{id}``, GiB: ``estimate_gib`` (allocator
+    peak estimated at creation), ``context_gib`` (the CUDA context added for a GPU), ``peak_gib``
+    and ``peak_kind`` (measured: ``gpu`` allocator peak, or ``rss`` on a CPU worker),
+    ``reserved_gib`` / ``nvml_gib`` (GPU only) and ``error`` = (estimate - peak) / peak, only when
+    the peak was measured on a GPU (an RSS is not what the estimate predicts)."""
+    if job is None:
+        return {"estimate_gib": None, "context_gib": CUDA_CONTEXT_GIB, "peak_gib": None,
+                "peak_kind": None, "reserved_gib": None, "nvml_gib": None, "error": None}
+    measured = (job.result or {}).get("memory_peak") or {}
+    est, peak = job.estimate_gib, job.peak_gib
+    error = None
+    if est is not None and peak and job.peak_kind == "gpu":
+        error = round((est - peak) / peak, 4)
+    return {"estimate_gib": est, "context_gib": CUDA_CONTEXT_GIB, "peak_gib": peak,
+            "peak_kind": job.peak_kind, "reserved_gib": measured.get("reserved_gib"),
+            "nvml_gib": measured.get("nvml_gib"), "error": error}

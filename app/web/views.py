@@ -12,7 +12,7 @@ from fastapi.responses import RedirectResponse, Response
 from app.data.chat_template import DEFAULT_TEMPLATES, FALLBACK_TEMPLATE
 from app.store import events, repo
 from app.store.schema import JobState
-from app.studio import access
+from app.studio import access, calibration
 from app.studio import exports as exports_uc
 from app.studio import verification
 from app.studio.errors import StudioError
@@ -80,7 +80,8 @@ def run_view(engine, user, run_id: str) -> dict[str, Any]:
             "model_name": model_name, "dataset_name": dataset_name,
             "template_name": spec.get("chat_template_name"),
             "template_source": spec.get("chat_template"),
-            "spec_json": json.dumps(spec, indent=2), **exports_view(engine, user, run.id)}
+            "spec_json": json.dumps(spec, indent=2), "memory": calibration.memory_summary(job),
+            **exports_view(engine, user, run.id)}
 
 
 def redirect_to_run(request: Request, run) -> Response:
@@ -89,3 +90,63 @@ def redirect_to_run(request: Request, run) -> Response:
     if is_htmx(request):
         return Response(status_code=200, headers={"HX-Redirect": url})
     return RedirectResponse(url, status_code=303)
+
+
+#: Form fields the memory estimate reads (the fragment re-renders when one of them changes).
+ESTIMATE_FIELDS = ("model", "r", "target_modules", "load_in_4bit", "optim", "max_seq_length",
+                   "per_device_train_batch_size", "gradient_accumulation_steps",
+                   "vram_budget_gib", "num_generations", "max_prompt_length",
+                   "max_completion_length")
+
+
+def estimate_view(engine, settings, user, run_kind: str, params) -> dict[str, Any]:
+    """The run form's memory estimate (``sft`` or ``grpo``) from the form's current values
+    (``params``: a multi-dict, e.g. the query string): ``estimate`` (``Estimate.as_dict()``) or
+    ``estimate_problem`` (what to fill in first), the largest live GPU (GiB) and whether it fits."""
+    from app.store import workers as workers_store
+    from app.store.specs import GrpoSpec, TrainSpec
+    from app.studio.runs import SpecError, parse_spec
+
+    cls = GrpoSpec if run_kind == "grpo" else TrainSpec
+    raw: dict[str, Any] = {k: params.get(k) for k in ESTIMATE_FIELDS
+                           if k in cls.model_fields and str(params.get(k) or "").strip()}
+    raw["target_modules"] = list(params.getlist("target_modules")) or [""]
+    raw["load_in_4bit"] = params.get("load_in_4bit") in ("true", "on", "1")
+    raw.update(model=raw.get("model") or "", dataset="-")
+    if run_kind == "grpo":  # the estimate does not depend on the rewards; a valid group size does
+        raw["rewards"] = [{"name": "format"}]
+    out: dict[str, Any] = {"estimate": None, "estimate_problem": None, "largest_gpu_gib":
+                           workers_store.largest_gpu_gib(engine, settings.worker_stale_seconds)}
+    try:
+        model = access.model(engine, user, raw["model"])
+        spec = parse_spec(cls, raw)
+    except SpecError as exc:
+        out["estimate_problem"] = "; ".join(f"{k}: {v}" for k, v in exc.fields.items()) \
+            or "; ".join(exc.general)
+        return out
+    except StudioError:
+        out["estimate_problem"] = "choose a model"
+        return out
+    est = calibration.estimate(engine, model, spec, calibration.job_kind(run_kind))
+    if est is None:
+        out["estimate_problem"] = f"{model.name} is not imported yet; its shape is unknown"
+        return out
+    out["estimate"] = est.as_dict()
+    largest = out["largest_gpu_gib"]
+    out["estimate_fits"] = largest is None or est.total_gib <= largest
+    return out
+
+
+async def estimate_fragment(request: Request, engine, settings, user, run_kind: str):
+    """The ``_memory_estimate.html`` fragment for a run form (``sft`` or ``grpo``) from the
+    submitted form's current values (see :func:`estimate_view`)."""
+    from starlette.concurrency import run_in_threadpool
+
+    from app.web.render import render
+
+    url = "/runs/new/grpo/estimate" if run_kind == "grpo" else "/runs/new/estimate"
+    ctx = await run_in_threadpool(estimate_view, engine, settings, user, run_kind,
+                                  await request.form())
+    return render(request, "_memory_estimate.html", {**ctx, "estimate_url": url},
+                  block="memory_estimate")
+

@@ -8,10 +8,11 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import Request
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from app.store import events, repo
 from app.store.schema import Dataset, Model, Run
+from app.studio import calibration
 from app.web.errors import ApiError
 
 
@@ -92,6 +93,10 @@ class RunOut(BaseModel):
     started_at: float | None
     finished_at: float | None
     events_url: str
+    memory: dict[str, Any] | None = Field(
+        default=None, description="GPU memory in GiB: estimate_gib (allocator peak estimated at "
+        "creation), context_gib, peak_gib + peak_kind (measured: gpu allocator peak, or rss on a "
+        "CPU worker), reserved_gib, nvml_gib, error ((estimate - peak) / peak, GPU only)")
     metrics: MetricsSummary | None = None
     artifacts: list[dict[str, Any]] | None = None
 
@@ -165,7 +170,7 @@ def run_out(engine, run: Run, full: bool = False) -> RunOut:
                  cancel_requested=bool(job and job.cancel_requested),
                  started_at=job.started_at if job else None,
                  finished_at=job.finished_at if job else None,
-                 events_url=f"/runs/{run.id}/events")
+                 events_url=f"/runs/{run.id}/events", memory=calibration.memory_summary(job))
     if full:
         out.metrics = metrics_summary(engine, run.job_id)
         out.artifacts = [{**a.model_dump(mode="json", exclude={"path"}),

@@ -20,6 +20,7 @@ from app.studio.grpo import create_grpo_run, custom_rewards_allowed
 from app.web.deps import CurrentUser, EngineDep, SettingsDep, current_user, get_engine
 from app.web.render import render
 from app.web.uploads import UploadError, receive_upload
+from app.web import views
 from app.web.views import redirect_to_run
 
 router = APIRouter()
@@ -119,6 +120,13 @@ def new_grpo_run(request: Request, user: CurrentUser, dataset: str | None = None
     return render(request, "run_grpo_new.html", _form_ctx(request, values), block="grpo_form")
 
 
+@router.post("/runs/new/grpo/estimate")
+async def grpo_estimate_fragment(request: Request, engine: EngineDep, settings: SettingsDep,
+                                 user: CurrentUser):
+    """The GRPO form's GPU memory estimate (htmx fragment) from the form's current values."""
+    return await views.estimate_fragment(request, engine, settings, user, "grpo")
+
+
 @router.post("/runs/grpo")
 async def create_grpo_form(request: Request, engine: EngineDep, settings: SettingsDep,
                            user: CurrentUser):
@@ -137,9 +145,12 @@ async def create_grpo_form(request: Request, engine: EngineDep, settings: Settin
     except runs_uc.SpecError as exc:
         errors, general = {**exc.fields, **errors}, exc.general
     except StudioError as exc:
-        if exc.field is None:
+        if exc.code == "too_big_for_gpus":  # about the whole spec: shown above the form
+            general.append(exc.message)
+        elif exc.field is None:
             raise
-        errors["rewards" if exc.field.startswith("rewards") else exc.field] = exc.message
+        else:
+            errors["rewards" if exc.field.startswith("rewards") else exc.field] = exc.message
     if run is None:
         return render(request, "run_grpo_new.html", _form_ctx(request, values, errors, general),
                       block="grpo_form", status_code=422)

@@ -15,6 +15,7 @@ from app.studio.errors import StudioError
 from app.web.deps import CurrentUser, EngineDep, SettingsDep, is_htmx
 from app.web.render import render
 from app.web.sse import job_event_stream, start_after
+from app.web import views
 from app.web.views import redirect_to_run, run_view, template_ctx
 
 router = APIRouter()
@@ -82,6 +83,13 @@ def template_fragment(request: Request, engine: EngineDep, user: CurrentUser,
     return render(request, "run_new.html", ctx, block="chat_template")
 
 
+@router.post("/runs/new/estimate")
+async def estimate_fragment(request: Request, engine: EngineDep, settings: SettingsDep,
+                            user: CurrentUser):
+    """The run form's GPU memory estimate (htmx fragment) from the form's current values."""
+    return await views.estimate_fragment(request, engine, settings, user, "sft")
+
+
 def spec_from_form(form) -> tuple[dict, dict]:
     """(raw TrainSpec input, the values to re-show in the form) from the submitted form."""
     values = _defaults()
@@ -136,9 +144,12 @@ async def create_run(request: Request, engine: EngineDep, settings: SettingsDep,
     except runs_uc.SpecError as exc:
         errors, general = {**exc.fields, **errors}, exc.general
     except StudioError as exc:
-        if exc.field is None:
+        if exc.code == "too_big_for_gpus":  # about the whole spec: shown above the form
+            general.append(exc.message)
+        elif exc.field is None:
             raise
-        errors[exc.field] = exc.message
+        else:
+            errors[exc.field] = exc.message
     if run is None:
         tmpl = template_ctx(engine, user, values.get("model"), form.get("chat_template_choice"),
                             values.get("chat_template") or None)
