@@ -15,7 +15,7 @@ from app.store.schema import Dataset
 from app.studio import accounts
 from app.web.errors import ApiError
 from app.web.openai.graders import grader_rewards
-from tests.web.conftest import ADMIN_PASSWORD, signed_in
+from tests.web.conftest import ADMIN_PASSWORD, run_validations, signed_in
 
 SHARED = Path(__file__).resolve().parents[3] / "shared" / "data"
 GSM8K = SHARED / "grpo" / "gsm8k" / "train.jsonl"
@@ -298,6 +298,7 @@ def test_prompt_dataset_page_and_no_sft_on_it(env, tmp_path):
     subset = tmp_path / "gsm8k_8.jsonl"
     subset.write_text("".join(GSM8K.read_text().splitlines(keepends=True)[:8]))
     ds = c.post("/api/grpo/datasets", files={"file": ("gsm8k_8.jsonl", subset.read_bytes())}).json()
+    run_validations(c.app)
     page = c.get(f"/datasets/{ds['id']}")
     assert page.status_code == 200
     html = page.text
@@ -385,7 +386,9 @@ def test_upload_gsm8k_prompts_then_run(env, tmp_path):
     subset.write_text("".join(GSM8K.read_text().splitlines(keepends=True)[:32]))
     r = c.post("/api/grpo/datasets", files={"file": ("gsm8k_32.jsonl", subset.read_bytes())})
     assert r.status_code == 201, r.text
-    ds = r.json()
+    assert r.json()["status"] == "validating"
+    run_validations(c.app)
+    ds = c.get(f"/api/datasets/{r.json()['id']}").json()
     assert ds["rows"] == 32 and ds["format"] == "prompts" and ds["purpose"] == "grpo"
     assert ds["report"]["prompt_column"] == "question" and ds["report"]["answer_column"] == "answer"
     assert c.get(f"/datasets/{ds['id']}").status_code == 200
@@ -395,9 +398,12 @@ def test_upload_gsm8k_prompts_then_run(env, tmp_path):
     # the browser form's upload redirects to the run form with the dataset chosen
     r = c.post("/grpo/datasets", files={"file": ("g.jsonl", subset.read_bytes())},
                follow_redirects=False)
-    assert r.status_code == 303 and "/runs/new/grpo?dataset=file-" in r.headers["location"]
+    assert r.status_code == 303 and r.headers["location"].startswith("/datasets/file-")
     r = c.post("/api/grpo/datasets", files={"file": ("bad.jsonl", b'{"foo": 1}\n')})
-    assert r.status_code == 422 and "no prompt column" in r.json()["error"]["message"]
+    assert r.status_code == 201
+    run_validations(c.app)
+    bad = c.get(f"/api/datasets/{r.json()['id']}").json()
+    assert bad["status"] == "error" and "no prompt column" in bad["error"]
 
 
 def test_upload_form_names_the_prompt_column(env):
@@ -410,12 +416,13 @@ def test_upload_form_names_the_prompt_column(env):
     assert 'hx-disabled-elt="find button[type=\'submit\']"' in page.split('id="grpo_form"', 1)[1]
     rows = b'{"task": "What is 2+2?", "gold": "4"}\n{"task": "What is 3+3?", "gold": "6"}\n'
     r = c.post("/grpo/datasets", files={"file": ("q.jsonl", rows)})
-    assert r.status_code == 422 and "no prompt column" in r.text and "prompt_column" in r.text
-    assert "Please fix the fields marked below." not in r.text
+    run_validations(c.app)
+    assert r.status_code == 200 and "no prompt column" in c.get(r.url).text
     r = c.post("/grpo/datasets", files={"file": ("q.jsonl", rows)},
                data={"prompt_column": "task", "answer_column": "gold"}, follow_redirects=False)
     assert r.status_code == 303, r.text[:2000]
-    ds_id = r.headers["location"].split("dataset=", 1)[1]
+    ds_id = r.headers["location"].rsplit("/", 1)[1]
+    run_validations(c.app)
     ds = repo.get_dataset(env["engine"], ds_id)
     assert ds.report["prompt_column"] == "task" and ds.report["answer_column"] == "gold"
     # a run on it that names no column uses the columns chosen at upload
@@ -464,6 +471,9 @@ def test_openai_files_accepts_prompt_files_for_reinforcement(env, server, tmp_pa
     for path in (GSM8K, rft):
         with open(path, "rb") as fh:
             f = client.files.create(file=fh, purpose="fine-tune")
+        assert f.status == "uploaded"  # validated in the background
+        run_validations(env["app"])
+        f = client.files.retrieve(f.id)
         ds = repo.get_dataset(env["engine"], f.id)
         assert f.status == "processed" and ds.format == "prompts"
         assert "answer" in ds.report["columns"] and ds.report["sft_error"]
@@ -477,8 +487,11 @@ def test_openai_files_accepts_prompt_files_for_reinforcement(env, server, tmp_pa
             client.fine_tuning.jobs.create(model="stories260K", training_file=f.id)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"x": 1}\n')
-    with open(bad, "rb") as fh, pytest.raises(openai.BadRequestError, match="invalid training"):
-        client.files.create(file=fh, purpose="fine-tune")
+    with open(bad, "rb") as fh:
+        f = client.files.create(file=fh, purpose="fine-tune")
+    run_validations(env["app"])
+    f = client.files.retrieve(f.id)
+    assert f.status == "error" and "could not detect the dataset format" in f.status_details
 
 
 def test_unknown_lora_target_is_a_field_error(env, tmp_path):

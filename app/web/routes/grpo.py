@@ -160,7 +160,8 @@ async def create_grpo_form(request: Request, engine: EngineDep, settings: Settin
 @router.post("/grpo/datasets")
 async def upload_prompts_form(request: Request, engine: EngineDep, settings: SettingsDep,
                               user: CurrentUser):
-    """The GRPO form's prompt-dataset upload; back to the form with the new dataset chosen."""
+    """The GRPO form's prompt-dataset upload; on to the dataset's page (validating, then its
+    prompts with a link back to the form with the dataset chosen)."""
     fields: dict[str, str] = {}
     try:
         up = await receive_upload(request, settings.data_dir / "uploads", settings.max_upload_mb)
@@ -177,4 +178,5 @@ async def upload_prompts_form(request: Request, engine: EngineDep, settings: Set
                       upload_answer_column=str(fields.get("answer_column") or ""))
         return render(request, "run_grpo_new.html",
                       _form_ctx(request, values, {"upload": exc.message}), status_code=422)
-    return RedirectResponse(f"/runs/new/grpo?dataset={ds.id}", status_code=303)
+    # validated in the background: its page shows the progress, then links to this form
+    return RedirectResponse(f"/datasets/{ds.id}", status_code=303)
