@@ -17,8 +17,8 @@ from app.store.schema import Dataset, Job, Run
 from app.store.specs import GrpoSpec
 from app.studio import audit, calibration
 from app.studio.errors import StudioError, invalid
-from app.studio.runs import (check_qlora_device, check_targets, resolved_template, usable_dataset,
-                             usable_model)
+from app.studio.runs import (check_qlora_device, check_targets, resolved_template, run_name,
+                             usable_dataset, usable_model)
 
 if TYPE_CHECKING:
     from app.store.schema import User
@@ -40,6 +40,7 @@ def create_grpo_run(engine: Engine, settings: Settings, actor: User, spec: GrpoS
             not_found for an unknown or another user's model/dataset; invalid otherwise (code
             ``too_big_for_gpus`` when the estimated GPU memory exceeds the largest live GPU).
     """
+    name = run_name(name)
     if spec.has_custom_rewards and not custom_rewards_allowed(actor):
         raise StudioError("forbidden", "custom Python rewards are not allowed for this user; an "
                                        "admin can allow them on the Admin page", "rewards")

@@ -73,6 +73,30 @@ def _for_field(field: str, lookup, *args):
         raise StudioError(exc.kind, exc.message, field) from None
 
 
+#: Longest run name (the OpenAI ``suffix`` allows 64; names show in every listing).
+MAX_NAME_CHARS = 100
+
+
+def run_name(name: str | None) -> str | None:
+    """A run's display name, trimmed (None when empty).
+
+    Raises StudioError(invalid, ``name``): longer than :data:`MAX_NAME_CHARS` characters, or
+    holding control or invisible formatting characters (NUL, bidirectional overrides such as
+    U+202E that make a name display as another)."""
+    import unicodedata
+
+    if name is None:
+        return None
+    name = str(name).strip()
+    if len(name) > MAX_NAME_CHARS:
+        raise invalid("name", f"at most {MAX_NAME_CHARS} characters (this one has {len(name)})")
+    bad = sorted({f"U+{ord(c):04X}" for c in name if unicodedata.category(c) in ("Cc", "Cf")})
+    if bad:
+        raise invalid("name", "control or invisible formatting characters are not allowed "
+                              f"({', '.join(bad[:5])})")
+    return name or None
+
+
 def usable_model(engine: Engine, actor: User, spec) -> Model:
     """The spec's model row if the actor may use it. Raises StudioError: not_found (field
     ``model``) when unknown or not the actor's, invalid when it failed to import."""
@@ -148,6 +172,7 @@ def create_sft_run(engine: Engine, settings: Settings, actor: User, spec: TrainS
             QLoRA when every live worker runs without CUDA, a run whose estimated GPU memory
             exceeds the largest live GPU (code ``too_big_for_gpus``).
     """
+    name = run_name(name)
     model = usable_model(engine, actor, spec)
     spec = fit_max_seq_length(resolved_template(spec, model), model)
     check_targets(spec, model)

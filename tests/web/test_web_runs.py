@@ -261,3 +261,25 @@ def test_run_on_a_dataset_still_validating_is_a_field_error(client):
     assert client.get("/v1/files/" + ds_id).json()["status"] == "processed"
     r = client.post("/runs", data=_form(client, ds_id), follow_redirects=False)
     assert r.status_code == 303, r.text[:300]
+
+
+def test_run_names_are_bounded_and_printable(client, settings):
+    """A 100k-character name or one with NUL / a right-to-left override is a name field error on
+    every surface; a plain name is trimmed and kept."""
+    from tests.web.conftest import run_validations
+
+    with (settings.seed_dir / "sft" / "alpaca_en_demo.json").open("rb") as fh:
+        ds = client.post("/v1/files", files={"file": ("a.json", fh)},
+                         data={"purpose": "fine-tune"}).json()["id"]
+    assert run_validations(client.app) == 1
+    for bad, why in (("x" * 100_000, "at most 100 characters"),
+                     ("\u0000nul\u202eRTL", "U+0000, U+202E")):
+        r = client.post("/api/runs", json={"model": "stories260K", "dataset": ds, "name": bad})
+        assert r.status_code == 422 and r.json()["error"]["param"] == "name", r.text[:300]
+        assert why in r.json()["error"]["message"]
+        r = client.post("/api/runs/grpo", json={"model": "stories260K", "dataset": ds, "name": bad,
+                                                "rewards": [{"name": "format"}]})
+        assert r.status_code == 422 and r.json()["error"]["param"] == "name"
+    r = client.post("/api/runs", json={"model": "stories260K", "dataset": ds,
+                                       "name": "  nightly alpaca  "})
+    assert r.status_code == 201 and r.json()["name"] == "nightly alpaca"
