@@ -17,7 +17,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 
 from app.settings import Settings
-from app.store import repo
+from app.store import queue, repo
 from app.store.schema import Model
 from app.studio import access, audit
 from app.studio.datasets import is_under
@@ -146,4 +146,23 @@ def delete_model(engine: Engine, settings: Settings, actor: User, model_id: str)
     if model.path and is_under(model.path, settings.data_dir) and os.path.isdir(model.path):
         shutil.rmtree(Path(model.path), ignore_errors=True)
     audit.record(engine, actor.id, "model.deleted", "model", model.id, name=model.name)
+    return model
+
+
+def retry_import(engine: Engine, actor: User, model_id: str) -> Model:
+    """Queue the import of a model whose import failed once more (its owner or an admin): the
+    model goes back to ``pending`` with its error cleared.
+
+    Raises:
+        StudioError: not_found (unknown, or not the actor's to change); conflict when the model
+            is not failed (pending or ready: nothing to retry).
+    """
+    model = access.model(engine, actor, model_id, write=True)
+    if model.status != "failed":
+        raise StudioError("conflict", f"model {model.name!r} is {model.status}; only a failed "
+                                      "import can be retried", "model_id")
+    model = repo.update_model(engine, model.id, status="pending", error=None)
+    queue.enqueue(engine, "import_model", {"spec_version": 1, "model_id": model.id},
+                  priority=10, owner=model.owner)
+    audit.record(engine, actor.id, "model.import_retried", "model", model.id, name=model.name)
     return model

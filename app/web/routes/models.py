@@ -39,18 +39,32 @@ async def register(request: Request, engine: EngineDep, settings: SettingsDep, u
     return RedirectResponse("/models", status_code=303)
 
 
-@router.post("/models/{model_id}/delete")
-def delete(request: Request, model_id: str, engine: EngineDep, settings: SettingsDep,
-           user: CurrentUser):
-    """Delete a model (the page asks first); 409 with the reason when runs use it."""
+def _list_action(request: Request, engine, user, act, done: str):
+    """Run ``act()`` (a model use case) for a button of the list; re-render the list with
+    ``done`` naming the model, or with the reason of a 409 (conflict)."""
     try:
-        model = models_uc.delete_model(engine, settings, user, model_id)
+        model = act()
     except StudioError as exc:
         if exc.kind != "conflict":
             raise
         return render(request, "models.html", _ctx(engine, user, list_error=exc.message),
                       block="model_list", status_code=409)
     if is_htmx(request):
-        return render(request, "models.html", _ctx(engine, user, deleted=model.name),
+        return render(request, "models.html", _ctx(engine, user, **{done: model.name}),
                       block="model_list")
     return RedirectResponse("/models", status_code=303)
+
+
+@router.post("/models/{model_id}/delete")
+def delete(request: Request, model_id: str, engine: EngineDep, settings: SettingsDep,
+           user: CurrentUser):
+    """Delete a model (the page asks first); 409 with the reason when runs use it."""
+    return _list_action(request, engine, user,
+                        lambda: models_uc.delete_model(engine, settings, user, model_id), "deleted")
+
+
+@router.post("/models/{model_id}/retry")
+def retry(request: Request, model_id: str, engine: EngineDep, user: CurrentUser):
+    """Queue a failed model's import again; the list shows it pending."""
+    return _list_action(request, engine, user,
+                        lambda: models_uc.retry_import(engine, user, model_id), "retried")
