@@ -47,8 +47,11 @@ fi
 "$BIN" -m app.store.migrate || exit 1
 if [ "${gpus:-0}" -gt 0 ]; then
   for ((i = 0; i < gpus; i++)); do
+    # gpu0's worker also runs the CPU lane (exports, imports, dataset validation); one is enough
+    lane=()
+    if ((i > 0)); then lane=(--no-cpu-lane); fi
     CUDA_VISIBLE_DEVICES=$i supervise "worker gpu$i" "$WORKER_PAUSE" \
-      "$BIN" -m worker --worker-id "$(hostname)-gpu$i" &
+      "$BIN" -m worker --worker-id "$(hostname)-gpu$i" "${lane[@]}" &
     pids+=($!)
   done
 else
