@@ -94,6 +94,15 @@ def add_model(engine: Engine, model: Model, import_job: bool = True) -> Model:
         return model
 
 
+def models_named(engine: Engine, id_or_name: str) -> list[Model]:
+    """Every model whose id or name is ``id_or_name`` (names are unique per owner, so several
+    users may each have one of that name), oldest first."""
+    with session_scope(engine) as s:
+        q = (select(Model).where(or_(Model.id == id_or_name, Model.name == id_or_name))
+             .order_by(Model.created_at))
+        return list(s.exec(q).all())
+
+
 def get_model(engine: Engine, id_or_name: str) -> Model:
     """Load a model by id or by name (e.g. ``stories260K``). Raises NotFound."""
     with session_scope(engine) as s:

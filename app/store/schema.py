@@ -62,8 +62,9 @@ class Model(SQLModel, table=True):
     """
 
     __tablename__ = "models"
+    __table_args__ = (Index("uq_models_owner_name", "owner", "name", unique=True),)
     id: str = Field(default_factory=lambda: new_id("model"), primary_key=True)
-    name: str = Field(index=True, unique=True)
+    name: str = Field(index=True)  # unique per owner (uq_models_owner_name)
     source: str  # hf | local | llama2c
     source_ref: str  # Hub id, folder path, or "<checkpoint.bin>|<tokenizer.bin>"
     path: str | None = None

@@ -15,6 +15,8 @@ from app.store import repo
 from app.store.schema import Model
 
 DEMO_MODEL_NAME = "stories260K"
+#: The demo model's fixed id, so two processes seeding at once register it once.
+DEMO_MODEL_ID = "model-stories260K"
 DEMO_HF_REPO = "karpathy/tinyllamas"
 DEMO_HF_FILES = ("stories260K/stories260K.bin", "stories260K/tok512.bin")
 
@@ -31,18 +33,18 @@ def ensure_demo_model(engine: Engine, settings: Settings) -> Model:
     """Register ``stories260K`` (source ``llama2c``, shared: every user may train on it) and
     queue its import, unless it exists.
 
-    Safe to call concurrently from the web and the worker: the unique model name decides.
-    A previously failed import is queued again.
+    Safe to call concurrently from the web and the worker: the fixed id :data:`DEMO_MODEL_ID`
+    decides (a user's own model of the same name is another model). A previously failed import
+    is queued again.
     """
-    try:
-        m = repo.get_model(engine, DEMO_MODEL_NAME)
-    except repo.NotFound:
+    m = next((m for m in repo.models_named(engine, DEMO_MODEL_NAME) if m.shared), None)
+    if m is None:
         try:
-            return repo.add_model(engine, Model(name=DEMO_MODEL_NAME, source="llama2c",
-                                                source_ref=demo_source_ref(settings),
-                                                shared=True))
+            return repo.add_model(engine, Model(id=DEMO_MODEL_ID, name=DEMO_MODEL_NAME,
+                                                source="llama2c",
+                                                source_ref=demo_source_ref(settings), shared=True))
         except IntegrityError:  # the other process registered it first
-            return repo.get_model(engine, DEMO_MODEL_NAME)
+            return repo.get_model(engine, DEMO_MODEL_ID)
     if m.status == "failed":
         repo.update_model(engine, m.id, status="pending", error=None,
                           source_ref=demo_source_ref(settings))

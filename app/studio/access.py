@@ -65,11 +65,21 @@ def dataset(engine: Engine, actor: User, dataset_id: str) -> Dataset:
 
 
 def model(engine: Engine, actor: User, id_or_name: str, *, write: bool = False) -> Model:
-    """The model ``id_or_name`` if ``actor`` may use it (own, shared, or admin); with ``write``
-    (delete), shared models only for their owner or an admin. Raises StudioError not_found."""
-    m = _lookup(repo.get_model, engine, id_or_name)
-    if m is None or not (can_see(actor, m.owner) or (m.shared and not write)):
+    """The model ``id_or_name`` if ``actor`` may use it (own, shared, or admin). Raises
+    StudioError: not_found; forbidden with ``write`` (delete, retry) on a shared model the actor
+    does not own (only its owner or an admin may)."""
+    # an id names one model; a name may be one of several users': the actor's own first, then
+    # a shared one, then (an admin) anyone's
+    found = repo.models_named(engine, id_or_name)
+    mine = [m for m in found if m.owner is not None and m.owner == getattr(actor, "id", None)]
+    shared = [m for m in found if m.shared]
+    others = [m for m in found if can_see(actor, m.owner)]
+    m = next(iter(mine + shared + others), None)
+    if m is None or not (can_see(actor, m.owner) or m.shared):
         raise StudioError("not_found", f"no model {id_or_name!r} is registered")
+    if write and not can_see(actor, m.owner):
+        raise StudioError("forbidden", f"model {m.name!r} is shared with everyone; only an admin "
+                                       "may change or delete it")
     return m
 
 

@@ -111,18 +111,18 @@ def register_model(engine: Engine, settings: Settings, actor: User, data: dict) 
     if name and not _NAME.match(name):
         errors["name"] = "use letters, digits, '.', '_', '-' or ':' (at most 100)"
     if not errors and name:
-        try:
-            repo.get_model(engine, name)
-            errors["name"] = f"a model named {name!r} is already registered"
-        except repo.NotFound:
-            pass
+        taken = [m for m in repo.models_named(engine, name)  # names are unique per owner
+                 if m.name == name and (m.owner == actor.id or m.shared)]
+        if taken:
+            errors["name"] = (f"you already have a model named {name!r}" if not taken[0].shared
+                              else f"{name!r} is the name of a shared model; choose another")
     if errors:
         raise ModelFormError(errors)
     try:
         model = repo.add_model(engine, Model(name=name, source=source, source_ref=ref,
                                              owner=actor.id))
     except IntegrityError:
-        raise ModelFormError({"name": f"a model named {name!r} is already registered"}) from None
+        raise ModelFormError({"name": f"you already have a model named {name!r}"}) from None
     audit.record(engine, actor.id, "model.registered", "model", model.id, name=name,
                  source=source)
     return model
