@@ -12,7 +12,7 @@ from fastapi.responses import RedirectResponse, Response
 from app.data.chat_template import DEFAULT_TEMPLATES, FALLBACK_TEMPLATE
 from app.store import events, repo
 from app.store.schema import JobState
-from app.studio import access, calibration
+from app.studio import access, accounts, calibration
 from app.studio import exports as exports_uc
 from app.studio import verification
 from app.studio.errors import StudioError
@@ -82,6 +82,14 @@ def run_view(engine, user, run_id: str) -> dict[str, Any]:
             "template_source": spec.get("chat_template"),
             "spec_json": json.dumps(spec, indent=2), "memory": calibration.memory_summary(job),
             **exports_view(engine, user, run.id)}
+
+
+def owner_names(engine, user) -> dict[str, str]:
+    """user id -> name, for the Owner columns an admin sees (empty for a member, who sees only
+    their own objects)."""
+    if not access.is_admin(user):
+        return {}
+    return {u.id: u.name for u in accounts.list_users(engine, user)}
 
 
 def redirect_to_run(request: Request, run) -> Response:

@@ -58,3 +58,21 @@ def test_only_an_admin_changes_the_shared_model(team, engine):
     page = team["alice"].get("/models").text
     assert "Delete model stories260K" not in page  # no button a member cannot use
     assert "Delete model stories260K" in team["admin"].get("/models").text
+
+
+def test_members_see_no_server_path_and_admins_see_owners(team, settings):
+    demo_ref = str(settings.seed_dir)  # the demo model's llama2.c files live there
+    for who in ("alice", "bob"):
+        assert demo_ref not in team[who].get("/api/models").text
+        assert demo_ref not in team[who].get("/models").text
+    assert demo_ref in team["admin"].get("/api/models").text
+    team["alice"].post("/api/models", json={"source": "hf", "hf_id": "acme/a", "name": "mine"})
+    admin_page = team["admin"].get("/models").text
+    assert "<th>Owner</th>" in admin_page and "alice" in admin_page and "shared" in admin_page
+    assert "<th>Owner</th>" not in team["alice"].get("/models").text
+    with (settings.seed_dir / "sft" / "alpaca_en_demo.json").open("rb") as fh:
+        assert team["alice"].post("/v1/files", files={"file": ("a.json", fh)},
+                                  data={"purpose": "fine-tune"}).status_code == 200
+    page = team["admin"].get("/datasets").text
+    assert "<th>Owner</th>" in page and "<td>alice</td>" in page
+    assert "<th>Owner</th>" not in team["alice"].get("/datasets").text

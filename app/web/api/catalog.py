@@ -48,7 +48,7 @@ async def upload_prompts(request: Request, engine: EngineDep, settings: Settings
 
 @router.get("/models", response_model=ModelList)
 def list_models(engine: EngineDep, user: CurrentUser):
-    return ModelList(data=[model_out(m) for m in models_uc.list_models(engine, user)])
+    return ModelList(data=[model_out(m, user) for m in models_uc.list_models(engine, user)])
 
 
 @router.post("/models", status_code=201, response_model=ModelOut)
@@ -58,7 +58,7 @@ async def create_model(request: Request, engine: EngineDep, settings: SettingsDe
     ``{"source": "llama2c", "checkpoint", "tokenizer"}``, optional ``name``."""
     body = await json_object(request)
     data = {k: str(v) for k, v in body.items() if v is not None}
-    return model_out(models_uc.register_model(engine, settings, user, data))
+    return model_out(models_uc.register_model(engine, settings, user, data), user)
 
 
 @router.delete("/models/{model_id}", response_model=ModelDeleted)

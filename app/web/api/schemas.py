@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from app.store import events, repo
 from app.store.schema import Dataset, Model, Run
+from app.studio import access
 from app.studio import calibration
 from app.web.errors import ApiError
 
@@ -139,8 +140,13 @@ def dataset_out(ds: Dataset) -> DatasetOut:
     return DatasetOut.model_validate(ds.model_dump())
 
 
-def model_out(m: Model) -> ModelOut:
-    return ModelOut.model_validate(m.model_dump())
+def model_out(m: Model, user) -> ModelOut:
+    """A model for ``user``: a server path in ``source_ref`` (local folder, llama2.c files) only
+    for its owner or an admin; others see the Hub id, or an empty reference."""
+    out = ModelOut.model_validate(m.model_dump())
+    if m.source != "hf" and not access.can_see(user, m.owner):
+        out.source_ref = ""
+    return out
 
 
 def metrics_summary(engine, job_id: int | None) -> MetricsSummary:

@@ -15,6 +15,7 @@ from app.studio import datasets as datasets_uc
 from app.studio.errors import StudioError
 from app.web.deps import CurrentUser, EngineDep, SettingsDep, current_user, get_engine, get_settings, is_htmx
 from app.web.render import render
+from app.web.views import owner_names
 from app.web.sse import job_event_stream, start_after
 from app.web.uploads import UploadError, receive_upload
 
@@ -23,7 +24,7 @@ router = APIRouter()
 
 def _list_ctx(request: Request, **extra) -> dict:
     engine, user = get_engine(request), current_user(request)
-    return {"datasets": datasets_uc.list_datasets(engine, user),
+    return {"datasets": datasets_uc.list_datasets(engine, user), "owners": owner_names(engine, user),
             "max_upload_mb": get_settings(request).max_upload_mb, **extra}
 
 

@@ -9,12 +9,14 @@ from app.studio import models as models_uc
 from app.studio.errors import StudioError
 from app.web.deps import CurrentUser, EngineDep, SettingsDep, is_htmx
 from app.web.render import render
+from app.web.views import owner_names
 
 router = APIRouter()
 
 
 def _ctx(engine, user, **extra) -> dict:
-    return {"models": models_uc.list_models(engine, user), "form": {}, "errors": {}, **extra}
+    return {"models": models_uc.list_models(engine, user), "owners": owner_names(engine, user),
+            "form": {}, "errors": {}, **extra}
 
 
 @router.get("/models")

@@ -6,11 +6,12 @@ from fastapi import APIRouter, Request
 
 from app.store import events, queue, repo
 from app.store import workers as workers_store
-from app.studio import access, accounts
+from app.studio import access
 from app.studio import jobs as jobs_uc
 from app.studio import runs as runs_uc
 from app.web.deps import CurrentUser, EngineDep, SettingsDep
 from app.web.render import render
+from app.web.views import owner_names
 
 router = APIRouter()
 
@@ -50,8 +51,7 @@ def _job_runs(engine, user, job_ids) -> dict[int, str]:
 @router.get("/")
 def dashboard(request: Request, engine: EngineDep, settings: SettingsDep, user: CurrentUser):
     workers = workers_store.live(engine, settings.worker_stale_seconds)
-    owners = ({u.id: u.name for u in accounts.list_users(engine, user)}
-              if access.is_admin(user) else {})
+    owners = owner_names(engine, user)
     return render(request, "dashboard.html",
                   {"runs": run_rows(engine, user), "workers": workers, "owners": owners,
                    "jobs": jobs_uc.list_jobs(engine, user),
