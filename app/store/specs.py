@@ -122,7 +122,7 @@ class ExportSpec(BaseModel):
             if q not in GGUF_TYPES:
                 raise ValueError(f"unknown GGUF type {q!r}; use one of {', '.join(GGUF_TYPES)}")
         return list(dict.fromkeys(out))
-    dtype: Literal["bf16", "fp16"] = "bf16"
+    dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
 
 
 class ImportModelSpec(BaseModel):

@@ -8,8 +8,13 @@
   transformers' bitsandbytes integration). Double quantisation of the absmax is not reproduced
   on CPU (its error is ~1e-3 of the scale).
 * The delta ``B @ A * scaling`` is added with peft's ``merge_and_unload`` in fp32, then the
-  weights are cast to bf16/fp16 and saved with ``save_pretrained`` (safetensors); tied
-  embeddings stay tied (``lm_head`` is not written when ``tie_word_embeddings``).
+  weights are cast to bf16/fp16 and saved with ``save_pretrained`` (safetensors).
+* Tied embeddings (:func:`merge_adapter`): PEFT computes a LoRA on ``embed_tokens`` of a tied
+  model with the trained embedding on the input side only; the output head keeps the base
+  matrix. Merging into the shared tensor would make the head the trained embedding too (a
+  different model), so the head is given its own copy before the merge. When the merged
+  embedding and head are still equal they are tied again (``lm_head`` not written); when they
+  differ the export is untied: ``tie_word_embeddings=false`` and both matrices stored.
 * The chat template's end-of-turn token (e.g. ``<|im_end|>``) is added to ``eos_token_id`` in
   config.json and generation_config.json and becomes ``eos_token`` of the tokenizer config,
   so ``generate`` and serving stacks stop at the end of the answer.
@@ -26,7 +31,7 @@ NF4_CODE = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453
             -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
             0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
             0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0)
-DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 def nf4_roundtrip(w, blocksize: int = 64):
@@ -130,6 +135,38 @@ def add_end_tokens(folder: Path, eot: list[tuple[str, int]]) -> list[int]:
     return gen_ends
 
 
+def merge_adapter(model):
+    """Merge a ``PeftModel`` (fp32) into its base, as PEFT computes base + adapter.
+
+    Returns ``(merged model, untied: bool)``; ``untied`` is True when the model was tied but the
+    trained embedding and the output head now differ (see the module docstring).
+    """
+    import torch
+
+    config = model.get_base_model().config
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    if tied:  # give the head its own copy so the embedding's delta is not merged into it
+        head = model.get_output_embeddings()
+        head = getattr(head, "base_layer", head)
+        head.weight = torch.nn.Parameter(head.weight.detach().clone(), requires_grad=False)
+    merged = model.merge_and_unload()
+    if not tied:
+        return merged, False
+    emb, out = merged.get_input_embeddings(), merged.get_output_embeddings()
+    if emb.weight.shape == out.weight.shape and torch.equal(emb.weight, out.weight):
+        out.weight = emb.weight  # tied again: one matrix, as the base model had it
+        _set_tied(merged.config, True)  # peft's unload marks a model with a separate head untied
+        return merged, False
+    _set_tied(merged.config, False)
+    return merged, True
+
+
+def _set_tied(config, tied: bool) -> None:
+    config.tie_word_embeddings = tied
+    if getattr(config, "get_text_config", None):
+        config.get_text_config().tie_word_embeddings = tied
+
+
 def export_merged(info: RunInfo, out_dir: str | Path, dtype: str = "bf16",
                   progress: ProgressFn = noop_progress) -> dict:
     """Write ``out_dir`` (atomically) and return ``{"path", "dtype", "eos_token_id", ...}``."""
@@ -141,13 +178,9 @@ def export_merged(info: RunInfo, out_dir: str | Path, dtype: str = "bf16",
     model = load_trained_model(info, dtype=torch.float32)
     tok = load_tokenizer(info)
     progress("merge", 0.4)
-    merged = model.merge_and_unload()
+    merged, untied = merge_adapter(model)
     merged = merged.to(getattr(torch, DTYPES[dtype]))
     tied = bool(getattr(merged.config, "tie_word_embeddings", False))
-    if tied:
-        merged.tie_weights()
-        if merged.get_output_embeddings().weight is not merged.get_input_embeddings().weight:
-            raise ExportError("tied embeddings came apart during the merge")
     merged.config.dtype = DTYPES[dtype]
     eot = end_of_turn_tokens(tok, info.chat_template)
     progress("save", 0.6)
@@ -158,6 +191,6 @@ def export_merged(info: RunInfo, out_dir: str | Path, dtype: str = "bf16",
             (tmp / "chat_template.jinja").write_text(info.chat_template)
         ends = add_end_tokens(tmp, eot)
     progress("save", 1.0)
-    return {"path": str(out_dir), "dtype": dtype, "tied_embeddings": tied,
+    return {"path": str(out_dir), "dtype": dtype, "tied_embeddings": tied, "untied": untied,
             "eos_token_id": ends, "end_of_turn": [t for t, _ in eot],
             "dequantized_from_nf4": info.load_in_4bit}

@@ -104,7 +104,9 @@ def export_run(run_dir: str | Path, spec, out_dir: str | Path,
 
         types = [q.upper() for q in s.get("quantization") or []] or (
             ["F16"] if fmt == "gguf" else [DEFAULT_OLLAMA_TYPE])
-        merged = trained.merge_and_unload()
+        from worker.export.merged import merge_adapter
+
+        merged, result["untied_embeddings"] = merge_adapter(trained)
         state, config = merged.state_dict(), merged.config
         eot_id = next((i for _, i in eot if i != tok.eos_token_id), None)
         kw = dict(chat_template=info.chat_template, eot_id=eot_id,
