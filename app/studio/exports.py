@@ -48,7 +48,8 @@ def export_info(engine: Engine, job: Job) -> dict[str, Any]:
     """One export as the API and the run page show it: ``id``, ``run_id``, ``format``,
     ``quantization``, ``dtype``, ``status``, ``error``, ``progress``, ``verification`` (the
     figures, or the diff of a failed check), ``files`` (``name``, ``size``, ``sha256``, ``url``),
-    ``ollama`` and timestamps (epoch seconds)."""
+    ``ollama``, ``provenance`` (base model, revision, adapter, base weights merged into) and
+    timestamps (epoch seconds)."""
     payload, result = job.payload or {}, job.result or {}
     export_key = result.get("export_id") or payload.get("export_id") or f"export-{job.id}"
     files = [{"name": a.name, "size": a.bytes, "sha256": a.sha256,
@@ -68,6 +69,7 @@ def export_info(engine: Engine, job: Job) -> dict[str, Any]:
             "created_at": job.created_at, "finished_at": job.finished_at,
             "progress": prog.data if prog else None, "verification": verification,
             "files": files, "ollama": result.get("ollama"),
+            "provenance": result.get("provenance"),
             "events_url": f"/api/exports/{job.id}/events"}
 
 

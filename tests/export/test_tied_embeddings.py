@@ -43,10 +43,13 @@ def tied_run(tmp_path_factory):
     return root / "run", root / "base", tok
 
 
+BASE = {"name": "tiny-qwen", "source": "hf", "source_ref": "Qwen/Qwen2.5-0.5B@7ae5576"}
+
+
 def _export(run, fmt, tmp_path, **kw):
     from worker.jobs.export import export_run
 
-    return export_run(run, {"run_id": "r", "format": fmt, **kw}, tmp_path, name="m")
+    return export_run(run, {"run_id": "r", "format": fmt, **kw}, tmp_path, name="m", base=BASE)
 
 
 def test_merged_is_untied_and_equals_peft(tied_run, tmp_path):
@@ -67,6 +70,14 @@ def test_merged_is_untied_and_equals_peft(tied_run, tmp_path):
     assert tcfg["eos_token"] == "<|im_end|>"
     gen = json.loads((folder / "generation_config.json").read_text())
     assert tok.convert_tokens_to_ids("<|im_end|>") in gen["eos_token_id"]
+    prov = json.loads((folder / "config.json").read_text())["merged_from"]
+    assert prov == res["provenance"]
+    assert (prov["base_model"], prov["base_model_revision"], prov["base_weights"]) == (
+        "Qwen/Qwen2.5-0.5B", "7ae5576", "float32")
+    assert prov["adapter"]["target_modules"] == ["embed_tokens", "q_proj"]
+    assert len(prov["adapter"]["sha256"]) == 64
+    card = (folder / "README.md").read_text()
+    assert 'base_model: "Qwen/Qwen2.5-0.5B"' in card and "revision `7ae5576`" in card
 
 
 def test_wrong_merge_fails_verification(tied_run, tmp_path, monkeypatch):

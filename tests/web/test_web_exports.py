@@ -75,3 +75,15 @@ def test_failed_verification_is_shown_with_its_diff(client, engine):
     assert "failed" in frag and "<html" not in frag
     r = client.get(f"/exports/{export_id}/download.zip")
     assert r.status_code == 409
+
+
+def test_export_api_shows_provenance(client, engine):
+    run_id = _finished_run(client, engine)
+    r = client.post(f"/api/runs/{run_id}/exports", json={"format": "merged_16bit", "dtype": "fp32"})
+    assert r.status_code == 201
+    job = queue.claim(engine, "w-export", 30, kinds=["export"])
+    prov = {"base_model": "karpathy/tinyllamas", "base_model_revision": None,
+            "base_weights": "nf4-dequantized", "adapter": {"run_id": run_id}}
+    assert queue.finish(engine, job.id, "w-export", {"provenance": prov, "files": []})
+    info = client.get(f"/api/exports/{r.json()['id']}").json()
+    assert info["provenance"] == prov and info["dtype"] == "fp32"

@@ -168,8 +168,11 @@ def _set_tied(config, tied: bool) -> None:
 
 
 def export_merged(info: RunInfo, out_dir: str | Path, dtype: str = "bf16",
-                  progress: ProgressFn = noop_progress) -> dict:
-    """Write ``out_dir`` (atomically) and return ``{"path", "dtype", "eos_token_id", ...}``."""
+                  progress: ProgressFn = noop_progress, provenance: dict | None = None) -> dict:
+    """Write ``out_dir`` (atomically) and return ``{"path", "dtype", "eos_token_id", ...}``.
+
+    ``provenance`` (:func:`worker.export.provenance.provenance`) goes into ``config.json``
+    (``merged_from``) and the model card ``README.md``. Raises :class:`ExportError`."""
     import torch
 
     if dtype not in DTYPES:
@@ -190,6 +193,10 @@ def export_merged(info: RunInfo, out_dir: str | Path, dtype: str = "bf16",
         if info.chat_template:
             (tmp / "chat_template.jinja").write_text(info.chat_template)
         ends = add_end_tokens(tmp, eot)
+        if provenance:
+            from .provenance import write_merged_provenance
+
+            write_merged_provenance(tmp, provenance, DTYPES[dtype])
     progress("save", 1.0)
     return {"path": str(out_dir), "dtype": dtype, "tied_embeddings": tied, "untied": untied,
             "eos_token_id": ends, "end_of_turn": [t for t, _ in eot],

@@ -46,15 +46,18 @@ def export_run(run_dir: str | Path, spec, out_dir: str | Path,
                progress: Callable[[str, float], None] = noop_progress, *,
                base_dir: str | Path | None = None, data_path: str | Path | None = None,
                ollama_url: str | None = None, model_name: str | None = None,
-               name: str = "model", run_spec: dict | None = None) -> dict:
+               name: str = "model", run_spec: dict | None = None,
+               base: dict | None = None) -> dict:
     """Export one run; see the module docstring. ``run_spec`` (the run row's spec), with
     ``base_dir`` and ``data_path`` from the model and dataset rows, is what the export job
-    passes; without them the run folder's config.json is read. Raises ExportError /
-    VerificationFailed."""
+    passes; without them the run folder's config.json is read. ``base`` (the model row's
+    ``name``, ``source``, ``source_ref``) names the base in the result's ``provenance``.
+    Raises ExportError / VerificationFailed."""
     import torch
 
     from worker.export import verify as V
     from worker.export.merged import end_of_turn_tokens
+    from worker.export.provenance import provenance
     from worker.export.run import load_run, load_tokenizer, load_trained_model
 
     s = _spec(spec)
@@ -70,7 +73,8 @@ def export_run(run_dir: str | Path, spec, out_dir: str | Path,
         or info.config.get("dataset_path")
     refs = V.reference(trained, tok, V.probe_prompts(data_path, tok, info.chat_template), end_ids)
     files: list[Path] = []
-    result: dict[str, Any] = {"format": fmt, "probes": [r["prompt"] for r in refs]}
+    result: dict[str, Any] = {"format": fmt, "probes": [r["prompt"] for r in refs],
+                              "provenance": provenance(info, base, s.get("run_id"))}
     checks: dict[str, dict] = {}
 
     if fmt == "adapter":
@@ -94,7 +98,8 @@ def export_run(run_dir: str | Path, spec, out_dir: str | Path,
         from worker.export.merged import export_merged
 
         folder = out / f"merged-{s.get('dtype', 'bf16')}"
-        result["merged"] = export_merged(info, folder, s.get("dtype", "bf16"), progress)
+        result["merged"] = export_merged(info, folder, s.get("dtype", "bf16"), progress,
+                                         result["provenance"])
         files.append(folder)
         progress("verify", 0.8)
         checks["merged"] = V.verify_merged(folder, refs, end_ids, tok)
@@ -220,7 +225,9 @@ def run(ctx) -> dict:
     try:
         res = export_run(run_dir, spec, out, progress, ollama_url=url if spec.format == "ollama"
                          else None, model_name=model_name, name=spec.run_id,
-                         base_dir=model_row.path, data_path=data_path, run_spec=run_row.spec)
+                         base_dir=model_row.path, data_path=data_path, run_spec=run_row.spec,
+                         base={"name": model_row.name, "source": model_row.source,
+                               "source_ref": model_row.source_ref})
     except VerificationFailed as e:
         from worker.export.verify import summarize
 

@@ -123,6 +123,7 @@ class ExportOut(BaseModel):
     verification: dict[str, Any] | None
     files: list[dict[str, Any]]
     ollama: dict[str, Any] | None
+    provenance: dict[str, Any] | None = None
     events_url: str
 
 
