@@ -155,6 +155,6 @@ async def estimate_fragment(request: Request, engine, settings, user, run_kind: 
     url = "/runs/new/grpo/estimate" if run_kind == "grpo" else "/runs/new/estimate"
     ctx = await run_in_threadpool(estimate_view, engine, settings, user, run_kind,
                                   await request.form())
-    return render(request, "_memory_estimate.html", {**ctx, "estimate_url": url},
-                  block="memory_estimate")
+    return render(request, "_memory_estimate.html",
+                  {**ctx, "estimate_url": url, "estimate_refreshed": True}, block="memory_estimate")
 

@@ -54,6 +54,16 @@ class Studio:
             self.api_key = r.json()["key"]
         return self.api_key
 
+    def processed(self, dataset_id: str, timeout: float = 120) -> dict:
+        """The dataset once its background validation finished (``processed``); fails on
+        ``error`` or after ``timeout`` seconds."""
+        with self.client() as c:
+            ds = wait_for(lambda: (lambda d: d if d["status"] != "validating" else None)(
+                c.get(f"/api/datasets/{dataset_id}").json()), timeout,
+                f"dataset {dataset_id} to be validated", self)
+        assert ds["status"] == "processed", ds
+        return ds
+
     def tail_logs(self) -> str:
         out = []
         for name in ("web.log", "worker.log"):

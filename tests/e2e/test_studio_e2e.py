@@ -48,6 +48,8 @@ def trained(studio: Studio) -> dict:
     with open(SHARED / "sft" / "oasst1_en_100_messages.jsonl", "rb") as fh:
         f = client.files.create(file=fh, purpose="fine-tune")
     assert f.id.startswith("file-") and f.bytes > 0
+    f = client.files.wait_for_processing(f.id, poll_interval=0.5, max_wait_seconds=120)
+    assert f.status == "processed"
 
     job = client.fine_tuning.jobs.create(
         model="stories260K", training_file=f.id,
@@ -132,6 +134,7 @@ def test_cancel_a_running_job(studio: Studio):
     client = openai.OpenAI(base_url=f"{studio.url}/v1", api_key=studio.api_key, max_retries=0)
     with open(SHARED / "sft" / "alpaca_en_demo.json", "rb") as fh:
         f = client.files.create(file=fh, purpose="fine-tune")
+    client.files.wait_for_processing(f.id, poll_interval=0.5, max_wait_seconds=120)
     job = client.fine_tuning.jobs.create(model="stories260K", training_file=f.id,
                                          extra_body={"max_steps": 5000, "max_seq_length": 128,
                                                      "chat_template": "alpaca"})

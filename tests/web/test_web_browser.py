@@ -133,3 +133,84 @@ def test_a_page_from_another_origin_cannot_cancel_or_create_runs(page, client, e
     page.click("#controls button")
     page.wait_for_timeout(500)
     assert queue.get_job(engine, job.id).cancel_requested
+
+
+def test_back_shows_whole_pages_never_a_fragment_or_a_signed_out_key(page, client, app):
+    """The run page's script swaps fragments fetched from the page's own URL; Back from another
+    page shows the whole run page again (``Vary: HX-Request``, ``no-store``). After signing out,
+    Back shows the sign-in page, not the account page with the key just created."""
+    from playwright.sync_api import expect
+
+    from tests.web.conftest import run_validations
+
+    with (SHARED / "sft" / "alpaca_en_demo.json").open("rb") as fh:
+        ds = client.post("/v1/files", files={"file": ("a.json", fh)}, data={"purpose": "fine-tune"})
+    run_validations(app)
+    run = client.post("/api/runs", json={"model": "stories260K", "dataset": ds.json()["id"],
+                                         "max_steps": 5}).json()
+    assert client.post(f"/api/runs/{run['id']}/cancel").status_code == 200  # its events end
+    url = f"{page.base}/runs/{run['id']}"
+    fragments = []
+    page.on("request", lambda r: r.url == url and r.headers.get("hx-request") == "true"
+            and fragments.append(r))
+    page.goto(url)
+    page.wait_for_function("() => document.querySelector('#m-state').textContent === 'cancelled'")
+    page.wait_for_timeout(1000)  # the end event's fragment requests have been answered
+    assert fragments  # the run page swapped a fragment of its own URL
+    page.goto(f"{page.base}/datasets")
+    page.go_back()
+    assert page.url == url
+    expect(page.locator("header.topbar")).to_have_count(1)
+    expect(page.locator("#run")).to_have_count(1)
+    expect(page.locator("#m-state")).to_have_text("cancelled")
+
+    page.goto(f"{page.base}/account")
+    page.fill("form[action='/account/keys'] input[name=name]", "laptop")
+    page.click("form[action='/account/keys'] button[type=submit]")
+    key = page.locator("#new-key").inner_text()
+    assert key.startswith("wk-") and page.url == f"{page.base}/account"
+    sign_out = page.locator("header button:has-text('Sign out')")
+    expect(page.get_by_role("button", name="Sign out")).to_have_count(1)
+    assert sign_out.evaluate("b => getComputedStyle(b).backgroundColor") == "rgba(0, 0, 0, 0)"
+    sign_out.click()
+    page.wait_for_url(f"{page.base}/login")
+    page.go_back()
+    expect(page.locator("form[action='/login']")).to_have_count(1)
+    assert page.url.startswith(f"{page.base}/login")
+    assert key not in page.content()
+    expect(page.locator("header nav a[href='/runs/new']")).to_have_count(0)  # signed out: no app nav
+
+
+def test_admin_role_select_shows_its_whole_value(page):
+    page.goto(f"{page.base}/admin")
+    select = page.locator("td select[name=value]").first
+    width, text = select.evaluate("""el => {
+        const s = document.createElement('span');
+        s.style.font = getComputedStyle(el).font;
+        s.textContent = 'member';
+        document.body.append(s);
+        const w = s.getBoundingClientRect().width;
+        s.remove();
+        return [el.getBoundingClientRect().width, w];
+    }""")
+    assert width >= text + 32, (width, text)  # the text plus padding and the arrow
+
+
+def test_the_memory_estimate_asks_once_per_change(page):
+    """The run forms' GPU-memory panel asks the server once on load and once per change, never in
+    a loop (a re-rendered panel carrying its own load trigger asked forever), and replaces only
+    itself (it inherited the form's hx-target and replaced the whole form)."""
+    asked: list[str] = []
+    page.on("request", lambda r: asked.append(r.url) if r.url.endswith("/estimate") else None)
+    page.goto(f"{page.base}/runs/new")
+    page.wait_for_timeout(2500)
+    assert len(asked) == 1, asked
+    page.fill("#run_form input[name=r]", "32")
+    page.press("#run_form input[name=r]", "Tab")  # a change event
+    page.wait_for_timeout(2500)
+    assert len(asked) == 2, asked
+    # the panel swapped itself, not the form around it (hx-target is inherited in htmx)
+    assert page.locator("#run_form #memory-estimate").count() == 1
+    page.goto(f"{page.base}/runs/new/grpo")
+    page.wait_for_timeout(2000)
+    assert page.locator("#grpo_form #memory-estimate").count() == 1 and len(asked) == 3
