@@ -56,7 +56,7 @@ web: setup
 	$(BIN)/python -m app.web.main
 
 worker: setup
-	$(BIN)/python -m worker
+	$(BIN)/python -m worker --supervise
 
 # Test-only system packages: Chromium for the browser journey (Debian's package), and
 # bubblewrap, the sandbox of custom reward functions (the worker image installs it too).

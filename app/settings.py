@@ -50,6 +50,15 @@ class Settings(BaseSettings):
         secret_key: key that signs session cookies (``WHETSTONE_SECRET_KEY``); empty = generated
             once into ``<data_dir>/secret_key`` (mode 0600).
 
+    GPU admission (worker/supervisor.py, app/store/admission.py):
+        gpu_reserve_gib: GiB of every GPU never admitted into (``WHETSTONE_GPU_RESERVE_GIB``):
+            a GPU's capacity is its total memory less this (other processes, fragmentation).
+        gpu_admit_margin: fraction added to a job's estimate when it is admitted (the estimate's
+            error; the job may use its estimate x (1 + margin) + the CUDA context, in GiB).
+        fair_share_hours: the window (hours) of GPU time that fair share compares between users.
+        simulated_gpus: tests only: ``"2x24"`` makes a supervisor on a CPU box own 2 simulated
+            GPUs of 24 GiB each (jobs run on the CPU, admission as on real GPUs); empty = real.
+
     Reward sandbox (custom GRPO reward code runs in a bubblewrap jail, one per batch of
     completions; these limits are the admin's, a submitter cannot change them):
         reward_memory_mb: address space of each sandbox process (MiB); past it the code gets
@@ -83,6 +92,11 @@ class Settings(BaseSettings):
     session_hours: float = Field(default=168.0, gt=0)
     login_attempts_per_minute: int = Field(default=10, gt=0)
     secret_key: str = ""
+    # GPU admission
+    gpu_reserve_gib: float = Field(default=2.0, ge=0)
+    gpu_admit_margin: float = Field(default=0.1, ge=0)
+    fair_share_hours: float = Field(default=24.0, gt=0)
+    simulated_gpus: str = ""
     # reward sandbox
     reward_memory_mb: int = Field(default=1024, ge=64)
     reward_cpu_seconds: int = Field(default=30, ge=1)

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Start the studio: one worker per visible NVIDIA GPU (or one CPU worker), then the web process.
+# Start the studio: one worker supervisor that owns every visible NVIDIA GPU (python -m worker
+# --supervise: admits jobs by estimated memory, several per GPU, each in its own process; a CPU
+# lane for exports, imports and validation; the CPU alone when there is no GPU), then the web.
 # Each process is supervised: one that exits (crash, OOM kill, SIGTERM to it alone) is restarted
 # after a pause that doubles while it keeps dying young (WHETSTONE_WORKER_RESTART_SECONDS /
 # WHETSTONE_WEB_RESTART_SECONDS, up to 60 s; back to the first pause after 60 s of uptime), so
@@ -45,21 +47,10 @@ if command -v nvidia-smi >/dev/null 2>&1; then
   gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
 fi
 "$BIN" -m app.store.migrate || exit 1
-if [ "${gpus:-0}" -gt 0 ]; then
-  for ((i = 0; i < gpus; i++)); do
-    # gpu0's worker also runs the CPU lane (exports, imports, dataset validation); one is enough
-    lane=()
-    if ((i > 0)); then lane=(--no-cpu-lane); fi
-    CUDA_VISIBLE_DEVICES=$i supervise "worker gpu$i" "$WORKER_PAUSE" \
-      "$BIN" -m worker --worker-id "$(hostname)-gpu$i" "${lane[@]}" &
-    pids+=($!)
-  done
-else
-  CUDA_VISIBLE_DEVICES="" supervise "worker cpu" "$WORKER_PAUSE" \
-    "$BIN" -m worker --worker-id "$(hostname)-cpu" &
-  pids+=($!)
-fi
+supervise "worker supervisor" "$WORKER_PAUSE" \
+  "$BIN" -m worker --supervise --worker-id "$(hostname)" &
+pids+=($!)
 supervise web "$WEB_PAUSE" "$BIN" -m app.web.main &
 pids+=($!)
-echo "Whetstone: http://${WHETSTONE_HOST:-127.0.0.1}:${WHETSTONE_PORT:-8000}  (workers: $((${gpus:-0} > 0 ? gpus : 1)))"
+echo "Whetstone: http://${WHETSTONE_HOST:-127.0.0.1}:${WHETSTONE_PORT:-8000}  (GPUs: ${gpus:-0})"
 while true; do wait; sleep 1; done  # only a signal (-> stop) ends this script

@@ -7,6 +7,11 @@ Flags: ``--once`` (one job, then exit), ``--poll-interval SECONDS``, ``--worker-
 those never wait behind a training run. Settings come from ``WHETSTONE_*`` (see app/settings.py).
 SIGTERM/SIGINT stop the current job (training checkpoints first), put it back in the queue,
 unregister the worker and exit 0.
+
+``--supervise`` (what ``make run`` and docker/start.sh start, one per host): the process owns
+the host's GPUs, admits training jobs onto them by estimated memory, several per GPU, and runs
+each in its own process (worker/supervisor.py); ``--worker-id`` is then the supervisor's id
+(default: the host name) and the CPU lane runs as well.
 """
 from __future__ import annotations
 
@@ -30,6 +35,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kinds", default=None,
                    help="comma-separated job kinds to claim in one loop (default: all this "
                         "worker knows, CPU kinds on the CPU lane)")
+    p.add_argument("--supervise", action="store_true",
+                   help="own this host's GPUs: admit jobs by memory, one process per job")
     p.add_argument("--no-cpu-lane", action="store_true",
                    help="no CPU lane: one loop claims every kind (CPU kinds wait behind training)")
     return p.parse_args(argv)
@@ -50,7 +57,14 @@ def main(argv: list[str] | None = None) -> int:
     lane = kinds is None and not args.no_cpu_lane
     if lane:
         kinds = [k for k in sorted(HANDLERS) if k not in CPU_KINDS]
-    w = Worker(Settings(), worker_id=args.worker_id, kinds=kinds, poll_interval=args.poll_interval)
+    if args.supervise:
+        from worker.supervisor import Supervisor
+
+        w = Supervisor(Settings(), supervisor_id=args.worker_id, kinds=kinds,
+                       poll_interval=args.poll_interval)
+    else:
+        w = Worker(Settings(), worker_id=args.worker_id, kinds=kinds,
+                   poll_interval=args.poll_interval)
     first = {"at": None}
 
     def on_signal(signum, _frame):  # noqa: ANN001

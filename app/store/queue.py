@@ -18,16 +18,17 @@ Every state change appends a ``state`` event in the same transaction.
 """
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import or_, text
+from sqlalchemy import func, or_, text
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 
-from app.store import events
+from app.store import admission, events
 from app.store.db import is_sqlite, session_scope
 from app.store.schema import Job, JobEvent, JobState, now
 
@@ -62,6 +63,7 @@ def enqueue(
     max_attempts: int = 3,
     run_id: str | None = None,
     owner: str | None = None,
+    estimate_gib: float | None = None,
 ) -> Job:
     """Insert a queued job and return it (with its id).
 
@@ -70,10 +72,11 @@ def enqueue(
         payload: JSON-serialisable job input (a versioned spec from ``app.store.specs``).
         priority: higher runs first; ties run in id order.
         max_attempts: claims allowed before a job whose lease keeps expiring is failed.
+        estimate_gib: the job's estimated GPU allocator peak in GiB (what admission packs by).
     """
     with session_scope(engine, immediate=True) as s:
         job = Job(kind=kind, payload=payload, priority=priority, max_attempts=max_attempts,
-                  run_id=run_id, owner=owner)
+                  run_id=run_id, owner=owner, estimate_gib=estimate_gib)
         s.add(job)
         s.flush()
         _state_event(s, job.id, JobState.QUEUED)
@@ -110,6 +113,66 @@ def claim(engine: Engine, worker_id: str, lease_seconds: float,
         job = s.get(Job, row[0])
         s.refresh(job)
         _state_event(s, job.id, JobState.RUNNING, worker=worker_id, attempt=job.attempts)
+        return job
+
+
+#: Postgres advisory lock every admission transaction takes, so that admissions (of every
+#: supervisor on every host) are serial: a slot's free memory and a user's quota read in one
+#: cannot be spent by another at the same time. SQLite's BEGIN IMMEDIATE does the same.
+ADMISSION_LOCK = 0x57480015
+
+
+def admit(engine: Engine, slot: admission.Slot, lease_seconds: float, kinds: Collection[str],
+          margin: float = 0.1, fair_share_hours: float = 24.0) -> Job | None:
+    """Claim for GPU ``slot`` the first queued job of ``kinds`` in admission order that fits
+    beside the jobs running there and whose owner is within quota (:mod:`app.store.admission`),
+    or return None.
+
+    One transaction: the write lock (``BEGIN IMMEDIATE``; on Postgres also the advisory lock
+    :data:`ADMISSION_LOCK`), the admission check, then one fenced ``UPDATE ... WHERE id = :id
+    AND state = 'queued'`` that makes it ``running`` with the reservation ``gpu_slot``,
+    ``gpu_index`` and ``admitted_gib`` (GiB) and a lease of ``lease_seconds`` seconds owned by
+    ``<slot id>:<job id>-<random>`` (the job's own process heartbeats under it; see
+    :func:`reap`'s ``restarted_prefix``).
+    """
+    with session_scope(engine, immediate=True) as s:
+        if not is_sqlite(engine):
+            s.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": ADMISSION_LOCK})
+        t = now()
+        snap = admission.snapshot(s, t, kinds, margin, fair_share_hours)
+        choice = admission.pick(snap, slot)
+        if choice is None:
+            return None
+        job, need = choice
+        owner = f"{slot.id}:{job.id}-{secrets.token_hex(3)}"
+        row = s.execute(
+            text("UPDATE jobs SET state = 'running', lease_owner = :w, lease_expires_at = :exp, "
+                 "attempts = attempts + 1, started_at = COALESCE(started_at, :now), "
+                 "gpu_slot = :slot, gpu_index = :idx, admitted_gib = :gib "
+                 "WHERE id = :id AND state = 'queued' AND cancel_requested = :f RETURNING id"),
+            {"w": owner, "exp": t + lease_seconds, "now": t, "slot": slot.id, "idx": slot.index,
+             "gib": need, "id": job.id, "f": False}).first()
+        if row is None:
+            return None
+        s.refresh(job)
+        _state_event(s, job.id, JobState.RUNNING, worker=owner, attempt=job.attempts,
+                     gpu=slot.id, admitted_gib=need)
+        return job
+
+
+def move_to_front(engine: Engine, job_id: int) -> Job:
+    """Put a queued job first in admission order (an admin's decision; quotas still apply).
+    Raises :class:`JobNotFound`; a job no longer queued is returned unchanged."""
+    with session_scope(engine, immediate=True) as s:
+        job = s.get(Job, job_id)
+        if job is None:
+            raise JobNotFound(job_id)
+        if job.state == JobState.QUEUED:
+            job.front_at = now()
+            s.add(job)
+            events.append(s, job_id, "log", {"level": "info",
+                                             "message": "moved to the front of the queue"})
+        s.flush()
         return job
 
 
@@ -231,7 +294,7 @@ def _reap_reason(job: Job, killed: bool, note: str) -> tuple[str, str]:
 
 
 def reap(engine: Engine, restarted: str | None = None, gone: Collection[str] = (),
-         grace: float = 0.0) -> list[tuple[int, str]]:
+         grace: float = 0.0, restarted_prefix: str | None = None) -> list[tuple[int, str]]:
     """Requeue (attempts left) or fail (none left) running jobs whose lease expired, and, with
     ``restarted`` (a worker id that is starting up), every job still leased to that id: the
     process that held it is gone, so its job need not wait for the lease to run out. Worker ids
@@ -242,6 +305,9 @@ def reap(engine: Engine, restarted: str | None = None, gone: Collection[str] = (
             expire first); their jobs' reason says the process was killed, likely out of
             memory, with the last memory the worker recorded (:func:`record_memory`); so do
             the jobs of ``restarted``.
+        restarted_prefix: like ``restarted`` for every lease owner that starts with it (a
+            supervisor's GPU slot ``<slot id>:`` when the supervisor starts: its job processes
+            are gone).
         grace: seconds a lease must be past its expiry, to which is added as long as this call
             waited for the write lock (while the database was locked no worker could renew its
             lease, so a healthy worker whose heartbeat was blocked is not reaped). Without
@@ -254,6 +320,9 @@ def reap(engine: Engine, restarted: str | None = None, gone: Collection[str] = (
         dead = Job.lease_expires_at < cutoff
         if restarted is not None:
             dead = or_(dead, Job.lease_owner == restarted)
+        if restarted_prefix:
+            dead = or_(dead, func.substr(Job.lease_owner, 1, len(restarted_prefix))
+                       == restarted_prefix)
         return list(s.exec(select(Job).where(Job.state == JobState.RUNNING, dead)).all())
 
     with session_scope(engine) as s:
@@ -267,7 +336,8 @@ def reap(engine: Engine, restarted: str | None = None, gone: Collection[str] = (
         waited = time.monotonic() - t0
         for job in candidates(s, t - grace - waited):
             killed = job.lease_owner in gone or (restarted is not None
-                                                 and job.lease_owner == restarted)
+                                                 and job.lease_owner == restarted) or (
+                bool(restarted_prefix) and (job.lease_owner or "").startswith(restarted_prefix))
             job.state, reason = _reap_reason(job, killed, _memory_note(s, job.id))
             if job.state != JobState.QUEUED:
                 job.finished_at = t

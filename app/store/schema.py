@@ -120,6 +120,12 @@ class Job(SQLModel, table=True):
     estimate_gib: float | None = None
     peak_gib: float | None = None
     peak_kind: str | None = None
+    # admission (app.store.admission): the GPU slot (its worker row id), the device index on its
+    # host and the GiB reserved there while the job runs; front_at: an admin moved it to the front
+    gpu_slot: str | None = Field(default=None, index=True)
+    gpu_index: int | None = None
+    admitted_gib: float | None = None
+    front_at: float | None = None
 
 
 class JobEvent(SQLModel, table=True):
@@ -161,6 +167,10 @@ class Worker(SQLModel, table=True):
     last_seen: float = Field(default_factory=now)
     current_job_id: int | None = None
     gpu_total_gib: float | None = None  # total memory of its GPU (GiB); None on the CPU
+    # a supervisor's GPU slot (worker/supervisor.py): device index on its host, and the GiB jobs
+    # may be admitted into (total less the reserve); None for a plain worker or lane
+    gpu_index: int | None = None
+    gpu_capacity_gib: float | None = None
 
 
 class User(SQLModel, table=True):
@@ -174,6 +184,11 @@ class User(SQLModel, table=True):
     role: str = "member"  # admin | member
     disabled: bool = False
     can_run_custom_rewards: bool = False
+    # quotas set by an admin (None: no limit) and the fair-share weight (app.store.admission)
+    quota_jobs: int | None = None  # GPU jobs running at once
+    quota_gib: float | None = None  # GPU memory admitted at once (GiB)
+    quota_gpu_hours: float | None = None  # GPU-hours in the last 24 hours
+    share_weight: float = 1.0
     created_at: float = Field(default_factory=now)
     last_seen_at: float | None = None
 

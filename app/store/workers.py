@@ -9,13 +9,17 @@ from app.store.schema import Worker, now
 
 
 def register(engine: Engine, worker_id: str, host: str, pid: int, device: str,
-             gpu_total_gib: float | None = None) -> None:
+             gpu_total_gib: float | None = None, gpu_index: int | None = None,
+             gpu_capacity_gib: float | None = None) -> None:
     """Insert or refresh this worker's row; ``gpu_total_gib`` is its GPU's total memory in GiB
-    (None for a CPU worker or a lane that runs no GPU jobs)."""
+    (None for a CPU worker or a lane that runs no GPU jobs). A supervisor's GPU slot also gives
+    the device index on its host and ``gpu_capacity_gib``, the GiB jobs may be admitted into
+    (total less the reserve)."""
     with session_scope(engine, immediate=True) as s:
         w = s.get(Worker, worker_id) or Worker(id=worker_id, host=host, pid=pid, device=device)
         w.host, w.pid, w.device, w.last_seen = host, pid, device, now()
         w.gpu_total_gib = gpu_total_gib
+        w.gpu_index, w.gpu_capacity_gib = gpu_index, gpu_capacity_gib
         s.add(w)
 
 
@@ -53,3 +57,19 @@ def largest_gpu_gib(engine: Engine, stale_seconds: float) -> float | None:
     None when no live worker reports a GPU."""
     sizes = [w.gpu_total_gib for w in live(engine, stale_seconds) if w.gpu_total_gib]
     return max(sizes) if sizes else None
+
+
+def largest_capacity_gib(engine: Engine, stale_seconds: float,
+                         reserve_gib: float) -> tuple[float, float] | None:
+    """``(total, capacity)`` GiB of the live GPU with the largest admissible memory: a
+    supervisor slot's ``gpu_capacity_gib``, else its total less ``reserve_gib``; None when no
+    live worker reports a GPU."""
+    best = None
+    for w in live(engine, stale_seconds):
+        if not w.gpu_total_gib:
+            continue
+        cap = w.gpu_capacity_gib if w.gpu_capacity_gib is not None \
+            else max(0.0, w.gpu_total_gib - reserve_gib)
+        if best is None or cap > best[1]:
+            best = (w.gpu_total_gib, cap)
+    return best

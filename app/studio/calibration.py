@@ -17,6 +17,7 @@ from sqlalchemy.engine import Engine
 from sqlmodel import select
 
 from app.settings import Settings
+from app.store import admission
 from app.store import workers as workers_store
 from app.store.db import session_scope
 from app.store.schema import Job, JobState, Model, Run
@@ -90,21 +91,28 @@ def estimate(engine: Engine, model: Model, spec: Any, kind: str) -> Estimate | N
 
 
 def check_fits(engine: Engine, settings: Settings, est: Estimate | None) -> None:
-    """Refuse a job no live GPU worker could hold: raises StudioError(invalid, code
-    ``too_big_for_gpus``) naming the estimate and the largest GPU (GiB) when ``est.total_gib``
-    exceeds it. No estimate, or no live worker reporting a GPU (CPU workers only, or none yet):
-    no refusal."""
+    """Refuse a job no live GPU could ever admit: raises StudioError(invalid, code
+    ``too_big_for_gpus``) naming the estimate and the largest GPU (GiB) when the memory the job
+    would be admitted with (:func:`app.store.admission.need_gib`: the estimate plus
+    ``settings.gpu_admit_margin`` and the CUDA context) exceeds that GPU's capacity (its total
+    less ``settings.gpu_reserve_gib``). No estimate, or no live worker reporting a GPU (CPU
+    workers only, or none yet): no refusal."""
     if est is None or est.total_gib <= 0:
         return
-    largest = workers_store.largest_gpu_gib(engine, settings.worker_stale_seconds)
-    if largest is not None and est.total_gib > largest:
+    best = workers_store.largest_capacity_gib(engine, settings.worker_stale_seconds,
+                                              settings.gpu_reserve_gib)
+    need = admission.need_gib(est.allocated_gib, settings.gpu_admit_margin, None)
+    if best is not None and (need > best[1] or est.total_gib > best[0]):
+        largest, capacity = best
         raise StudioError(
             "invalid", f"this run needs about {est.total_gib:.1f} GiB of GPU memory (estimate: "
             f"weights {est.weights_gib:.1f}, adapter + optimizer {est.adapter_optimizer_gib:.1f}, "
             f"activations {est.activations_gib:.1f}, logits {est.logits_gib:.1f}, KV cache "
-            f"{est.kv_cache_gib:.1f}, CUDA context {est.context_gib:.1f}); the largest GPU of the "
-            f"live workers has {largest:.1f} GiB. Lower max_seq_length or the batch size, set "
-            "load_in_4bit, or lower vram_budget_gib.", None, code="too_big_for_gpus")
+            f"{est.kv_cache_gib:.1f}, CUDA context {est.context_gib:.1f}), {need:.1f} GiB with "
+            f"the {settings.gpu_admit_margin:.0%} admission margin; the largest GPU of the "
+            f"live workers has {largest:.1f} GiB, {capacity:.1f} GiB admissible after the "
+            f"reserve. Lower max_seq_length or the batch size, set load_in_4bit, or lower "
+            "vram_budget_gib.", None, code="too_big_for_gpus")
 
 
 def for_new_run(engine: Engine, settings: Settings, model: Model, spec: Any,

@@ -4,7 +4,9 @@
   every 20 ms, calling ``ctx.check()`` only every ``step`` seconds (a long training step);
 * ``fill``: write ``<data_dir>/fill/<job>`` in 64 KiB chunks until the disk is full (or, with
   ``inject``, raise ENOSPC at once, as a full disk does);
-* ``hog``: hold ``mib`` MiB of touched memory, then tick like ``tick``.
+* ``hog``: hold ``mib`` MiB of touched memory, then tick like ``tick``;
+* ``oom``: tick for ``seconds``, then raise torch's ``OutOfMemoryError`` as a CUDA allocation
+  past the memory left does (the admission tests' injected out-of-memory failure).
 """
 from __future__ import annotations
 
@@ -51,3 +53,11 @@ def hog(ctx) -> dict:
         held[i] = 1
     result = _ticks(ctx, float(ctx.payload.get("seconds", 600)), 0.05)
     return {**result, "held": len(held)}
+
+
+def oom(ctx) -> dict:
+    import torch
+
+    _ticks(ctx, float(ctx.payload.get("seconds", 0.3)), 0.05)
+    raise torch.cuda.OutOfMemoryError(
+        "CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity of 24 GiB")

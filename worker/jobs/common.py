@@ -114,10 +114,29 @@ def job_spec(ctx: JobContext, spec_cls, job_name: str) -> tuple[str, Any]:
         raise JobError(f"{job_name} job payload has no run_id")
     if set(payload) <= {"spec_version"}:
         try:
-            return run_id, spec_cls.model_validate(repo.get_run(ctx.engine, run_id).spec)
+            return run_id, admitted_budget(
+                ctx, spec_cls.model_validate(repo.get_run(ctx.engine, run_id).spec))
         except repo.NotFound:
             raise JobError(f"{job_name} job: run {run_id} no longer exists") from None
-    return run_id, spec_cls.model_validate(payload)
+    return run_id, admitted_budget(ctx, spec_cls.model_validate(payload))
+
+
+def admitted_budget(ctx: JobContext, spec):
+    """``spec`` with ``vram_budget_gib`` at most the GPU memory the job was admitted with (GiB,
+    less the CUDA context; ``jobs.admitted_gib``, set by a supervisor's admission), so that
+    budgeted checkpointing keeps only the activations that fit there. Unchanged off a GPU or
+    without an admission."""
+    from app.studio.estimate import CUDA_CONTEXT_GIB
+
+    gib = ctx.job.admitted_gib
+    if gib is None or ctx.job.gpu_index is None or not hasattr(spec, "vram_budget_gib") \
+            or not gpu.cuda_available():
+        return spec
+    budget = round(max(0.5, gib - CUDA_CONTEXT_GIB), 2)
+    if spec.vram_budget_gib is not None and spec.vram_budget_gib <= budget:
+        return spec
+    ctx.log(f"admitted with {gib:.1f} GiB on GPU {ctx.job.gpu_index}: vram_budget_gib {budget}")
+    return spec.model_copy(update={"vram_budget_gib": budget})
 
 
 def job_inputs(ctx: JobContext, spec) -> tuple[Model, Dataset]:

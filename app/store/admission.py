@@ -1,0 +1,206 @@
+"""GPU admission: which queued GPU job a GPU slot takes next, and why every other one waits.
+
+A *slot* is one GPU of one supervisor (worker/supervisor.py), registered as a worker row with its
+``gpu_capacity_gib`` (total memory less ``settings.gpu_reserve_gib``). A job *needs*
+``estimate_gib x (1 + gpu_admit_margin) + CUDA_CONTEXT_GIB`` GiB (a job with no estimate needs the
+whole slot: it runs alone). It is admitted onto a slot when
+
+* its owner is within their quotas (jobs running at once, GiB admitted at once, GPU-hours in the
+  last 24 h; ``users.quota_*``, None = no limit), and
+* its need fits beside the ``admitted_gib`` of the jobs already running on that slot.
+
+**Admission order** (the order waiting jobs are offered to a slot; the first admissible one is
+taken, so a small job may start beside a running one while a big one waits for room):
+
+1. jobs an admin moved to the front (newest move first);
+2. then fair share: the next job comes from the owner whose weighted recent GPU time
+   (GPU-seconds in the last ``fair_share_hours`` / ``users.share_weight``) is least; a running job
+   counts at least :data:`START_CHARGE_SECONDS`, so two users who both just started alternate;
+   each pick charges its owner the same, so the order interleaves users;
+3. within one owner: priority (higher first), then age.
+
+Everything here reads; :func:`app.store.queue.admit` calls :func:`snapshot` and :func:`pick` in
+its claim transaction (under ``BEGIN IMMEDIATE`` / a Postgres advisory lock) and writes the
+reservation. GPU time = (finished or now) - started, per job on a GPU (one GPU a job).
+"""
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass, field
+
+from sqlalchemy import or_
+from sqlmodel import Session, select
+
+from app.store.schema import Job, JobState, User, Worker
+from app.studio.estimate import CUDA_CONTEXT_GIB
+
+#: GPU-seconds a running job counts for fair share however young it is (10 minutes).
+START_CHARGE_SECONDS = 600.0
+#: The GPU-hours quota looks back this many seconds (24 h).
+DAY_SECONDS = 86400.0
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One GPU a supervisor owns: ``id`` is its worker row id (``<supervisor>-gpu<i>``);
+    ``capacity_gib`` None is the CPU of a box without a GPU (one job at a time)."""
+
+    id: str
+    host: str
+    index: int | None
+    capacity_gib: float | None
+    total_gib: float | None = None
+
+
+@dataclass
+class Owner:
+    """A user's standing at admission time (GPU-seconds, GiB)."""
+
+    id: str | None
+    name: str
+    quota_jobs: int | None = None
+    quota_gib: float | None = None
+    quota_gpu_hours: float | None = None
+    weight: float = 1.0
+    running: int = 0
+    held_gib: float = 0.0
+    day_seconds: float = 0.0
+    recent_seconds: float = 0.0
+
+
+@dataclass
+class Snapshot:
+    """What admission looks at: waiting jobs, running jobs per slot, owners, the time."""
+
+    now: float
+    margin: float
+    waiting: list[Job]
+    running: list[Job]
+    owners: dict[str | None, Owner]
+    slots: list[Slot] = field(default_factory=list)
+
+    def held(self, slot_id: str) -> tuple[float, int]:
+        """(GiB admitted, jobs) running on slot ``slot_id``."""
+        jobs = [j for j in self.running if j.gpu_slot == slot_id]
+        return sum(j.admitted_gib or 0.0 for j in jobs), len(jobs)
+
+    def free(self, slot: Slot) -> float | None:
+        """GiB still admissible on ``slot`` (None: a CPU slot)."""
+        if slot.capacity_gib is None:
+            return None
+        return slot.capacity_gib - self.held(slot.id)[0]
+
+
+def need_gib(estimate_gib: float | None, margin: float, capacity_gib: float | None) -> float | None:
+    """GiB a job is admitted with: its allocator estimate x (1 + margin) + the CUDA context;
+    without an estimate the whole ``capacity_gib`` (it runs alone)."""
+    if estimate_gib is None:
+        return capacity_gib
+    return round(estimate_gib * (1 + margin) + CUDA_CONTEXT_GIB, 4)
+
+
+def gpu_seconds(job: Job, start: float, end: float) -> float:
+    """Seconds of ``job`` on a GPU inside ``[start, end]`` (0 unless it ran on a GPU)."""
+    if job.gpu_index is None or job.started_at is None:
+        return 0.0
+    stop = job.finished_at if job.finished_at is not None else end
+    return max(0.0, min(stop, end) - max(job.started_at, start))
+
+
+def snapshot(s: Session, now: float, kinds: Collection[str], margin: float,
+             fair_share_hours: float) -> Snapshot:
+    """Read what admission needs in session ``s``: the queued jobs of ``kinds`` (not cancelled),
+    the running jobs holding a slot, and each owner's quotas and GPU time (GPU-seconds in the
+    last day and in the last ``fair_share_hours`` hours)."""
+    waiting = list(s.exec(select(Job).where(Job.state == JobState.QUEUED, Job.kind.in_(kinds),
+                                            Job.cancel_requested == False)  # noqa: E712
+                          .order_by(Job.id)).all())
+    running = list(s.exec(select(Job).where(Job.state == JobState.RUNNING,
+                                            Job.gpu_slot.is_not(None))).all())
+    window = max(DAY_SECONDS, fair_share_hours * 3600.0)
+    used = list(s.exec(select(Job).where(Job.gpu_index.is_not(None), Job.started_at.is_not(None),
+                                         or_(Job.finished_at.is_(None),
+                                             Job.finished_at >= now - window))).all())
+    ids = {j.owner for j in waiting + running + used}
+    users = {u.id: u for u in s.exec(select(User).where(User.id.in_([i for i in ids if i])))}
+    owners: dict[str | None, Owner] = {}
+    for oid in ids:
+        u = users.get(oid)
+        owners[oid] = (Owner(oid, u.name, u.quota_jobs, u.quota_gib, u.quota_gpu_hours,
+                             u.share_weight or 1.0) if u else Owner(oid, oid or "nobody"))
+    for j in running:
+        owners[j.owner].running += 1
+        owners[j.owner].held_gib += j.admitted_gib or 0.0
+    fair_start = now - fair_share_hours * 3600.0
+    for j in used:
+        o = owners[j.owner]
+        o.day_seconds += gpu_seconds(j, now - DAY_SECONDS, now)
+        sec = gpu_seconds(j, fair_start, now)
+        if j.state == JobState.RUNNING:
+            sec = max(sec, START_CHARGE_SECONDS)
+        o.recent_seconds += sec
+    return Snapshot(now, margin, waiting, running, owners)
+
+
+def order(snap: Snapshot) -> list[Job]:
+    """The waiting jobs in admission order (see the module docstring)."""
+    front = sorted((j for j in snap.waiting if j.front_at is not None),
+                   key=lambda j: (-j.front_at, j.id))
+    queues: dict[str | None, list[Job]] = {}
+    for j in sorted((j for j in snap.waiting if j.front_at is None),
+                    key=lambda j: (-j.priority, j.id)):
+        queues.setdefault(j.owner, []).append(j)
+    charge = {o: snap.owners[o].recent_seconds for o in queues}
+    out = list(front)
+    while queues:
+        oid = min(queues, key=lambda o: (charge[o] / max(snap.owners[o].weight, 1e-6),
+                                         queues[o][0].id))
+        out.append(queues[oid].pop(0))
+        charge[oid] += START_CHARGE_SECONDS
+        if not queues[oid]:
+            del queues[oid]
+    return out
+
+
+def quota_reason(owner: Owner, need: float | None) -> str | None:
+    """Why ``owner``'s next job of ``need`` GiB is over quota, or None when it is within."""
+    jobs = f"your {owner.running} running job{'s' if owner.running != 1 else ''}"
+    if owner.quota_jobs is not None and owner.running >= owner.quota_jobs:
+        return (f"over quota: {jobs} reach your limit of {owner.quota_jobs} at once")
+    if owner.quota_gib is not None and owner.held_gib + (need or 0.0) > owner.quota_gib + 1e-9:
+        return (f"over quota: {jobs} hold {owner.held_gib:.1f} GiB of your {owner.quota_gib:.1f}"
+                f" GiB; this one needs {need or 0.0:.1f} GiB")
+    if owner.quota_gpu_hours is not None and owner.day_seconds / 3600 >= owner.quota_gpu_hours:
+        return (f"over quota: you used {owner.day_seconds / 3600:.2f} GPU-hours in the last 24 h"
+                f" (limit {owner.quota_gpu_hours:g})")
+    return None
+
+
+def fits(snap: Snapshot, slot: Slot, need: float | None) -> bool:
+    """Whether a job of ``need`` GiB fits beside the jobs running on ``slot`` now (a CPU slot
+    takes one job at a time)."""
+    if slot.capacity_gib is None:
+        return snap.held(slot.id)[1] == 0
+    return need is not None and need <= snap.free(slot) + 1e-9
+
+
+def pick(snap: Snapshot, slot: Slot) -> tuple[Job, float | None] | None:
+    """The first job in admission order whose owner is within quota and that fits on ``slot``
+    now, with the GiB it is admitted with; None when none."""
+    for job in order(snap):
+        need = need_gib(job.estimate_gib, snap.margin, slot.capacity_gib)
+        if quota_reason(snap.owners[job.owner], need) is None and fits(snap, slot, need):
+            return job, need
+    return None
+
+
+def slots_of(workers: list[Worker]) -> list[Slot]:
+    """The GPU slots among worker rows (those a supervisor registered with a capacity or as
+    its CPU slot: ``gpu_index`` set, or ``device`` starting with ``slot``)."""
+    out = []
+    for w in workers:
+        if w.gpu_capacity_gib is not None:
+            out.append(Slot(w.id, w.host, w.gpu_index, w.gpu_capacity_gib, w.gpu_total_gib))
+        elif w.device.startswith("cpu slot"):
+            out.append(Slot(w.id, w.host, None, None, None))
+    return out

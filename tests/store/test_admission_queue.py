@@ -1,0 +1,182 @@
+"""Admission on the real queue (app.store.queue.admit): racing admitters on SQLite and Postgres
+never over-admit a GPU or a user's quota; each quota holds with its reason on the queue page;
+fair-share weights; an admin's move to the front; the too-big refusal less the reserve."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from pathlib import Path
+
+import pytest
+
+from app.settings import Settings
+from app.store import queue, workers
+from app.store.admission import Slot, need_gib, order, snapshot
+from app.store.db import make_engine, session_scope
+from app.store.migrate import upgrade
+from app.store.schema import Job, JobState, User, now
+from app.studio import calibration, quotas
+from app.studio.errors import StudioError
+from app.studio.estimate import Estimate
+from app.studio.queue_view import queue_view
+from tests.store.test_queue import url  # noqa: F401 - the SQLite/Postgres fixture
+
+GPU0 = Slot("hostA-gpu0", "hostA", 0, 22.0, 24.0)  # a 24 GiB GPU less a 2 GiB reserve
+ADMIN = User(id="user-root", name="root", password_hash="x", role="admin")
+SETTINGS = Settings(gpu_reserve_gib=2, worker_stale_seconds=30)
+
+
+@pytest.fixture()
+def engine(tmp_path: Path):
+    u = f"sqlite:///{tmp_path / 'a.db'}"
+    upgrade(u)
+    eng = make_engine(u)
+    yield eng
+    eng.dispose()
+
+
+def add_user(engine, name: str, **fields) -> User:
+    with session_scope(engine) as s:
+        u = User(name=name, password_hash="x", **fields)
+        s.add(u)
+        s.flush()
+        return u
+
+
+def gpu_slot_row(engine, slot: Slot) -> None:
+    workers.register(engine, slot.id, slot.host, 1, f"cuda:{slot.index} test", slot.total_gib,
+                     slot.index, slot.capacity_gib)
+
+
+def _admitter(url: str, slots: list[Slot], kinds: list[str], seconds: float,
+              out) -> None:  # noqa: ANN001
+    eng = make_engine(url)
+    got, end = [], time.monotonic() + seconds
+    while time.monotonic() < end:
+        for slot in slots:
+            job = queue.admit(eng, slot, 300, kinds)
+            if job is not None:
+                got.append(job.id)
+    out.put(got)
+    eng.dispose()
+
+
+def test_racing_admitters_never_over_admit_a_gpu_or_a_quota(url: str) -> None:
+    eng = make_engine(url)
+    try:
+        capped = add_user(eng, "capped", quota_jobs=2)
+        free = add_user(eng, "free")
+        big = Slot("hostB-gpu0", "hostB", 0, 78.0, 80.0)
+        for i in range(12):  # 6 GiB -> 7.1 admitted: 3 fit on GPU0, 10 on `big`
+            kind = ("train", "grpo")[i % 2]  # admitters of different kinds pick different jobs
+            queue.enqueue(eng, kind, {}, owner=capped.id, estimate_gib=6.0)
+            queue.enqueue(eng, kind, {}, owner=free.id, estimate_gib=6.0)
+        ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+        out = ctx.Queue()
+        kinds = (["train"], ["grpo"], ["train", "grpo"])
+        procs = [ctx.Process(target=_admitter, args=(url, [GPU0, big] if i % 2 else [big, GPU0],
+                                                     kinds[i % 3], 3.0, out)) for i in range(6)]
+        for p in procs:
+            p.start()
+        got = [x for _ in procs for x in out.get(timeout=60)]
+        for p in procs:
+            p.join(30)
+        run = queue.list_jobs(eng, JobState.RUNNING)
+        assert sorted(got) == sorted(j.id for j in run)  # each admitted once, by one admitter
+        per_slot = {s.id: sum(j.admitted_gib for j in run if j.gpu_slot == s.id) for s in
+                    (GPU0, big)}
+        assert per_slot == {GPU0.id: pytest.approx(21.3), big.id: pytest.approx(71.0)}
+        assert sum(j.owner == capped.id for j in run) == 2  # the quota, across both GPUs
+        assert len(run) == 13
+    finally:
+        eng.dispose()
+
+
+def test_each_quota_holds_with_its_reason(engine) -> None:
+    gpu_slot_row(engine, Slot("h-gpu0", "h", 0, 78.0, 80.0))
+    slot = Slot("h-gpu0", "h", 0, 78.0, 80.0)
+    by_jobs = add_user(engine, "jobs2", quota_jobs=2)
+    by_gib = add_user(engine, "gib20", quota_gib=20.0)
+    by_hours = add_user(engine, "hours1", quota_gpu_hours=1.0)
+    other = add_user(engine, "other")
+    with session_scope(engine) as s:  # hours1 ran 1.5 GPU-hours in the last day
+        t = now()
+        s.add(Job(kind="train", payload={}, state=JobState.SUCCEEDED, owner=by_hours.id,
+                  gpu_slot="x", gpu_index=0, started_at=t - 7200, finished_at=t - 1800))
+    ids = {u.name: [queue.enqueue(engine, "train", {}, owner=u.id, estimate_gib=8.0).id
+                    for _ in range(3)] for u in (by_jobs, by_gib, by_hours, other)}
+    while queue.admit(engine, slot, 300, ["train"]) is not None:
+        pass
+    run = queue.list_jobs(engine, JobState.RUNNING)
+    per = {name: sum(j.id in js for j in run) for name, js in ids.items()}
+    # 9.3 GiB each: jobs2 2 (its limit), gib20 2 (18.6 of 20), hours1 none, other 3; 7 x 9.3 = 65.1
+    assert per == {"jobs2": 2, "gib20": 2, "hours1": 0, "other": 3}
+    view = queue_view(engine, SETTINGS, ADMIN, kinds=("train",))
+    reasons = {w.job_id: w.reason for w in view.waiting}
+    assert reasons[ids["jobs2"][2]] == ("over quota: your 2 running jobs reach your limit of 2 "
+                                        "at once")
+    assert reasons[ids["gib20"][2]] == ("over quota: your 2 running jobs hold 18.6 GiB of your "
+                                        "20.0 GiB; this one needs 9.3 GiB")
+    assert reasons[ids["hours1"][0]] == ("over quota: you used 1.50 GPU-hours in the last 24 h "
+                                         "(limit 1)")
+    assert len(reasons) == 5  # jobs2 1, gib20 1, hours1 3
+    # a member sees another's over-quota job as an anonymous slot
+    member = User(id=other.id, name="other", password_hash="x")
+    mine = queue_view(engine, SETTINGS, member, kinds=("train",))
+    assert [(w.visible, w.job_id, w.reason) for w in mine.waiting][0] == (
+        False, None, "over its owner's quota")
+    assert sum(r.visible for g in mine.gpus for r in g.running) == 3
+    # an admin lifts the job limit: the next admission takes jobs2's third job
+    quotas.set_quota(engine, ADMIN, by_jobs.id, jobs="", gib="", gpu_hours="", weight="1")
+    assert queue.admit(engine, slot, 300, ["train"]).id == ids["jobs2"][2]
+
+
+def test_fair_share_follows_recent_gpu_time_over_the_admins_weights(engine) -> None:
+    heavy = add_user(engine, "heavy", share_weight=4.0)  # 2 h used, weight 4 -> 0.5 h
+    light = add_user(engine, "light")  # 1 h used, weight 1
+    t = now()
+    with session_scope(engine) as s:
+        for u, hours in ((heavy, 2.0), (light, 1.0)):
+            s.add(Job(kind="train", payload={}, state=JobState.SUCCEEDED, owner=u.id, gpu_slot="x",
+                      gpu_index=0, started_at=t - 3600 * (hours + 1), finished_at=t - 3600))
+    lo = [queue.enqueue(engine, "train", {}, owner=light.id, estimate_gib=1.0).id for _ in range(2)]
+    hi = [queue.enqueue(engine, "train", {}, owner=heavy.id, estimate_gib=1.0).id
+          for _ in range(2)]
+    with session_scope(engine) as s:
+        ordered = [j.id for j in order(snapshot(s, now(), ["train"], 0.1, 24.0))]
+    # heavy: 7200 s / 4 = 1800 first, then + 600 / 4 per pick; light: 3600 s / 1
+    assert ordered == [hi[0], hi[1], lo[0], lo[1]]
+    quotas.set_quota(engine, ADMIN, heavy.id, weight="1")  # equal weights: light first
+    with session_scope(engine) as s:
+        assert [j.id for j in order(snapshot(s, now(), ["train"], 0.1, 24.0))][:2] == lo
+
+
+def test_an_admin_moves_a_job_to_the_front(engine) -> None:
+    u = add_user(engine, "u")
+    member = User(id=u.id, name="u", password_hash="x")
+    jobs = [queue.enqueue(engine, "train", {}, owner=u.id, estimate_gib=18.0).id
+            for _ in range(3)]
+    with pytest.raises(StudioError) as exc:
+        quotas.move_to_front(engine, member, jobs[2])
+    assert exc.value.kind == "forbidden"
+    quotas.move_to_front(engine, ADMIN, jobs[2])
+    assert [w.job_id for w in queue_view(engine, SETTINGS, ADMIN, kinds=("train",)).waiting] \
+        == [jobs[2], jobs[0], jobs[1]]
+    assert queue.admit(engine, GPU0, 300, ["train"]).id == jobs[2]
+    with pytest.raises(StudioError) as exc:
+        quotas.move_to_front(engine, ADMIN, jobs[2])  # running now
+    assert exc.value.kind == "conflict"
+
+
+def test_a_job_too_big_for_every_gpu_less_the_reserve_is_refused(engine) -> None:
+    workers.register(engine, "h-gpu0", "h", 1, "cuda:0 test", 24.0, 0, 22.0)
+    settings = Settings(gpu_reserve_gib=2, gpu_admit_margin=0.1, worker_stale_seconds=30)
+    fits = Estimate(weights_gib=19.0, allocated_gib=19.0, context_gib=0.5, total_gib=19.5)
+    calibration.check_fits(engine, settings, fits)  # 19 x 1.1 + 0.5 = 21.4 <= 22
+    big = Estimate(weights_gib=20.0, allocated_gib=20.0, context_gib=0.5, total_gib=20.5)
+    with pytest.raises(StudioError) as exc:  # 22.5 > 22 though 20.5 < 24
+        calibration.check_fits(engine, settings, big)
+    assert exc.value.code == "too_big_for_gpus"
+    assert ("22.5 GiB with the 10% admission margin; the largest GPU of the live workers has "
+            "24.0 GiB, 22.0 GiB admissible after the reserve") in exc.value.message
+    assert need_gib(20.0, 0.1, 22.0) == 22.5 and need_gib(None, 0.1, 22.0) == 22.0

@@ -1,0 +1,90 @@
+"""The queue page and /api/queue over HTTP: per GPU the running jobs, the waiting jobs in
+admission order with their reasons; a member sees others' jobs as anonymous slots; an admin moves
+a job to the front; quotas on the Admin page; the GPU-hours CSV."""
+from __future__ import annotations
+
+import csv
+import io
+
+from app.store import queue, workers
+from app.store.admission import Slot
+from app.store.schema import JobState
+from tests.web.conftest import signed_in
+
+GPU = Slot("box-gpu0", "box", 0, 22.0, 24.0)
+
+
+def _member(client, name: str = "bea") -> str:
+    r = client.post("/api/users", json={"name": name, "password": "member-password-1"})
+    assert r.status_code == 201, r.text
+    return r.json()["id"]
+
+
+def test_queue_page_explains_every_waiting_job_and_hides_others(app, client, engine) -> None:
+    admin_id = client.get("/api/me").json()["id"]
+    bea = _member(client)
+    workers.register(engine, GPU.id, GPU.host, 1, "cuda:0 NVIDIA test", 24.0, 0, 22.0)
+    mine = [queue.enqueue(engine, "train", {}, owner=admin_id, estimate_gib=6.0).id
+            for _ in range(3)]
+    hers = queue.enqueue(engine, "train", {}, owner=bea, estimate_gib=6.0).id
+    for _ in range(3):
+        assert queue.admit(engine, GPU, 300, ["train"]) is not None
+    # fair share took bea's job second: the admin's third job waits
+    running = {j.id for j in queue.list_jobs(engine, JobState.RUNNING)}
+    assert running == {mine[0], hers, mine[1]}
+    big = queue.enqueue(engine, "train", {}, owner=bea, estimate_gib=30.0).id
+    data = client.get("/api/queue").json()
+    assert [(g["id"], g["admitted_gib"], len(g["running"])) for g in data["gpus"]] == [
+        ("box-gpu0", 21.3, 3)]
+    # bea holds 1 running job, the admin 2: fair share offers bea's next job first
+    assert [(w["job_id"], w["reason"]) for w in data["waiting"]] == [
+        (big, "too big for every GPU: needs 33.5 GiB, the largest admits 22.0 GiB"),
+        (mine[2], "no GPU has room: needs 7.1 GiB, largest free 0.7 GiB")]
+    page = client.get("/queue")
+    assert page.status_code == 200
+    assert "no GPU has room: needs 7.1 GiB, largest free 0.7 GiB" in page.text
+    assert "21.3 of 22.0 GiB admitted" in page.text and 'href="/queue"' in page.text
+    with signed_in(app, "bea", "member-password-1") as c:
+        seen = c.get("/api/queue").json()
+        assert sorted((r["visible"], r["job_id"]) for r in seen["gpus"][0]["running"]) == [
+            (False, None), (False, None), (True, hers)]
+        assert [(w["visible"], w["job_id"]) for w in seen["waiting"]] == [(True, big),
+                                                                          (False, None)]
+        assert c.post(f"/api/queue/jobs/{big}/front").status_code == 403
+        assert c.get("/admin/usage.csv").status_code == 403
+    # the admin moves a job to the front
+    assert client.post(f"/api/queue/jobs/{mine[2]}/front").status_code == 200
+    assert [w["job_id"] for w in client.get("/api/queue").json()["waiting"]] == [mine[2], big]
+    r = client.post(f"/queue/jobs/{big}/front", follow_redirects=False)
+    assert r.status_code == 303 and r.headers["location"] == "/queue"
+    assert [w["job_id"] for w in client.get("/api/queue").json()["waiting"]] == [big, mine[2]]
+
+
+def test_admin_sets_quotas_and_downloads_gpu_hours(app, client, engine) -> None:
+    bea = _member(client)
+    r = client.post(f"/admin/quotas/{bea}", data={"quota_jobs": "2", "quota_gib": "40",
+                                                   "quota_gpu_hours": "", "share_weight": "2"},
+                    headers={"HX-Request": "true"})
+    assert r.status_code == 200 and "Saved the quotas of bea." in r.text
+    users = {u["name"]: u for u in client.get("/api/users").json()}
+    assert users["bea"]["id"] == bea
+    bad = client.post(f"/admin/quotas/{bea}", data={"quota_jobs": "-1"},
+                      headers={"HX-Request": "true"})
+    assert bad.status_code == 422 and "quota_jobs must be at least 0" in bad.text
+    frag = client.get("/admin/quotas").text
+    assert 'name="quota_gib" inputmode="decimal" size="6" value="40.0"' in frag
+    assert 'hx-get="/admin/quotas"' in client.get("/admin").text
+    # one finished GPU job of bea's, 1.5 h long
+    job = queue.enqueue(engine, "train", {}, owner=bea, estimate_gib=1.0)
+    queue.admit(engine, GPU, 300, ["train"])
+    assert queue.finish(engine, job.id, queue.get_job(engine, job.id).lease_owner, {})
+    from app.store.db import session_scope
+    from app.store.schema import Job
+
+    with session_scope(engine) as s:
+        j = s.get(Job, job.id)
+        j.started_at, j.finished_at = j.finished_at - 5400, j.finished_at
+        s.add(j)
+    rows = list(csv.DictReader(io.StringIO(client.get("/admin/usage.csv").text)))
+    assert [(r["job_id"], r["user"], r["gpu"], r["gpu_hours"]) for r in rows] == [
+        (str(job.id), "bea", "box-gpu0", "1.5000")]

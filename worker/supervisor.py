@@ -1,0 +1,259 @@
+"""The supervisor of a host's GPUs (``python -m worker --supervise``): admits queued GPU jobs by
+their estimated memory, several at once per GPU, and runs each admitted job in its own process.
+
+* At start: what a worker does (migrate, register, reap, seed the demo model), then one worker
+  row per GPU *slot* (``<id>-gpu<i>``: its total memory and its capacity, the total less
+  ``settings.gpu_reserve_gib``), the jobs a previous supervisor of this id left leased to its
+  slots are reaped (its job processes are gone), and the CPU lane starts (exports, imports,
+  dataset validation; :meth:`worker.loop.Worker.start_cpu_lane`).
+* Every poll, for every slot: :func:`app.store.queue.admit` claims the next admissible job (fits
+  beside the jobs running there, owner within quota, fair share; :mod:`app.store.admission`) and
+  a child ``python -m worker.child`` runs it with ``CUDA_VISIBLE_DEVICES`` pinned to that GPU.
+  The child holds the job's lease (heartbeat, cancel, fencing) under the owner the claim wrote;
+  its CUDA allocator is capped at the admitted memory, and the engine's ``vram_budget_gib`` too.
+* A child that runs out of memory fails its job alone with the estimate, the measured peak and
+  what to lower (worker/child.py), and exits: its memory is freed and the next job is admitted.
+  A child that dies without ending its job (killed by the kernel's OOM killer, a signal) has its
+  job reaped at once: requeued while attempts remain, with the cause.
+* SIGTERM/SIGINT: every child stops at its next check (training checkpoints), its job goes back
+  to the queue; then the lane stops and the rows are removed.
+* ``settings.simulated_gpus`` (tests only, e.g. ``2x24``) gives a CPU box simulated GPUs of that
+  size; without a GPU or a simulation the host has one CPU slot that runs one job at a time.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+
+from app.settings import Settings
+from app.store import queue, workers
+from app.store.admission import Slot
+from worker import faults, gpu
+from worker.loop import CPU_KINDS, HANDLERS, Worker, one_line
+
+log = logging.getLogger("worker.supervisor")
+
+#: Seconds added to the lease an admission writes, for the child process to start (imports on a
+#: loaded host) before its own first heartbeat.
+CHILD_START_SECONDS = 60.0
+#: Seconds a stopping child gets to checkpoint and hand its job back before it is killed.
+STOP_GRACE_SECONDS = 120.0
+
+
+def parse_simulated(spec: str) -> list[float]:
+    """``"2x24"`` -> ``[24.0, 24.0]``; ``"24,80"`` -> ``[24.0, 80.0]`` (GiB a GPU)."""
+    out: list[float] = []
+    for part in (p.strip() for p in spec.split(",") if p.strip()):
+        n, _, size = part.rpartition("x")
+        out += [float(size)] * (int(n) if n else 1)
+    return out
+
+
+def _nvml_gpus() -> list[tuple[int, str, float]] | None:
+    """``[(index, name, total GiB)]`` of the GPUs NVML sees (in PCI order, as
+    ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` numbers them), limited to ``CUDA_VISIBLE_DEVICES`` when it
+    lists indices; None without NVML."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # noqa: BLE001 - no NVML: no GPU, or no driver in this container
+        return None
+    try:
+        out = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            name = pynvml.nvmlDeviceGetName(h)
+            name = name.decode() if isinstance(name, bytes) else name
+            out.append((i, name, pynvml.nvmlDeviceGetMemoryInfo(h).total / 2**30))
+    finally:
+        pynvml.nvmlShutdown()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        wanted = [v.strip() for v in visible.split(",") if v.strip()]
+        if all(v.isdigit() for v in wanted):
+            out = [g for g in out if str(g[0]) in wanted]
+    return out
+
+
+def discover(settings: Settings, supervisor_id: str) -> list[tuple[Slot, str]]:
+    """This host's slots with their device labels: the simulated GPUs, the NVIDIA GPUs, or one
+    CPU slot (capacity None)."""
+    host, reserve = socket.gethostname(), settings.gpu_reserve_gib
+    if settings.simulated_gpus:
+        sizes = parse_simulated(settings.simulated_gpus)
+        return [(Slot(f"{supervisor_id}-gpu{i}", host, i, max(0.0, size - reserve), size),
+                 f"cuda:{i} simulated GPU ({size:g} GiB)") for i, size in enumerate(sizes)]
+    gpus = _nvml_gpus() if os.environ.get("CUDA_VISIBLE_DEVICES") != "" else []
+    if gpus is None and gpu.cuda_available():  # no NVML: ask torch (numbers as it sees them)
+        torch = gpu._torch()
+        gpus = [(i, torch.cuda.get_device_name(i),
+                 torch.cuda.get_device_properties(i).total_memory / 2**30)
+                for i in range(torch.cuda.device_count())]
+    if gpus:
+        return [(Slot(f"{supervisor_id}-gpu{i}", host, i, max(0.0, total - reserve),
+                      round(total, 2)), f"cuda:{i} {name}") for i, name, total in gpus]
+    return [(Slot(f"{supervisor_id}-main", host, None, None, None),
+             f"cpu slot ({os.cpu_count() or 1} cores, one job at a time)")]
+
+
+@dataclass
+class Child:
+    """One admitted job's process."""
+
+    job_id: int
+    owner: str
+    slot: Slot
+    proc: subprocess.Popen
+
+
+class Supervisor:
+    """Admits GPU jobs onto this host's slots and runs each in a child process."""
+
+    def __init__(self, settings: Settings, supervisor_id: str | None = None,
+                 kinds: list[str] | None = None, poll_interval: float = 1.0):
+        self.settings = settings
+        self.id = supervisor_id or socket.gethostname()
+        self.kinds = kinds or [k for k in sorted(HANDLERS) if k not in CPU_KINDS]
+        self.poll_interval = poll_interval
+        # the process's own worker row, reaper, migration and CPU lane (it claims nothing itself)
+        self.base = Worker(settings, self.id, list(CPU_KINDS), poll_interval)
+        self.shutdown = self.base.shutdown
+        self.engine = None
+        self.slots: list[Slot] = []
+        self.children: list[Child] = []
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        """Start as a worker, register the slots, reap what this id's previous process left."""
+        self.base.start()
+        self.engine = self.base.engine
+        for slot, label in discover(self.settings, self.id):
+            workers.register(self.engine, slot.id, slot.host, os.getpid(), label,
+                             slot.total_gib, slot.index, slot.capacity_gib)
+            for job_id, state in queue.reap(self.engine, restarted=slot.id,
+                                            restarted_prefix=f"{slot.id}:"):
+                log.warning("reaped job %s of a previous supervisor -> %s", job_id, state)
+            self.slots.append(slot)
+        log.info("supervisor %s: %s (admits %s)", self.id, ", ".join(
+            f"{s.id} {s.capacity_gib if s.capacity_gib is not None else 'cpu'}"
+            + (" GiB" if s.capacity_gib is not None else "") for s in self.slots),
+            ", ".join(self.kinds))
+
+    def start_cpu_lane(self) -> Worker:
+        """Start the CPU lane (see :meth:`worker.loop.Worker.start_cpu_lane`)."""
+        return self.base.start_cpu_lane()
+
+    def request_shutdown(self) -> None:
+        """Stop admitting; :meth:`serve` then stops the children and returns."""
+        self.shutdown.set()
+
+    # ---- children ------------------------------------------------------------------------
+    def spawn(self, slot: Slot, job) -> Child:
+        """Start ``python -m worker.child`` for an admitted job on ``slot``."""
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
+               "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+               "CUDA_VISIBLE_DEVICES": "" if self.settings.simulated_gpus or slot.index is None
+               else str(slot.index)}
+        cmd = [sys.executable, "-m", "worker.child", "--job", str(job.id),
+               "--lease-owner", job.lease_owner, "--handlers", json.dumps(HANDLERS)]
+        proc = subprocess.Popen(cmd, env=env)
+        child = Child(job.id, job.lease_owner, slot, proc)
+        with self._lock:
+            self.children.append(child)
+        log.info("job %s (%s) admitted on %s with %s GiB: pid %s", job.id, job.kind, slot.id,
+                 job.admitted_gib, proc.pid)
+        return child
+
+    def collect(self) -> int:
+        """Forget children that exited; a job its process left running (killed, crashed) is
+        reaped now with the cause. Returns how many exited."""
+        with self._lock:
+            done = [c for c in self.children if c.proc.poll() is not None]
+            self.children = [c for c in self.children if c not in done]
+        for c in done:
+            job = queue.get_job(self.engine, c.job_id)
+            if job.state == "running" and job.lease_owner == c.owner:
+                log.warning("job %s: its process exited with %s without ending it", c.job_id,
+                            c.proc.returncode)
+                queue.reap(self.engine, restarted=c.owner, gone={c.owner})
+        return len(done)
+
+    def admit_all(self) -> int:
+        """Admit onto every slot as many jobs as fit now; returns how many were admitted."""
+        n = 0
+        for slot in self.slots:
+            while not self.shutdown.is_set():
+                job = queue.admit(self.engine, slot,
+                                  self.settings.lease_seconds + CHILD_START_SECONDS, self.kinds,
+                                  self.settings.gpu_admit_margin, self.settings.fair_share_hours)
+                if job is None:
+                    break
+                self.spawn(slot, job)
+                n += 1
+        return n
+
+    def touch(self) -> None:
+        """Refresh the process's and the slots' worker rows (a slot names one of its jobs)."""
+        workers.touch(self.engine, self.id, None)
+        with self._lock:
+            on = {c.slot.id: c.job_id for c in self.children}
+        for slot in self.slots:
+            workers.touch(self.engine, slot.id, on.get(slot.id))
+
+    def serve(self, once: bool = False) -> int:
+        """Admit and supervise until shutdown, then stop the children. Returns 0. A database
+        or disk fault never ends the loop (logged, backed off); with less than
+        :data:`worker.faults.MIN_FREE_BYTES` free in the data dir nothing is admitted."""
+        backoff = faults.Backoff()
+        while not self.shutdown.is_set():
+            try:
+                self.collect()
+                free = faults.free_bytes(self.settings.data_dir)
+                if not 0 <= free < faults.MIN_FREE_BYTES:
+                    self.admit_all()
+                self.touch()
+                backoff.reset()
+                self.shutdown.wait(self.poll_interval)
+            except Exception as exc:  # noqa: BLE001 - back off, keep supervising
+                delay = backoff.delay()
+                log.error("cannot admit (%s); retrying in %.0f s",
+                          faults.describe(exc, self.settings.data_dir) or one_line(exc), delay)
+                self.shutdown.wait(delay)
+        self.stop_children()
+        return 0
+
+    def stop_children(self, grace: float = STOP_GRACE_SECONDS) -> None:
+        """SIGTERM every child (its job checkpoints and goes back to the queue), wait up to
+        ``grace`` seconds, kill what is left, reap what they left running."""
+        with self._lock:
+            children = list(self.children)
+        for c in children:
+            if c.proc.poll() is None:
+                c.proc.send_signal(signal.SIGTERM)
+        for c in children:
+            try:
+                c.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                c.proc.kill()
+                c.proc.wait(10)
+        try:
+            self.collect()
+        except Exception:  # noqa: BLE001 - the reaper of the next start will
+            log.exception("could not collect the stopped children")
+
+    def stop(self) -> None:
+        """Stop the lane and the reaper, remove this process's and its slots' rows."""
+        self.base.stop()
+        for slot in self.slots:
+            try:
+                workers.unregister(self.engine, slot.id)
+            except Exception:  # noqa: BLE001
+                log.exception("could not unregister slot %s", slot.id)
