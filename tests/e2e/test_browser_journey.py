@@ -78,8 +78,10 @@ def test_browser_journey(studio: Studio, tmp_path):
         page.click("#upload_form button[type=submit]")
         page.wait_for_url("**/datasets/file-*", timeout=60_000)
         dataset_id = page.url.rsplit("/", 1)[-1]
-        expect(page.locator("body")).to_contain_text("sharegpt")
-        expect(page.locator("body")).to_contain_text("95")
+        # validated in the background (the page follows "validating n / N rows", then reloads)
+        expect(page.locator("#report_form")).to_be_visible(timeout=120_000)
+        expect(page.locator("#report")).to_contain_text("sharegpt")
+        expect(page.locator("#report")).to_contain_text("95")
 
         # 2. Start a run; the loss chart grows while it trains.
         run_id = start_run(page, studio, dataset_id, max_steps=40, name="journey")
