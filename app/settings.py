@@ -47,6 +47,13 @@ class Settings(BaseSettings):
         session_hours: lifetime of a browser session and of an access token (hours).
         login_attempts_per_minute: sign-in attempts allowed per client address and user name
             per minute; more get 429.
+        login_attempts_per_address_per_minute: failed sign-in attempts allowed per client
+            address per minute across all user names (``/login``, ``/api/login/access-token``
+            and the current-password check of ``/account/password``); more get 429.
+        forwarded_allow_ips: proxies whose ``X-Forwarded-For``/``X-Forwarded-Proto`` headers are
+            trusted for the client address and scheme (``WHETSTONE_FORWARDED_ALLOW_IPS``:
+            comma-separated addresses or networks, ``*`` for any); empty = none, the client
+            address is the TCP peer's (a spoofed header cannot dodge the sign-in limit).
         secret_key: key that signs session cookies (``WHETSTONE_SECRET_KEY``); empty = generated
             once into ``<data_dir>/secret_key`` (mode 0600).
 
@@ -91,6 +98,8 @@ class Settings(BaseSettings):
     allowed_hosts: str = ""
     session_hours: float = Field(default=168.0, gt=0)
     login_attempts_per_minute: int = Field(default=10, gt=0)
+    login_attempts_per_address_per_minute: int = Field(default=30, gt=0)
+    forwarded_allow_ips: str = ""
     secret_key: str = ""
     # GPU admission
     gpu_reserve_gib: float = Field(default=2.0, ge=0)

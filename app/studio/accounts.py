@@ -1,4 +1,5 @@
-"""Accounts: users, passwords (argon2), API keys, sign-in tokens and the first-start setup.
+"""Accounts: users, passwords (argon2), API keys and sign-in tokens (the first start, setup link
+and ``WHETSTONE_ADMIN_PASSWORD``, is :mod:`app.studio.first_start`).
 
 HTTP-free: every refusal is a :class:`~app.studio.errors.StudioError`. Secrets (API keys,
 session/access tokens, the setup token) are 32 random bytes, shown once and stored only as
@@ -17,7 +18,7 @@ from sqlalchemy.engine import Engine
 from sqlmodel import select
 
 from app.store.db import session_scope
-from app.store.schema import ApiKey, AuthToken, Dataset, Job, Model, Run, User, now
+from app.store.schema import ApiKey, AuthToken, User, now
 from app.studio import audit
 from app.studio.access import can_see, require_admin
 from app.studio.errors import StudioError, invalid, not_found
@@ -26,8 +27,6 @@ ROLES = ("admin", "member")
 TOKEN_KINDS = ("session", "access")
 KEY_PREFIX = "wk-"
 MIN_PASSWORD = 8
-SETUP_HOURS = 24 * 7
-_SETUP = "setup"  # AuthToken.kind of the one-time setup token (user_id empty)
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,63}$")
 _BAD_LOGIN = "wrong user name or password"
 _SEEN_EVERY = 60.0  # seconds between last_seen_at updates
@@ -142,14 +141,21 @@ def _update_user(engine: Engine, user_id: str, **fields) -> User:
         return user
 
 
-def _end_all_tokens(engine: Engine, user_id: str) -> None:
+def _end_all_tokens(engine: Engine, user_id: str, keep: str | None = None) -> int:
+    """Delete ``user_id``'s sessions and access tokens but the one whose plaintext is ``keep``;
+    returns how many ended."""
+    q = delete(AuthToken).where(AuthToken.user_id == user_id)
+    if keep:
+        q = q.where(AuthToken.token_hash != _sha(keep))
     with session_scope(engine, immediate=True) as s:
-        s.exec(delete(AuthToken).where(AuthToken.user_id == user_id))
+        return s.exec(q).rowcount
 
 
-def set_password(engine: Engine, actor: User, user_id: str, password: str) -> User:
-    """Set ``user_id``'s password: the user themself or an admin. An admin's reset of someone
-    else's password also signs that user out everywhere.
+def set_password(engine: Engine, actor: User, user_id: str, password: str, *,
+                 keep_token: str | None = None) -> User:
+    """Set ``user_id``'s password: the user themself or an admin. Every session and access token
+    of that user ends, except ``keep_token`` (the caller's own sign-in, when they change their
+    own password); API keys are separate credentials and stay valid.
 
     Raises:
         StudioError: not_found (no such user, or another's account for a member), invalid
@@ -159,9 +165,9 @@ def set_password(engine: Engine, actor: User, user_id: str, password: str) -> Us
         raise not_found("user", user_id)
     _check_password(password)
     user = _update_user(engine, user_id, password_hash=_hasher.hash(password))
-    if actor.id != user_id:
-        _end_all_tokens(engine, user_id)
-    audit.record(engine, actor.id, "user.password_changed", "user", user_id)
+    ended = _end_all_tokens(engine, user_id, keep_token if actor.id == user_id else None)
+    audit.record(engine, actor.id, "user.password_changed", "user", user_id,
+                 sign_ins_ended=ended)
     return user
 
 
@@ -206,91 +212,6 @@ def set_custom_rewards(engine: Engine, actor: User, user_id: str, allowed: bool)
 
     Raises: StudioError forbidden, not_found."""
     return _admin_change(engine, actor, user_id, can_run_custom_rewards=bool(allowed))
-
-
-def ensure_admin(engine: Engine, name: str, password: str) -> User:
-    """Create admin ``name`` with ``password``, or reset that user's password, make it an
-    enabled admin (used for ``WHETSTONE_ADMIN_PASSWORD``). Claims unowned objects when it is
-    the first user. Raises StudioError invalid for a bad name or password."""
-    name = _check_name(name)
-    with session_scope(engine) as s:
-        user = s.exec(select(User).where(User.name == name)).first()
-    if user is None:
-        first = not has_users(engine)
-        user = create_user(engine, name, password, "admin")
-        if first:
-            claim_unowned(engine, user.id)
-        return user
-    if user.role == "admin" and not user.disabled:
-        try:
-            _hasher.verify(user.password_hash, password)
-            return user  # unchanged: leave sessions alone
-        except (VerificationError, InvalidHashError):
-            pass
-    _check_password(password)
-    user = _update_user(engine, user.id, password_hash=_hasher.hash(password), role="admin",
-                        disabled=False)
-    audit.record(engine, None, "user.changed", "user", user.id, reset_by="WHETSTONE_ADMIN_PASSWORD")
-    return user
-
-
-def claim_unowned(engine: Engine, admin_id: str) -> dict[str, int]:
-    """Give every dataset, run, job and non-shared model whose owner is NULL to ``admin_id``
-    (an existing single-user data dir keeps all its work). Returns rows changed per table."""
-    counts = {}
-    with session_scope(engine, immediate=True) as s:
-        for table in (Dataset, Run, Job):
-            res = s.exec(update(table).where(table.owner.is_(None)).values(owner=admin_id))
-            counts[table.__tablename__] = res.rowcount
-        res = s.exec(update(Model).where(Model.owner.is_(None), Model.shared == False)  # noqa: E712
-                     .values(owner=admin_id))
-        counts["models"] = res.rowcount
-    audit.record(engine, admin_id, "objects.claimed", "user", admin_id, **counts)
-    return counts
-
-
-# ---- first start ---------------------------------------------------------------------------
-def setup_token(engine: Engine) -> str:
-    """A new one-time token for ``/setup`` (valid a week; any older one stops working).
-
-    Raises StudioError conflict when users already exist."""
-    if has_users(engine):
-        raise StudioError("conflict", "the studio is already set up")
-    token = secrets.token_urlsafe(32)
-    with session_scope(engine, immediate=True) as s:
-        s.exec(delete(AuthToken).where(AuthToken.kind == _SETUP))
-        s.add(AuthToken(token_hash=_sha(token), user_id="", kind=_SETUP,
-                        expires_at=now() + SETUP_HOURS * 3600))
-    return token
-
-
-def setup_token_valid(engine: Engine, token: str) -> bool:
-    """Whether ``token`` is the current, unexpired setup token and no user exists yet."""
-    with session_scope(engine) as s:
-        row = s.exec(select(AuthToken).where(AuthToken.token_hash == _sha(token or ""),
-                                             AuthToken.kind == _SETUP)).first()
-    return row is not None and row.expires_at > now() and not has_users(engine)
-
-
-def complete_setup(engine: Engine, token: str, name: str, password: str) -> User:
-    """Create the first admin with the one-time ``token`` and give it every unowned object.
-
-    Raises:
-        StudioError: not_found (users exist already, or the token is wrong or used),
-            invalid (field ``name`` or ``password``).
-    """
-    _check_name(name)
-    _check_password(password)
-    if not setup_token_valid(engine, token):
-        raise StudioError("not_found", "this setup link is not valid (already used or expired)")
-    with session_scope(engine, immediate=True) as s:  # the token is spent exactly once
-        spent = s.exec(delete(AuthToken).where(AuthToken.token_hash == _sha(token),
-                                               AuthToken.kind == _SETUP)).rowcount
-    if spent != 1 or has_users(engine):
-        raise StudioError("not_found", "this setup link is not valid (already used or expired)")
-    user = create_user(engine, name, password, "admin")
-    claim_unowned(engine, user.id)
-    return user
 
 
 # ---- API keys ------------------------------------------------------------------------------

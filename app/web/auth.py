@@ -10,13 +10,21 @@ SSE and streaming responses, and never reads a multipart upload's body) that, pe
    ``/v1``, ``*/events``), an ``HX-Redirect`` 401 (htmx) or a 303 to ``/login?next=...`` (pages);
 4. checks CSRF on cookie-signed unsafe methods: the session's token in ``X-CSRF-Token``, the
    ``csrf_token`` form field (urlencoded bodies) or query parameter (multipart bodies), and an
-   ``Origin``/``Referer`` equal to the request's own ``scheme://host``. Bearer calls are exempt.
+   ``Origin``/``Referer`` equal to the request's own ``scheme://host``. Bearer calls are exempt;
+5. adds ``X-Frame-Options: DENY`` and ``Content-Security-Policy: frame-ancestors 'none'`` to
+   every response (no framing: against clickjacking), and ``Cache-Control: no-store`` to every
+   non-static response of a signed-in caller and to the sign-in, setup and account pages (Back
+   after signing out never shows a signed-in page or a new API key from the browser's cache).
+
+A Bearer value that is sent but matches no live API key or access token gets a 401 saying so
+("invalid or revoked ..."), in the surface's error shape, not the "sign in first" answer.
 """
 from __future__ import annotations
 
 import logging
 import os
 import secrets
+import threading
 import time
 from collections import defaultdict, deque
 from contextlib import asynccontextmanager
@@ -28,11 +36,12 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import PlainTextResponse, RedirectResponse, Response
 from itsdangerous import BadSignature, URLSafeTimedSerializer
 from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.settings import Settings
 from app.store.schema import User
-from app.studio import accounts
+from app.studio import accounts, first_start
 from app.studio.errors import StudioError
 from app.web.errors import error_response
 
@@ -43,6 +52,9 @@ PUBLIC = ("/login", "/logout", "/setup", "/healthz", "/api/login/access-token", 
           "/api/openapi.json")
 LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
 UNSAFE = ("POST", "PUT", "PATCH", "DELETE")
+NO_STORE = ("/login", "/setup", "/account")  # never cached, signed in or not
+SECURITY_HEADERS = {"X-Frame-Options": "DENY", "Content-Security-Policy": "frame-ancestors 'none'"}
+INVALID_BEARER = "invalid or revoked API key or access token"
 
 
 def is_public(path: str) -> bool:
@@ -91,26 +103,43 @@ def secret_key(settings: Settings) -> str:
 
 
 class LoginLimiter:
-    """In-memory sign-in attempt counter per (client address, user name) over a sliding minute."""
+    """In-memory sign-in attempt counters over a sliding minute: per (client address, user name)
+    (``per_minute``) and per client address across all names (``per_address``; a successful
+    sign-in takes its attempt back, so only failures add up there)."""
 
-    def __init__(self, per_minute: int):
+    def __init__(self, per_minute: int, per_address: int | None = None):
         self.per_minute = per_minute
-        self._hits: dict[tuple[str, str], deque[float]] = defaultdict(deque)
+        self.per_address = per_address or per_minute * 3
+        self._hits: dict[tuple[str, str | None], deque[float]] = defaultdict(deque)
+        self._lock = threading.Lock()
+
+    def _wait(self, key: tuple[str, str | None], limit: int, t: float) -> float:
+        q = self._hits[key]
+        while q and q[0] <= t - 60:
+            q.popleft()
+        return max(1.0, 60 - (t - q[0])) if len(q) >= limit else 0.0
 
     def hit(self, ip: str, name: str) -> float:
         """Count an attempt; returns 0 when allowed, else the seconds to wait (Retry-After)."""
         t = time.monotonic()
-        q = self._hits[(ip, name.strip().lower())]
-        while q and q[0] <= t - 60:
-            q.popleft()
-        if len(q) >= self.per_minute:
-            return max(1.0, 60 - (t - q[0]))
-        q.append(t)
+        pair = (ip, (name or "").strip().lower())
+        with self._lock:
+            wait = max(self._wait(pair, self.per_minute, t),
+                       self._wait((ip, None), self.per_address, t))
+            if wait:
+                return wait
+            self._hits[pair].append(t)
+            self._hits[(ip, None)].append(t)
         return 0.0
 
     def clear(self, ip: str, name: str) -> None:
-        """Forget the attempts of (ip, name) after a successful sign-in."""
-        self._hits.pop((ip, name.strip().lower()), None)
+        """After a successful sign-in: forget the attempts of (ip, name), and take this attempt
+        back from the address's count."""
+        with self._lock:
+            self._hits.pop((ip, (name or "").strip().lower()), None)
+            q = self._hits.get((ip, None))
+            if q:
+                q.pop()
 
 
 def _serializer(app) -> URLSafeTimedSerializer:
@@ -141,6 +170,17 @@ def session_token(request: Request) -> str | None:
         return _serializer(request.app).loads(raw, max_age=int(hours * 3600))
     except BadSignature:
         return None
+
+
+def current_token(request: Request) -> str | None:
+    """The sign-in token the request came with: its session cookie's, else a Bearer access token
+    (None for an API key or no sign-in)."""
+    token = session_token(request)
+    if token:
+        return token
+    auth = request.headers.get("authorization", "")
+    cred = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+    return cred if cred and not cred.startswith(accounts.KEY_PREFIX) else None
 
 
 def current_user(request: Request) -> User:
@@ -182,6 +222,20 @@ class AuthMiddleware:
             await self.app(scope, receive, send)
             return
         request = Request(scope)
+        path = scope["path"]
+        no_store = path in NO_STORE or path.startswith("/account/")
+        inner_send = send
+
+        async def send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = MutableHeaders(scope=message)
+                for name, value in SECURITY_HEADERS.items():
+                    if name not in headers:
+                        headers[name] = value
+                if no_store:
+                    headers["Cache-Control"] = "no-store"
+            await inner_send(message)
+
         host = _host_name(request.headers.get("host", ""))
         if self.hosts is not None and host not in self.hosts:
             refusal = PlainTextResponse(f"Host {host!r} is not served here; add it to "
@@ -192,7 +246,11 @@ class AuthMiddleware:
         user, row, method = await run_in_threadpool(self._resolve, request)
         state.update(user=user, auth_method=method, csrf_token=row.csrf_token if row and
                      row.kind == "session" and method == "cookie" else None)
-        path = scope["path"]
+        no_store = no_store or (user is not None and not path.startswith("/static/"))
+        if user is None and method == "bearer" and not is_public(path):
+            await error_response(request, 401, INVALID_BEARER,
+                                 code="invalid_api_key")(scope, receive, send)
+            return
         if user is None and not is_public(path):
             await self._anonymous(request)(scope, receive, send)
             return
@@ -282,7 +340,7 @@ def _startup(app: FastAPI) -> None:
     settings: Settings = app.state.settings
     engine = app.state.engine
     if settings.admin_password:
-        user = accounts.ensure_admin(engine, settings.admin_user, settings.admin_password)
+        user = first_start.ensure_admin(engine, settings.admin_user, settings.admin_password)
         log.info("admin %r is ready (WHETSTONE_ADMIN_PASSWORD)", user.name)
         return
     if accounts.has_users(engine):
@@ -295,7 +353,7 @@ def _startup(app: FastAPI) -> None:
         print(msg, flush=True)
         raise RuntimeError(msg)
     host = f"[{settings.host}]" if ":" in settings.host else settings.host
-    link = f"http://{host}:{settings.port}/setup?token={accounts.setup_token(engine)}"
+    link = f"http://{host}:{settings.port}/setup?token={first_start.setup_token(engine)}"
     log.warning("no users yet: open %s to create the admin account (one-time link)", link)
     print(f"\n  Whetstone: create the admin account at {link}\n", flush=True)
 
@@ -311,7 +369,8 @@ def install(app: FastAPI) -> None:
     """
     settings: Settings = app.state.settings
     app.state.auth_serializer = URLSafeTimedSerializer(secret_key(settings), salt="session")
-    app.state.login_limiter = LoginLimiter(settings.login_attempts_per_minute)
+    app.state.login_limiter = LoginLimiter(settings.login_attempts_per_minute,
+                                           settings.login_attempts_per_address_per_minute)
     app.add_middleware(AuthMiddleware, settings=settings, engine=app.state.engine)
 
     inner = app.router.lifespan_context

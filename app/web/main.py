@@ -106,14 +106,26 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     return app
 
 
+def server_config(app, settings: Settings, **overrides):
+    """The ``uvicorn.Config`` that serves ``app``: ``settings.host:settings.port``; forwarded
+    headers (``X-Forwarded-For``/``-Proto``) are trusted only from the proxies named by
+    ``settings.forwarded_allow_ips`` (empty: from none, the client is the TCP peer).
+    ``overrides`` go to ``uvicorn.Config`` as they are (e.g. ``port=0`` in tests)."""
+    import uvicorn
+
+    proxies = settings.forwarded_allow_ips.strip()
+    kwargs = dict(host=settings.host, port=settings.port, log_level="info",
+                  proxy_headers=bool(proxies), forwarded_allow_ips=proxies or None)
+    return uvicorn.Config(app, **{**kwargs, **overrides})
+
+
 def run() -> None:
     """Console script ``whetstone-web``: serve on ``settings.host:settings.port`` with uvicorn."""
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = get_settings()
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
-                proxy_headers=True, log_level="info")
+    uvicorn.Server(server_config(create_app(settings), settings)).run()
 
 
 if __name__ == "__main__":

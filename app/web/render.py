@@ -75,7 +75,7 @@ def render_block(name: str, block: str, context: dict[str, Any]) -> str:
 def render(request: Request, name: str, context: dict[str, Any] | None = None, *,
            block: str | None = None, status_code: int = 200,
            headers: dict[str, str] | None = None) -> HTMLResponse:
-    """The whole page, or (htmx request) one named block of it.
+    """The whole page, or (htmx request) one named block of it; always ``Vary: HX-Request``.
 
     Args:
         name: template file under ``templates/``.
@@ -83,6 +83,8 @@ def render(request: Request, name: str, context: dict[str, Any] | None = None, *
             has a block of that name. Without either, htmx requests get the whole page.
     """
     ctx = {"request": request, "path": request.url.path, **(context or {})}
+    # a fragment and its page share a URL: caches (the browser's Back included) must tell them apart
+    headers = {**(headers or {}), "Vary": "HX-Request"}
     if is_htmx(request):
         tmpl = env.get_template(name)
         target = request.headers.get("hx-target", "")

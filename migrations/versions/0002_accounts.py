@@ -5,7 +5,7 @@ Revises: 0001
 Create Date: 2026-12-01 10:00:00
 
 The demo model row (``stories260K``) is marked shared. Rows whose ``owner`` is NULL keep it
-until the first admin is created (``app.studio.accounts.claim_unowned`` gives them to that admin).
+until the first admin is created (``app.studio.first_start.claim_unowned`` gives them to that admin).
 """
 from alembic import op
 import sqlalchemy as sa

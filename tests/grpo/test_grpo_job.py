@@ -46,9 +46,9 @@ def studio(tmp_path_factory):
                                             format="prompt"))
     gsm = repo.add_dataset(w.engine, Dataset(
         filename="gsm8k.jsonl", path=str(SHARED_DATA / "grpo" / "gsm8k" / "test.jsonl")))
-    from app.studio import accounts
+    from app.studio import accounts, first_start
 
-    admin = accounts.ensure_admin(w.engine, "admin", "admin-password-1")
+    admin = first_start.ensure_admin(w.engine, "admin", "admin-password-1")
     alice = accounts.create_user(w.engine, "alice", "alice-password-1", actor=admin)
     accounts.set_custom_rewards(w.engine, admin, alice.id, True)
     mallory = accounts.create_user(w.engine, "mallory", "mallory-password-1", actor=admin)

@@ -10,7 +10,7 @@ from sqlalchemy import inspect, text
 
 from app.store.db import get_engine, reset_engines, session_scope
 from app.store.migrate import alembic_config
-from app.studio import accounts
+from app.studio import accounts, first_start
 from tests.store.pgdb import throwaway_database
 
 ROWS_0001 = [
@@ -59,7 +59,7 @@ def test_0002_keeps_everything_and_the_first_admin_claims_it(old_db):
     assert shared == {"stories260K": True, "my-qwen": False}
     assert set(_owners(engine, "datasets").values()) == {None}
 
-    admin = accounts.complete_setup(engine, accounts.setup_token(engine), "root", "root-password")
+    admin = first_start.complete_setup(engine, first_start.setup_token(engine), "root", "root-password")
     assert admin.role == "admin" and admin.id.startswith("user-")
     assert _owners(engine, "datasets") == {"file-a": admin.id, "file-b": admin.id}
     assert _owners(engine, "runs") == {"ftjob-1": admin.id}
@@ -68,7 +68,7 @@ def test_0002_keeps_everything_and_the_first_admin_claims_it(old_db):
 
     member = accounts.create_user(engine, "alice", "alice-password", actor=admin)
     assert accounts.can_see(admin, member.id) and not accounts.can_see(member, admin.id)
-    assert accounts.claim_unowned(engine, member.id) == {"datasets": 0, "runs": 0, "jobs": 0,
+    assert first_start.claim_unowned(engine, member.id) == {"datasets": 0, "runs": 0, "jobs": 0,
                                                          "models": 0}
     assert _owners(engine, "runs") == {"ftjob-1": admin.id}
 
@@ -76,9 +76,9 @@ def test_0002_keeps_everything_and_the_first_admin_claims_it(old_db):
 def test_admin_password_on_an_old_data_dir_claims_too(old_db):
     url, engine = old_db
     command.upgrade(alembic_config(url), "head")
-    admin = accounts.ensure_admin(engine, "admin", "docker-password")
+    admin = first_start.ensure_admin(engine, "admin", "docker-password")
     assert _owners(engine, "datasets") == {"file-a": admin.id, "file-b": admin.id}
-    again = accounts.ensure_admin(engine, "admin", "new-docker-password")  # reset, same user
+    again = first_start.ensure_admin(engine, "admin", "new-docker-password")  # reset, same user
     assert again.id == admin.id
     assert accounts.authenticate(engine, "admin", "new-docker-password").id == admin.id
 

@@ -53,6 +53,27 @@ def app(settings):
 
 
 @pytest.fixture
+def make_client(tmp_path):
+    """``make_client(**settings)`` -> a started TestClient of a new app on ``http://localhost``
+    (data dir ``tmp_path/data`` unless given); all are stopped after the test."""
+    from app.web.main import create_app
+
+    opened = []
+
+    def make(**kw) -> TestClient:
+        kw.setdefault("data_dir", tmp_path / "data")
+        c = TestClient(create_app(Settings(**kw)), base_url="http://localhost")
+        c.__enter__()
+        opened.append(c)
+        return c
+
+    yield make
+    for c in opened:
+        c.__exit__(None, None, None)
+    reset_engines()
+
+
+@pytest.fixture
 def client(app):
     with signed_in(app) as c:
         yield c

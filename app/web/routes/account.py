@@ -1,8 +1,14 @@
 """Sign-in, first-start setup, the account page (API keys, password), the admin page, and their
-JSON twins under ``/api`` (OAuth2 password flow for access tokens, users, keys, ``/api/me``)."""
+JSON twins under ``/api`` (OAuth2 password flow for access tokens, users, keys, ``/api/me``).
+
+The account and admin forms are POST-redirect-GET: a success answers 303 to the page, which
+shows the result once (:mod:`app.web.flash`; a new API key's plaintext included); a GET of a
+form's URL goes to its page. A refused form is shown again at once with its error."""
 from __future__ import annotations
 
+import json
 from typing import Annotated, Literal
+from urllib.parse import urlencode
 
 from fastapi import APIRouter, Depends, Form, Request
 from fastapi.responses import RedirectResponse, Response
@@ -11,9 +17,9 @@ from pydantic import BaseModel
 from sqlalchemy.engine import Engine
 
 from app.store.schema import ApiKey, User
-from app.studio import accounts, audit
+from app.studio import accounts, audit, first_start
 from app.studio.errors import StudioError
-from app.web import auth
+from app.web import auth, flash
 from app.web.auth import AdminUser, CurrentUser
 from app.web.errors import error_response
 from app.web.render import render
@@ -42,6 +48,10 @@ def _safe_next(nxt: str | None) -> str:
 def _throttle(request: Request, name: str) -> float:
     ip = request.client.host if request.client else "?"
     return request.app.state.login_limiter.hit(ip, name)
+
+
+def _too_many(wait: float) -> dict[str, str]:
+    return {"Retry-After": str(int(wait))}
 
 
 def _unthrottle(request: Request, name: str) -> None:
@@ -73,8 +83,7 @@ def login_submit(request: Request, username: Annotated[str, Form()] = "",
     wait = _throttle(request, username)
     if wait:
         return render(request, "login.html", {**ctx, "error": "Too many sign-in attempts; try "
-                      f"again in {int(wait)} s."}, status_code=429,
-                      headers={"Retry-After": str(int(wait))})
+                      f"again in {int(wait)} s."}, status_code=429, headers=_too_many(wait))
     try:
         user = accounts.authenticate(_engine(request), username, password)
     except StudioError as exc:
@@ -96,7 +105,7 @@ def logout(request: Request):
 
 @router.get("/setup")
 def setup_page(request: Request, token: str = ""):
-    if not accounts.setup_token_valid(_engine(request), token):
+    if not first_start.setup_token_valid(_engine(request), token):
         return error_response(request, 404, "This setup link is not valid: the studio is already "
                               "set up, or the link was used or has expired.")
     return render(request, "setup.html", {"token": token})
@@ -111,7 +120,7 @@ def setup_submit(request: Request, token: Annotated[str, Form()] = "",
         return render(request, "setup.html", {**ctx, "errors": {"password2": "the passwords "
                       "differ"}}, status_code=422)
     try:
-        user = accounts.complete_setup(_engine(request), token, name, password)
+        user = first_start.complete_setup(_engine(request), token, name, password)
     except StudioError as exc:
         if exc.kind == "not_found":
             return error_response(request, 404, exc.message)
@@ -121,15 +130,35 @@ def setup_submit(request: Request, token: Annotated[str, Form()] = "",
 
 
 # ---- account page --------------------------------------------------------------------------
-def _account(request: Request, user: User, status: int = 200, **extra) -> Response:
+def _account(request: Request, user: User, status: int = 200,
+             headers: dict[str, str] | None = None, **extra) -> Response:
     keys = accounts.list_api_keys(_engine(request), user)
     return render(request, "account.html", {"user": user, "keys": keys, **extra},
-                  status_code=status)
+                  status_code=status, headers=headers)
+
+
+def _to(page: str, request: Request, **message) -> RedirectResponse:
+    """303 to ``page``, which shows ``message`` once."""
+    if message:
+        flash.push(request, **message)
+    return RedirectResponse(page, status_code=303)
 
 
 @router.get("/account")
 def account_page(request: Request, user: CurrentUser):
-    return _account(request, user)
+    return _account(request, user, **flash.pop(request))
+
+
+@router.get("/account/keys", include_in_schema=False)
+def account_keys_get(user: CurrentUser):
+    """The key form's URL opened directly (reload, address bar): the account page."""
+    return RedirectResponse("/account", status_code=303)
+
+
+@router.get("/account/password", include_in_schema=False)
+def account_password_get(user: CurrentUser):
+    """The password form's URL opened directly: the account page."""
+    return RedirectResponse("/account", status_code=303)
 
 
 @router.post("/account/keys")
@@ -138,42 +167,105 @@ def account_key_create(request: Request, user: CurrentUser, name: Annotated[str,
         key, plain = accounts.create_api_key(_engine(request), user, name)
     except StudioError as exc:
         return _account(request, user, status_for(exc), key_error=exc.message)
-    return _account(request, user, 201, new_key=plain, new_key_name=key.name)
+    return _to("/account", request, new_key=plain, new_key_name=key.name)
 
 
 @router.post("/account/keys/{key_id}/revoke")
 def account_key_revoke(request: Request, user: CurrentUser, key_id: str):
-    accounts.revoke_api_key(_engine(request), user, key_id)
-    return RedirectResponse("/account", status_code=303)
+    key = accounts.revoke_api_key(_engine(request), user, key_id)
+    return _to("/account", request, key_notice=f"Revoked the key {key.name}.")
 
 
 @router.post("/account/password")
 def account_password(request: Request, user: CurrentUser,
                      current: Annotated[str, Form()] = "", password: Annotated[str, Form()] = ""):
+    """Change one's own password (the current one is checked, rate-limited like a sign-in);
+    every other session and access token of the user ends, API keys stay."""
+    wait = _throttle(request, user.name)
+    if wait:
+        return _account(request, user, 429, _too_many(wait), password_error="too many attempts; "
+                        f"try again in {int(wait)} s")
     try:
         accounts.authenticate(_engine(request), user.name, current)
     except StudioError:
         return _account(request, user, 422, password_error="the current password is wrong")
+    _unthrottle(request, user.name)
     try:
-        accounts.set_password(_engine(request), user, user.id, password)
+        accounts.set_password(_engine(request), user, user.id, password,
+                              keep_token=auth.current_token(request))
     except StudioError as exc:
         return _account(request, user, status_for(exc), password_error=exc.message)
-    return _account(request, user, password_ok=True)
+    return _to("/account", request, password_ok=True)
 
 
 # ---- admin page ----------------------------------------------------------------------------
+AUDIT_PAGE = 50
+
+
+def _int(value: str | None) -> int | None:
+    return int(value) if value and value.isdigit() else None
+
+
+def _detail(detail: dict | None, names: dict[str, str]) -> list[tuple[str, str]]:
+    """An event's detail as (key, text) pairs, user ids shown as user names."""
+    out = []
+    for k, v in (detail or {}).items():
+        text = names.get(v, v) if isinstance(v, str) else json.dumps(v, separators=(",", ":"))
+        out.append((k, text))
+    return out
+
+
+def _audit_view(request: Request, names: dict[str, str]) -> dict:
+    """The audit card: events of the page the query asks for (filters ``user``, ``action``
+    prefix; cursors ``before``/``after``), newest first, with names and page links."""
+    q = request.query_params
+    filters = {"user": q.get("user") or "", "action": (q.get("action") or "").strip()}
+    page = audit.page(_engine(request), user=filters["user"] or None,
+                      action_prefix=filters["action"] or None, before=_int(q.get("before")),
+                      after=_int(q.get("after")), size=AUDIT_PAGE)
+    kept = {k: v for k, v in filters.items() if v}
+
+    def link(**cursor) -> str:
+        return "/admin?" + urlencode({**kept, **cursor}) + "#audit"
+
+    rows = [{"ts": e.ts, "who": names.get(e.user_id, e.user_id) if e.user_id else "—",
+             "action": e.action,
+             "object": (names.get(e.object_id, e.object_id) if e.object_type == "user"
+                        else e.object_id) if e.object_id else "",
+             "object_type": e.object_type or "", "detail": _detail(e.detail, names)}
+            for e in page.events]
+    return {"events": rows, "filters": filters, "anonymous": audit.ANONYMOUS,
+            "older_url": link(before=page.older) if page.older else None,
+            "newer_url": link(after=page.newer) if page.newer else None,
+            "newest_url": link() if page.newer else None}
+
+
 def _admin(request: Request, actor: User, status: int = 200, **extra) -> Response:
     engine = _engine(request)
     users = accounts.list_users(engine, actor)
     names = {u.id: u.name for u in users}
     return render(request, "admin.html", {"user": actor, "users": users, "names": names,
-                                          "events": audit.recent(engine, 200), **extra},
+                                          **_audit_view(request, names), **extra},
                   status_code=status)
 
 
 @router.get("/admin")
 def admin_page(request: Request, actor: AdminUser):
-    return _admin(request, actor)
+    """Users, the add-user form and the audit log (filtered by user and action prefix, paged
+    newest first)."""
+    return _admin(request, actor, **flash.pop(request))
+
+
+@router.get("/admin/users", include_in_schema=False)
+def admin_users_get(actor: AdminUser):
+    """The add-user form's URL opened directly: the admin page."""
+    return RedirectResponse("/admin", status_code=303)
+
+
+@router.get("/admin/users/{user_id}", include_in_schema=False)
+def admin_user_get(actor: AdminUser, user_id: str):
+    """A user-change form's URL opened directly: the admin page."""
+    return RedirectResponse("/admin", status_code=303)
 
 
 @router.post("/admin/users")
@@ -185,7 +277,7 @@ def admin_user_create(request: Request, actor: AdminUser, name: Annotated[str, F
     except StudioError as exc:
         return _admin(request, actor, status_for(exc), form={"name": name, "role": role},
                       errors={exc.field or "form": exc.message})
-    return _admin(request, actor, 201, notice=f"Created {created.name}.")
+    return _to("/admin", request, notice=f"Created {created.name}.")
 
 
 @router.post("/admin/users/{user_id}")
@@ -209,7 +301,7 @@ def admin_user_change(request: Request, actor: AdminUser, user_id: str,
         if exc.kind == "not_found":
             raise
         return _admin(request, actor, status_for(exc), change_error=exc.message)
-    return _admin(request, actor, notice=f"Updated {target.name}.")
+    return _to("/admin", request, notice=f"Updated {target.name}.")
 
 
 # ---- JSON ----------------------------------------------------------------------------------
@@ -273,7 +365,7 @@ def api_access_token(request: Request, form: Annotated[OAuth2PasswordRequestForm
     if wait:
         resp = error_response(request, 429, "too many sign-in attempts; try again later",
                               code="too_many")
-        resp.headers["Retry-After"] = str(int(wait))
+        resp.headers.update(_too_many(wait))
         return resp
     user = accounts.authenticate(_engine(request), form.username, form.password)
     _unthrottle(request, form.username)
