@@ -7,6 +7,8 @@
   const FINAL = ["succeeded", "failed", "cancelled"];
   let chart = null;
   const points = [];
+  const evalPoints = [];  // eval loss every eval_steps (metric events with eval_loss)
+  let bestStep = null;    // the best evaluation's step, once training ended
 
   function fmt(x, digits) {
     if (x === undefined || x === null || Number.isNaN(x)) return "—";
@@ -28,7 +30,12 @@
       // points are drawn while there are few (a run at step 1 shows its one point)
       data: { datasets: [{ label: "training loss", data: points, borderColor: "#2f6fdf",
         backgroundColor: "rgba(47,111,223,0.1)", borderWidth: 2, tension: 0.2,
-        pointRadius: (c) => (c.dataset.data.length <= 40 ? 3 : 0) }] },
+        pointRadius: (c) => (c.dataset.data.length <= 40 ? 3 : 0) },
+        { label: "eval loss", data: evalPoints, borderColor: "#d9822b", backgroundColor: "#d9822b",
+          borderWidth: 2, tension: 0.2,
+          // the best evaluation (the checkpoint load_best_model_at_end keeps) is the big point
+          pointRadius: (c) => (c.raw && c.raw.x === bestStep ? 7 : 3),
+          pointStyle: (c) => (c.raw && c.raw.x === bestStep ? "star" : "circle") }] },
       options: { animation: false, maintainAspectRatio: false, parsing: false,
         scales: { x: { type: "linear", title: { display: true, text: "step" } },
                   y: { title: { display: true, text: "loss" }, ticks: { callback: window.whetstoneTick } } },
@@ -40,7 +47,13 @@
   function redraw() {
     if (pending) return;
     pending = true;
-    requestAnimationFrame(() => { pending = false; const c = ensureChart(); if (c) c.update("none"); });
+    requestAnimationFrame(() => {
+      pending = false;
+      const c = ensureChart();
+      if (!c) return;
+      c.options.plugins.legend.display = evalPoints.length > 0;  // two lines: say which is which
+      c.update("none");
+    });
   }
   function setState(state) {
     const el = $("m-state");
@@ -79,6 +92,8 @@
     if (d.memory_gib !== undefined) $("m-mem").textContent = `${fmt(d.memory_gib)} GiB ${d.memory_kind || ""}`;
     if (d.total_steps) $("m-progress").style.width = Math.min(100, (100 * d.step) / d.total_steps) + "%";
     if (d.loss !== undefined && d.loss !== null) { points.push({ x: d.step, y: d.loss }); redraw(); }
+    if (d.eval_loss !== undefined && d.eval_loss !== null) { evalPoints.push({ x: d.step, y: d.eval_loss }); redraw(); }
+    if (d.best_step !== undefined && d.best_step !== null) { bestStep = d.best_step; redraw(); }
   });
   es.addEventListener("state", (e) => {
     const d = JSON.parse(e.data);
@@ -104,6 +119,7 @@
       const runId = root.dataset.runId;
       window.htmx.ajax("GET", `/runs/${runId}`, { target: "#artifacts", swap: "outerHTML" });
       window.htmx.ajax("GET", `/runs/${runId}`, { target: "#controls", swap: "outerHTML" });
+      if ($("evaluation")) window.htmx.ajax("GET", `/runs/${runId}`, { target: "#evaluation", swap: "outerHTML" });
       // the Exports card follows the run's state (the form appears once training succeeded)
       window.htmx.ajax("GET", `/runs/${runId}/exports`, { target: "#exports", swap: "outerHTML" });
     }

@@ -51,6 +51,14 @@ def since(engine: Engine, job_id: int, after_id: int = 0, limit: int = 1000,
         return list(s.exec(q).all())
 
 
+def recent(engine: Engine, job_id: int, type: str, limit: int = 10) -> list[JobEvent]:
+    """The newest ``limit`` events of one type for a job, newest first."""
+    with session_scope(engine) as s:
+        q = (select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.type == type)
+             .order_by(JobEvent.id.desc()).limit(limit))
+        return list(s.exec(q).all())
+
+
 def latest(engine: Engine, job_id: int, type: str) -> JobEvent | None:
     """The newest event of one type for a job, or None."""
     with session_scope(engine) as s:

@@ -96,6 +96,32 @@ class TrainSpec(LoraTrainingFields):
     num_train_epochs: float = Field(default=1.0, gt=0.0, le=1000.0)
     train_on_responses_only: bool = True
     packing: bool = False
+    # held-out evaluation: transformers' names (eval_steps, load_best_model_at_end, early
+    # stopping patience), OpenAI's validation_file; cross-field rules in app.studio.evaluation
+    validation_file: str | None = Field(
+        default=None, description="dataset file id of the held-out set (OpenAI's "
+        "validation_file), encoded like the training rows")
+    validation_split_percentage: float = Field(
+        default=0.0, ge=0.0, le=50.0, description="percent of the dataset's rows held out "
+        "(shuffled with seed) when there is no validation_file; 0 = none")
+    eval_steps: int | None = Field(default=None, ge=1, description="evaluate the held-out "
+                                   "loss every this many steps (default: save_steps)")
+    per_device_eval_batch_size: int | None = Field(default=None, ge=1, le=4096)
+    load_best_model_at_end: bool = Field(
+        default=False, description="the adapter is the checkpoint with the lowest eval_loss "
+        "(metric_for_best_model)")
+    early_stopping_patience: int | None = Field(
+        default=None, ge=1, le=10_000, description="stop after this many evaluations without "
+        "a lower eval_loss")
+    early_stopping_threshold: float = Field(default=0.0, ge=0.0, le=1e6)
+    generation_eval_samples: int = Field(
+        default=0, ge=0, le=100, description="at the end, greedy answers of the base and the "
+        "fine-tuned model on up to this many held-out prompts, beside the reference")
+
+    @property
+    def has_held_out(self) -> bool:
+        """Whether the run evaluates on a held-out set."""
+        return bool(self.validation_file) or self.validation_split_percentage > 0
 
     @model_validator(mode="after")
     def _steps(self) -> "TrainSpec":

@@ -20,7 +20,7 @@ from app.store import queue, repo
 from app.store import workers as workers_store
 from app.store.schema import Dataset, Job, JobState, Model, Run
 from app.store.specs import TrainSpec
-from app.studio import access, audit, calibration, validation
+from app.studio import access, audit, calibration, evaluation, validation
 from app.studio.errors import StudioError, invalid
 from app.studio.seqlen import fit_max_seq_length
 
@@ -169,6 +169,7 @@ def create_sft_run(engine: Engine, settings: Settings, actor: User, spec: TrainS
             a failed model, LoRA targets the model does not have, an unusable or GRPO-prompt
             dataset, a chat template that does not parse or render a sample conversation, a
             max_seq_length past the model's context or too short for its template,
+            held-out evaluation settings that cannot work (:mod:`app.studio.evaluation`),
             QLoRA when every live worker runs without CUDA, a run whose estimated GPU memory
             exceeds the largest live GPU (code ``too_big_for_gpus``).
     """
@@ -177,6 +178,7 @@ def create_sft_run(engine: Engine, settings: Settings, actor: User, spec: TrainS
     spec = fit_max_seq_length(resolved_template(spec, model), model)
     check_targets(spec, model)
     ds = usable_dataset(engine, actor, spec)
+    evaluation.check_held_out(engine, actor, spec, ds.rows)
     if ds.format == "prompts":
         why = (ds.report or {}).get("sft_error")
         raise invalid("dataset", f"dataset {ds.filename!r} is a GRPO prompt dataset (prompts "

@@ -10,16 +10,16 @@ from fastapi import Request
 from fastapi.responses import RedirectResponse, Response
 
 from app.data.chat_template import DEFAULT_TEMPLATES, FALLBACK_TEMPLATE
-from app.store import events, repo
+from app.store import repo
 from app.store.schema import JobState
-from app.studio import access, accounts, calibration
+from app.studio import access, accounts, calibration, evaluation
 from app.studio import exports as exports_uc
 from app.studio import verification
 from app.studio.errors import StudioError
 from app.web.deps import is_htmx
 
 # What the run page lists under "Artifacts"; export files are listed under "Exports".
-RUN_ARTIFACT_KINDS = ("adapter", "config", "metrics")
+RUN_ARTIFACT_KINDS = ("adapter", "config", "metrics", "eval")
 
 
 def template_ctx(engine, user, model_ref: str | None, choice: str | None = None,
@@ -55,8 +55,8 @@ def exports_view(engine, user, run_id: str, error: str | None = None,
 def run_view(engine, user, run_id: str) -> dict[str, Any]:
     """Everything the run page shows at load time."""
     run, job = access.run_with_job(engine, user, run_id)
-    metric = events.latest(engine, job.id, "metric") if job else None
-    m = metric.data if metric else None
+    # the tiles show the newest training step (an evaluation's metric event has no loss)
+    m = evaluation.latest_training_metric(engine, job.id) if job else None
     progress = 0
     if m and m.get("total_steps"):
         progress = min(100, round(100 * m["step"] / max(1, m["total_steps"])))
@@ -81,6 +81,7 @@ def run_view(engine, user, run_id: str) -> dict[str, Any]:
             "template_name": spec.get("chat_template_name"),
             "template_source": spec.get("chat_template"),
             "spec_json": json.dumps(spec, indent=2), "memory": calibration.memory_summary(job),
+            "evaluation": evaluation.run_evaluation(engine, run, job),
             **exports_view(engine, user, run.id)}
 
 

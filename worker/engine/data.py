@@ -7,7 +7,7 @@ by :func:`app.data.report.iter_encoded`; here they only become a ``datasets.Data
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 @dataclass
@@ -58,6 +58,7 @@ class EncodedSet:
     tokens: int
     trained_tokens: int
     truncated: int
+    row_numbers: list = field(default_factory=list)  # the file's row number of each encoded row
 
 
 def build_dataset(path: str | Path, model_dir: str | Path, template: str | None,
@@ -78,8 +79,10 @@ def build_dataset(path: str | Path, model_dir: str | Path, template: str | None,
     bundle = load_tokenizer_bundle(model_dir)
     ids, labels = [], []
     tokens = trained = truncated = 0
+    row_numbers: list[int] = []
     for n, (_row, enc) in enumerate(iter_encoded(path, bundle, template, max_seq_length,
                                                  train_on_responses_only, fmt), 1):
+        row_numbers.append(_row)
         ids.append(list(enc.input_ids))
         labels.append(list(enc.labels))
         tokens += len(enc.input_ids)
@@ -94,4 +97,4 @@ def build_dataset(path: str | Path, model_dir: str | Path, template: str | None,
         raise DatasetError("no row of the dataset has a trained token; check the format and "
                            "the chat template")
     return EncodedSet(Dataset.from_dict({"input_ids": ids, "labels": labels}), len(ids), tokens,
-                      trained, truncated)
+                      trained, truncated, row_numbers=row_numbers)

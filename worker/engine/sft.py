@@ -154,8 +154,8 @@ def sft_config(spec, output_dir: str, cuda: bool, optim: str, **overrides: Any):
     return SFTConfig(**kw)
 
 
-def make_trainer(model, tokenizer, train_dataset, args, callbacks=()):
-    """An SFTTrainer over a pre-tokenised dataset.
+def make_trainer(model, tokenizer, train_dataset, args, callbacks=(), eval_dataset=None):
+    """An SFTTrainer over a pre-tokenised dataset (and held-out ``eval_dataset``, if any).
 
     TRL computes its loss through a Triton fused LM head, which needs a GPU; off CUDA the loss is
     transformers' own ``Trainer.compute_loss`` (the model's token-summed cross-entropy divided
@@ -174,8 +174,8 @@ def make_trainer(model, tokenizer, train_dataset, args, callbacks=()):
     engine_on = getattr(getattr(model, "get_base_model", lambda: model)(), "_whetstone", None)
     cls = SFTTrainer if args.use_cpu is False and _on_cuda(model) and engine_on is None \
         else _CpuSFTTrainer
-    return cls(model=model, args=args, train_dataset=train_dataset, processing_class=tokenizer,
-               callbacks=list(callbacks))
+    return cls(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
+               processing_class=tokenizer, callbacks=list(callbacks))
 
 
 def _on_cuda(model) -> bool:

@@ -62,6 +62,10 @@ def run(ctx: JobContext) -> dict[str, Any]:
     ctx.progress("tokenize", enc.rows, enc.rows)
     ctx.log(f"{enc.rows} training rows, {enc.tokens} tokens ({enc.trained_tokens} trained)"
             + (f", {enc.truncated} truncated to {spec.max_seq_length}" if enc.truncated else ""))
+    from worker.engine.evaluation import eval_arguments, eval_callbacks
+    from worker.jobs import evaluation
+
+    held = evaluation.prepare(ctx, spec, enc, model_row, chosen.source)
     ctx.check()
 
     # ---- model, LoRA, trainer -----------------------------------------------------------
@@ -69,11 +73,15 @@ def run(ctx: JobContext) -> dict[str, Any]:
     tokenizer = sft.load_tokenizer(model_row.path, chosen.source)
     # the engine checkpoints its own layers (budgeted, offloaded); HF's would run a second time
     args = sft.sft_config(spec, str(ckpt_dir), cuda, optim,
-                          **({"gradient_checkpointing": False} if sft.use_engine(cuda) else {}))
+                          **({"gradient_checkpointing": False} if sft.use_engine(cuda) else {}),
+                          **eval_arguments(spec, resuming=any(ckpt_dir.glob("checkpoint-*"))))
     trainable = common.log_lora(ctx, spec, model)
     callback = sft.progress_callback(ctx.metric, ctx.stop_reason,
                                      on_stop=lambda r: ctx.log(f"stopping training ({r})"))
-    trainer = sft.make_trainer(model, tokenizer, enc.dataset, args, [callback])
+    reporter, eval_cbs = eval_callbacks(spec, ctx.metric) if held.eval_dataset is not None \
+        else (None, [])
+    trainer = sft.make_trainer(model, tokenizer, held.train_dataset, args, [callback, *eval_cbs],
+                               eval_dataset=held.eval_dataset)
 
     common.write_config(ctx, run_id, run_dir, {
         "run_id": run_id, "job_id": ctx.job.id,
@@ -83,6 +91,7 @@ def run(ctx: JobContext) -> dict[str, Any]:
         "dataset": {"id": ds_row.id, "filename": ds_row.filename,
                     "format": ds_row.format, "rows_used": enc.rows, "tokens": enc.tokens,
                     "trained_tokens": enc.trained_tokens, "truncated_rows": enc.truncated},
+        "held_out": held.info,
         "chat_template": {"name": chosen.name, "template": chosen.source},
         "device": gpu.device_name(),
         "trainable_parameters": trainable,
@@ -120,6 +129,8 @@ def run(ctx: JobContext) -> dict[str, Any]:
         "adapter_dir": str(adapter_dir), "adapter_zip": str(zip_path),
         "chat_template": chosen.name, "memory_peak": gpu.peak(),
     }
+    result.update(evaluation.finish(ctx, run_id, run_dir, spec, held, reporter, trainer,
+                                    tokenizer))
     ctx.log(f"done: {state.global_step} steps in {runtime:.1f}s, final loss "
             f"{result['final_loss']}")
     return result

@@ -3,7 +3,9 @@
 Files are datasets (``file-…``, see :mod:`app.web.routes.openai_files`); fine-tuning jobs are runs (``ftjob-…``). Our own TrainSpec
 fields (``r``, ``lora_alpha``, ``max_steps``, ``target_modules``, …) are accepted as extra body
 fields; ``hyperparameters`` n_epochs / batch_size / learning_rate_multiplier map onto
-num_train_epochs / per_device_train_batch_size / learning_rate (× the default 2e-4). Errors use
+num_train_epochs / per_device_train_batch_size / learning_rate (× the default 2e-4);
+``validation_file`` is the run's held-out set (``eval_steps``, ``load_best_model_at_end``,
+``early_stopping_patience`` as extra body fields). Errors use
 the OpenAI shape ``{"error": {"message", "type", "param", "code"}}``.
 """
 from __future__ import annotations
@@ -50,9 +52,10 @@ def spec_from_openai(body: dict[str, Any]) -> dict[str, Any]:
     for key in ("model", "training_file"):
         if not body.get(key) or not isinstance(body.get(key), str):
             raise ApiError(400, f"{key} is required", key, "missing_required_parameter")
-    if body.get("validation_file"):
-        raise ApiError(400, "validation_file is not supported yet; leave it out", "validation_file",
-                       "unsupported_parameter")
+    validation_file = body.get("validation_file")
+    if validation_file is not None and not isinstance(validation_file, str):
+        raise ApiError(400, "validation_file must be a file id", "validation_file",
+                       "invalid_value")
     hp: dict[str, Any] = _object(body.get("hyperparameters"), "hyperparameters")
     method = body.get("method")
     if method:
@@ -62,6 +65,8 @@ def spec_from_openai(body: dict[str, Any]) -> dict[str, Any]:
         supervised = _object(method.get("supervised"), "method.supervised")
         hp.update(_object(supervised.get("hyperparameters"), "method.supervised.hyperparameters"))
     raw: dict[str, Any] = {"model": body["model"], "dataset": body["training_file"]}
+    if validation_file:
+        raw["validation_file"] = validation_file
     mapping = {"n_epochs": "num_train_epochs", "batch_size": "per_device_train_batch_size"}
     for key, value in hp.items():
         if value in (None, "auto"):
@@ -194,6 +199,8 @@ def _checkpoint_metrics(folder: Path, step: int) -> dict[str, Any]:
     for key in ("learning_rate", "grad_norm", "epoch"):
         if key in out:
             metrics[key] = out[key]
+    if "eval_loss" in out:  # the held-out loss at this step, in OpenAI's names
+        metrics["valid_loss"] = metrics["full_valid_loss"] = out["eval_loss"]
     return metrics
 
 

@@ -76,10 +76,11 @@ def job_object(engine, run: Run, job=None, model_name: str | None = None) -> dic
                              if status == "succeeded" else None),
         "finished_at": int(job.finished_at) if job is not None and job.finished_at else None,
         "hyperparameters": hp, "model": model_name, "organization_id": ORGANIZATION,
-        "result_files": [a.id for a in arts if a.kind in ("adapter", "config", "metrics")],
+        "result_files": [a.id for a in arts if a.kind in ("adapter", "config", "metrics", "eval")],
         "seed": spec.get("seed"), "status": status,
         "trained_tokens": _trained_tokens(job),
-        "training_file": run.dataset_id, "validation_file": None, "integrations": [],
+        "training_file": run.dataset_id, "validation_file": spec.get("validation_file"),
+        "integrations": [],
         "metadata": None, "estimated_finish": None, "user_provided_suffix": run.name,
         "method": reinforcement_method(spec) if run.kind == "grpo"
         else {"type": "supervised", "supervised": {"hyperparameters": hp}},
@@ -108,7 +109,8 @@ def reinforcement_method(spec: dict[str, Any]) -> dict[str, Any]:
 
 def event_object(ev) -> dict[str, Any]:
     """A job event as an OpenAI ``fine_tuning.job.event`` (metric events carry ``step`` and
-    ``train_loss`` in ``data``)."""
+    ``train_loss`` in ``data``; an evaluation's carry ``eval_loss``, also as OpenAI's
+    ``valid_loss`` and ``full_valid_loss``; the best evaluation's ``best_step``)."""
     d = ev.data or {}
     level, etype, data = "info", "message", None
     if ev.type == "metric":
@@ -120,6 +122,11 @@ def event_object(ev) -> dict[str, Any]:
         message = f"Step {d.get('step')}{total}: training loss={loss}"
         if isinstance(d.get("reward"), (int, float)):
             message += f", mean reward={d['reward']:.4g}"
+        if isinstance(d.get("eval_loss"), (int, float)):
+            data.update(valid_loss=d["eval_loss"], full_valid_loss=d["eval_loss"])
+            message = f"Step {d.get('step')}{total}: eval loss={d['eval_loss']:.4f}"
+        elif "best_step" in d or "early_stopped" in d:
+            message = eval_end_message(d)
     elif ev.type == "state":
         state = d.get("state")
         message = {"queued": "Fine-tuning job queued", "running": "Fine-tuning job started",
@@ -143,6 +150,18 @@ def event_object(ev) -> dict[str, Any]:
         data = d
     return {"id": f"ftevent-{ev.id}", "object": "fine_tuning.job.event", "created_at": int(ev.ts),
             "level": level, "message": message, "type": etype, "data": data}
+
+
+def eval_end_message(d: dict[str, Any]) -> str:
+    """The metric event sent when an evaluating run's training ended, in one line: the best
+    checkpoint and its eval loss, and whether early stopping ended it."""
+    parts = []
+    if isinstance(d.get("best_eval_loss"), (int, float)):
+        parts.append(f"Best checkpoint: {d.get('best_checkpoint')} (step {d.get('best_step')}), "
+                     f"eval loss={d['best_eval_loss']:.4f}")
+    if d.get("early_stopped"):
+        parts.append(f"stopped early at step {d.get('step')}")
+    return "; ".join(parts) or f"Evaluation ended at step {d.get('step')}"
 
 
 def sample_message(d: dict[str, Any]) -> str:
