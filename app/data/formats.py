@@ -118,7 +118,8 @@ def detect_format(rows: Iterable[dict]) -> str:
         raise DatasetError(
             f"could not detect the dataset format from the columns {seen}; expected alpaca "
             "(instruction/input/output), sharegpt (conversations of from/value), messages "
-            "(role/content), prompt/completion, or text")
+            "(role/content), prompt/completion, or text; or map the columns (which one is "
+            "the instruction, the output, ...) on the dataset's page")
     fmt = votes.most_common(1)[0][0]
     needs = ("supervised fine-tuning needs alpaca, sharegpt, messages, prompt/completion or text "
              "rows")
@@ -394,6 +395,64 @@ def normalize_row(data: dict, fmt: str, row: int) -> tuple[dict, list[RowIssue]]
     else:
         raise DatasetError(f"unknown dataset format {fmt!r}")
     return ex, warnings
+
+
+#: What a column mapping may name, in the order a form lists them: the alpaca fields.
+MAPPING_ROLES = ("instruction", "input", "output", "system")
+
+
+def check_column_mapping(mapping: dict | None, columns: Iterable[str] | None = None
+                         ) -> dict[str, str] | None:
+    """A cleaned column mapping ``{role: column}`` (roles of :data:`MAPPING_ROLES`; empty
+    entries dropped), or None when nothing is mapped.
+
+    Raises:
+        DatasetError: an unknown role, no ``instruction`` or ``output`` column, one column
+            named for two roles, or (with ``columns``) a column the file does not have; the
+            error's ``field`` is the role.
+    """
+    if not mapping:
+        return None
+    clean = {}
+    for role, col in mapping.items():
+        if role not in MAPPING_ROLES:
+            raise DatasetError(f"unknown column role {role!r}; use {', '.join(MAPPING_ROLES)}",
+                               field=role)
+        if isinstance(col, str) and col.strip():
+            clean[role] = col.strip()
+    if not clean:
+        return None
+    for role in ("instruction", "output"):
+        if role not in clean:
+            raise DatasetError(f"choose the column that holds the {role}", field=role)
+    seen: dict[str, str] = {}
+    for role, col in clean.items():
+        if col in seen:
+            raise DatasetError(f"column {col!r} is already the {seen[col]}", field=role)
+        seen[col] = role
+    if columns is not None:
+        have = list(columns)
+        for role, col in clean.items():
+            if col not in have:
+                raise DatasetError(f"the file has no column {col!r} (columns: "
+                                   f"{', '.join(have) or 'none'})", field=role)
+    return {role: clean[role] for role in MAPPING_ROLES if role in clean}
+
+
+def _cell_text(value):
+    """A mapped cell as the alpaca field reads it: numbers and booleans as their text (a CSV's
+    label, a JSON answer that is a number), anything else unchanged."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (int, float)):
+        return str(value)
+    return value
+
+
+def apply_column_mapping(data: dict, mapping: dict[str, str]) -> dict:
+    """The alpaca row (``instruction``, ``input``, ``output``, ``system``) that ``mapping``
+    (``{role: column}``, see :func:`check_column_mapping`) makes of one of the file's rows."""
+    return {role: _cell_text(data.get(col)) for role, col in mapping.items()}
 
 
 def example_kind(example: dict) -> str:

@@ -16,7 +16,8 @@ from .chat_template import DEFAULT_TEMPLATES, resolve_template
 from .encode import (Encoded, Prepared, TokenizerBundle, encode_prepared_batch, encode_with_bundle,
                      load_tokenizer_bundle, prepare_example)
 from .errors import DatasetError, RowIssue
-from .formats import canonical_format, detect_format, normalize_row
+from .formats import (apply_column_mapping, canonical_format, check_column_mapping, detect_format,
+                      normalize_row)
 from .loader import MAX_ROWS, file_kind, iter_records, txt_json_hint
 
 DETECT_SAMPLE_ROWS = 100
@@ -38,6 +39,15 @@ class Bin(BaseModel):
     lo: int
     hi: int
     count: int
+
+
+class WarningGroup(BaseModel):
+    """One warning repeated over rows: ``count`` rows (exact), the first ``rows`` of them."""
+
+    field: str | None
+    message: str
+    count: int
+    rows: list[int]
 
 
 class PreviewRow(BaseModel):
@@ -67,6 +77,8 @@ class DatasetReport(BaseModel):
     max_seq_length: int | None
     over_max_seq_length: int       # valid rows longer than max_seq_length (truncated)
     no_trained_tokens: int         # valid rows with no trained token after truncation
+    untrained: list[Issue] = []    # the first ``max_issues`` of them, each with the reason
+    warning_groups: list[WarningGroup] = []  # every row warning, grouped by field and message
     min_tokens: int
     max_tokens: int
     mean_tokens: float
@@ -85,6 +97,15 @@ class RowResult:
     warnings: list[RowIssue] = field(default_factory=list)
 
 
+def untrained_reason(enc: Encoded, max_seq_length: int | None) -> str:
+    """Why an encoded row has no trained token (training drops such a row)."""
+    if enc.truncated and max_seq_length is not None:
+        return (f"the answer starts past max_seq_length ({max_seq_length} tokens; the row has "
+                f"{enc.num_tokens}), so nothing of it is trained: raise max_seq_length or "
+                "shorten the prompt")
+    return "no token of the row is trained (the answer renders to nothing); the row is dropped"
+
+
 def _bundle(tokenizer: TokenizerBundle | str | os.PathLike) -> TokenizerBundle:
     return tokenizer if isinstance(tokenizer, TokenizerBundle) else load_tokenizer_bundle(tokenizer)
 
@@ -92,11 +113,15 @@ def _bundle(tokenizer: TokenizerBundle | str | os.PathLike) -> TokenizerBundle:
 def iter_rows(path: str | os.PathLike, tokenizer: TokenizerBundle | str | os.PathLike,
               chat_template: str | None = None, max_seq_length: int | None = None,
               train_on_responses_only: bool = True, fmt: str | None = None,
+              column_mapping: dict[str, str] | None = None,
               ) -> tuple[str, Iterator[RowResult]]:
     """Detect the format and return ``(format, iterator of RowResult)`` over all rows.
 
     ``chat_template``: a built-in name (see ``DEFAULT_TEMPLATES``), Jinja source, or None
     for the model's own.  Row problems are yielded as ``RowResult.error``.
+    ``column_mapping`` (``{role: column}``, see
+    :func:`app.data.formats.check_column_mapping`): the file's columns read as alpaca fields
+    (the format is then ``alpaca``; errors name the file's own columns).
 
     Raises:
         DatasetError: whole-file problems (see :func:`app.data.loader.iter_records`), no
@@ -108,7 +133,18 @@ def iter_rows(path: str | os.PathLike, tokenizer: TokenizerBundle | str | os.Pat
     head = list(itertools.islice(records, DETECT_SAMPLE_ROWS))
     if not head:
         raise DatasetError("the file holds no rows")
+    mapping = check_column_mapping(column_mapping)
+    if mapping:
+        fmt = "alpaca"
     fmt = canonical_format(fmt) if fmt else detect_format([r.data for r in head if r.data is not None])
+
+    def normalize(data: dict, row: int) -> tuple[dict, list]:
+        if not mapping:
+            return normalize_row(data, fmt, row)
+        try:
+            return normalize_row(apply_column_mapping(data, mapping), fmt, row)
+        except DatasetError as err:  # name the file's column, not the alpaca field
+            raise DatasetError(err.message, err.row, mapping.get(err.field, err.field)) from None
     if fmt in ("alpaca", "sharegpt", "messages", "oasst_tree") and not template:
         raise DatasetError(f"{fmt} rows need a chat template and the model has none; choose one "
                            f"of: {', '.join(DEFAULT_TEMPLATES)}")
@@ -122,7 +158,7 @@ def iter_rows(path: str | os.PathLike, tokenizer: TokenizerBundle | str | os.Pat
                 out[rec.row] = RowResult(rec.row, error=RowIssue.from_error(rec.error, rec.row))
                 continue
             try:
-                example, warns = normalize_row(rec.data, fmt, rec.row)
+                example, warns = normalize(rec.data, rec.row)
                 prep = prepare_example(example, template or bundle.chat_template,
                                        bos_token=bundle.bos_token, eos_token=bundle.eos_token,
                                        special_tokens=bundle.special_tokens)
@@ -186,7 +222,8 @@ def inspect_dataset(path: str | os.PathLike, tokenizer: TokenizerBundle | str | 
                     chat_template: str | None = None, max_seq_length: int | None = 2048,
                     train_on_responses_only: bool = True, fmt: str | None = None,
                     preview_rows: int = 5, max_issues: int = 100,
-                    raise_if_empty: bool = True, on_rows=None) -> DatasetReport:
+                    raise_if_empty: bool = True, on_rows=None,
+                    column_mapping: dict[str, str] | None = None) -> DatasetReport:
     """Validate a whole dataset file and build its :class:`DatasetReport`.
 
     Args:
@@ -201,6 +238,7 @@ def inspect_dataset(path: str | os.PathLike, tokenizer: TokenizerBundle | str | 
         raise_if_empty: raise when no row is valid, naming the first bad row and field.
         on_rows: called with the rows read so far every :data:`ENCODE_BATCH_ROWS` rows (it may
             raise to stop the work: a time budget, a cancelled job).
+        column_mapping: the file's columns as alpaca fields (see :func:`iter_rows`).
 
     Raises:
         DatasetError: whole-file problems, or (``raise_if_empty``) no valid row at all.
@@ -208,9 +246,11 @@ def inspect_dataset(path: str | os.PathLike, tokenizer: TokenizerBundle | str | 
     bundle = _bundle(tokenizer)
     template = resolve_template(chat_template, bundle.chat_template)
     fmt, rows = iter_rows(path, bundle, chat_template, max_seq_length,
-                          train_on_responses_only, fmt)
+                          train_on_responses_only, fmt, column_mapping)
     total = valid = over = untrained = warning_count = 0
     errors: list[Issue] = []
+    untrained_rows: list[Issue] = []
+    groups: dict[tuple[str | None, str], WarningGroup] = {}
     first_error: RowIssue | None = None
     warnings: list[Issue] = []
     lengths: list[int] = []
@@ -226,11 +266,20 @@ def inspect_dataset(path: str | os.PathLike, tokenizer: TokenizerBundle | str | 
         enc = res.encoded
         lengths.append(enc.num_tokens)
         over += int(max_seq_length is not None and enc.num_tokens > max_seq_length)
-        untrained += int(enc.num_trained == 0)
+        if enc.num_trained == 0:
+            untrained += 1
+            if len(untrained_rows) < max_issues:
+                untrained_rows.append(Issue(row=res.row, field=None,
+                                            message=untrained_reason(enc, max_seq_length)))
         for w in res.warnings:
             warning_count += 1
             if len(warnings) < max_issues:
                 warnings.append(Issue(row=w.row, field=w.field, message=w.message))
+            group = groups.setdefault((w.field, w.message), WarningGroup(
+                field=w.field, message=w.message, count=0, rows=[]))
+            group.count += 1
+            if len(group.rows) < max_issues:
+                group.rows.append(w.row)
         if len(preview) < preview_rows:
             full = encode_with_bundle(res.example, bundle, template, max_seq_length=max_seq_length,
                                       train_on_responses_only=train_on_responses_only)
@@ -247,6 +296,7 @@ def inspect_dataset(path: str | os.PathLike, tokenizer: TokenizerBundle | str | 
         format=fmt, file_kind=file_kind(path), total_rows=total, valid_rows=valid,
         invalid_rows=total - valid, errors=errors, warnings=warnings, warning_count=warning_count,
         max_seq_length=max_seq_length, over_max_seq_length=over, no_trained_tokens=untrained,
+        untrained=untrained_rows, warning_groups=list(groups.values()),
         min_tokens=min(lengths, default=0), max_tokens=max(lengths, default=0),
         mean_tokens=round(sum(lengths) / len(lengths), 2) if lengths else 0.0,
         histogram=token_histogram(lengths), preview=preview)
@@ -255,15 +305,23 @@ def inspect_dataset(path: str | os.PathLike, tokenizer: TokenizerBundle | str | 
 def iter_encoded(path: str | os.PathLike, tokenizer: TokenizerBundle | str | os.PathLike,
                  chat_template: str | None = None, max_seq_length: int | None = 2048,
                  train_on_responses_only: bool = True, fmt: str | None = None,
-                 skip_untrained: bool = True) -> Iterator[tuple[int, Encoded]]:
+                 skip_untrained: bool = True, column_mapping: dict[str, str] | None = None,
+                 dropped: list[Issue] | None = None) -> Iterator[tuple[int, Encoded]]:
     """The training set: ``(row, Encoded)`` for each valid row, in file order.
 
     Invalid rows are skipped (the report lists them); so are rows with no trained token
-    when ``skip_untrained``.  Same arguments and errors as :func:`inspect_dataset`.
+    when ``skip_untrained``, each appended to ``dropped`` (when given) with its row number and
+    reason, as the report lists them.  Same arguments and errors as :func:`inspect_dataset`.
     """
-    _, rows = iter_rows(path, tokenizer, chat_template, max_seq_length, train_on_responses_only, fmt)
+    _, rows = iter_rows(path, tokenizer, chat_template, max_seq_length, train_on_responses_only,
+                        fmt, column_mapping)
     for res in rows:
-        if res.encoded is None or (skip_untrained and res.encoded.num_trained == 0):
+        if res.encoded is None:
+            continue
+        if skip_untrained and res.encoded.num_trained == 0:
+            if dropped is not None:
+                dropped.append(Issue(row=res.row, field=None,
+                                     message=untrained_reason(res.encoded, max_seq_length)))
             continue
         yield res.row, res.encoded
 

@@ -89,10 +89,11 @@ def default_max_seq_length(model: Model | None) -> int:
 
 def report_for(path: str, model: Model | None, template_choice: str | None, max_seq_length: int,
                settings: Settings, dataset_format: str | None = None,
-               on_rows=None) -> dict[str, Any]:
+               on_rows=None, column_mapping: dict[str, str] | None = None) -> dict[str, Any]:
     """The validation report of the file at ``path`` as a run on ``model`` would see it, with the
     chat template chosen exactly as run creation chooses it. Blocking (tokenises the file);
-    ``on_rows(n)`` is called as rows are read and may raise to stop.
+    ``on_rows(n)`` is called as rows are read and may raise to stop. ``column_mapping``: the
+    dataset's own (:func:`column_mapping`), which training applies too.
 
     Raises:
         DatasetError: the file cannot be used (the message names the row and field).
@@ -101,7 +102,7 @@ def report_for(path: str, model: Model | None, template_choice: str | None, max_
     tok_dir, label = tokenizer_for(model, settings)
     report = inspect_file(path, tokenizer_dir=tok_dir, chat_template=text,
                           max_seq_length=max_seq_length, dataset_format=dataset_format,
-                          on_rows=on_rows)
+                          on_rows=on_rows, column_mapping=column_mapping)
     report.update(model=model.name if model else None, model_id=model.id if model else None,
                   tokenizer=label, template_name=name)
     return report
@@ -203,13 +204,93 @@ def compute_report(engine: Engine, settings: Settings, ds: Dataset, options: dic
     model = default_model(engine, owner) if owner else None
     try:
         return report_for(ds.path, model, None, default_max_seq_length(model), settings,
-                          on_rows=on_rows), ds.purpose
+                          on_rows=on_rows, column_mapping=options.get("column_mapping")), \
+            ds.purpose
     except DatasetError as exc:
         report = _prompts_report(Path(ds.path), exc) if options.get("mode") == "sft_or_prompts" \
             else None
         if report is None:
             raise
         return report, ds.purpose
+
+
+def column_mapping(ds: Dataset) -> dict[str, str] | None:
+    """The dataset's column mapping (``{role: column}``, roles of
+    :data:`app.data.formats.MAPPING_ROLES`), kept with its report; None when it has none."""
+    mapping = (ds.report or {}).get("column_mapping")
+    return mapping if isinstance(mapping, dict) and mapping else None
+
+
+def file_columns(path: str, sample: int = 100) -> list[str]:
+    """The column names of a dataset file's first ``sample`` rows, in first-seen order (empty
+    when the file cannot be read)."""
+    from app.data.loader import iter_records
+
+    seen: dict[str, None] = {}
+    try:
+        for n, rec in enumerate(iter_records(path)):
+            if n >= sample:
+                break
+            seen.update(dict.fromkeys(rec.data or {}))
+    except DatasetError:
+        pass
+    return list(seen)
+
+
+def mapping_form(ds: Dataset) -> dict[str, Any] | None:
+    """What the dataset page's column-mapping form shows, or None when it does not apply (a
+    prompt dataset, a file whose rows have no columns to choose from, one that validated in a
+    format of its own): ``columns``, ``roles``, ``mapping`` (the current one, else a guess from
+    the prompt/answer column names), and ``prompts_hint`` (the rows look like GRPO prompts)."""
+    from app.data.formats import MAPPING_ROLES
+    from app.data.prompts import pick_columns
+
+    current = column_mapping(ds)
+    if ds.format == "prompts" or ds.status == validation.VALIDATING or \
+            (ds.status == validation.PROCESSED and not current):
+        return None
+    columns = file_columns(ds.path)
+    if not columns:
+        return None
+    guess, hint = {}, False
+    try:
+        pcol, acol = pick_columns(dict.fromkeys(columns))
+        hint = pcol != "messages"
+        guess = {"instruction": pcol, **({"output": acol} if acol else {})}
+    except DatasetError:
+        pass
+    return {"columns": columns, "roles": MAPPING_ROLES, "mapping": current or guess,
+            "prompts_hint": hint and not current}
+
+
+def set_column_mapping(engine: Engine, settings: Settings, actor: User, dataset_id: str,
+                       mapping: dict[str, str] | None) -> Dataset:
+    """Read the dataset's columns as alpaca fields (``{role: column}``; None or all-empty
+    clears it) and validate it again with that mapping (a new ``validate_dataset`` job; the
+    dataset is ``validating`` meanwhile). The preview and every run on it then use the mapping.
+
+    Raises:
+        StudioError: not_found (unknown or another user's dataset); conflict while it is still
+            validating or when it is a GRPO prompt dataset; invalid (field: the role) for a
+            mapping without an instruction or output column, a column named twice, or a column
+            the file does not have.
+    """
+    from app.data.formats import check_column_mapping
+
+    ds = validation.check_stale(engine, access.dataset(engine, actor, dataset_id))
+    if ds.status == validation.VALIDATING:
+        raise StudioError("conflict", f"dataset {ds.filename!r} is {validation.progress_text(ds)}",
+                          "file_id")
+    if ds.format == "prompts":
+        raise StudioError("conflict", f"dataset {ds.filename!r} is a GRPO prompt dataset; its "
+                          "prompt and answer columns are chosen on the GRPO run form", "file_id")
+    try:
+        clean = check_column_mapping(mapping, file_columns(ds.path))
+    except DatasetError as exc:
+        raise invalid(exc.field or "column_mapping", exc.message) from None
+    ds = validation.restart(engine, ds, {"mode": "sft", "column_mapping": clean})
+    audit.record(engine, actor.id, "dataset.columns_mapped", "dataset", ds.id, mapping=clean)
+    return ds
 
 
 def delete_dataset(engine: Engine, settings: Settings, actor: User, dataset_id: str) -> Dataset:

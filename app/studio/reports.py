@@ -59,8 +59,10 @@ def fallback_tokenizer_dir(seed_dir: Path | None) -> str | None:
 
 def inspect_file(path: str | Path, *, tokenizer_dir: str | None, chat_template: str | None = None,
                  max_seq_length: int = 1024, dataset_format: str | None = None,
-                 train_on_responses_only: bool = True, on_rows=None) -> dict[str, Any]:
-    """The validation report of a dataset file as a JSON dict.
+                 train_on_responses_only: bool = True, on_rows=None,
+                 column_mapping: dict[str, str] | None = None) -> dict[str, Any]:
+    """The validation report of a dataset file as a JSON dict (``column_mapping``: the file's
+    columns read as alpaca fields, see :func:`app.data.report.iter_rows`).
 
     Without any tokenizer the rows are still read, detected and validated (no token counts).
     ``on_rows(n)`` is called with the rows read so far, every few hundred rows (it may raise
@@ -70,13 +72,17 @@ def inspect_file(path: str | Path, *, tokenizer_dir: str | None, chat_template: 
         DatasetError: a whole-file problem (unreadable, not UTF-8, no valid row, ...).
     """
     if tokenizer_dir is None:
-        return _untokenized_report(Path(path), max_seq_length, dataset_format, on_rows)
+        return _untokenized_report(Path(path), max_seq_length, dataset_format, on_rows,
+                                   column_mapping)
     report = inspect_dataset(str(path), load_bundle(tokenizer_dir), chat_template=chat_template,
                              max_seq_length=max_seq_length, fmt=dataset_format,
                              train_on_responses_only=train_on_responses_only,
-                             preview_rows=PREVIEW_ROWS, max_issues=MAX_ISSUES, on_rows=on_rows)
+                             preview_rows=PREVIEW_ROWS, max_issues=MAX_ISSUES, on_rows=on_rows,
+                             column_mapping=column_mapping)
     data = report.model_dump(mode="json")
     data["tokenized"] = True
+    if column_mapping:
+        data["column_mapping"] = column_mapping
     return normalize_report(data, max_seq_length)
 
 
@@ -100,7 +106,8 @@ def normalize_report(r: dict[str, Any], max_seq_length: int) -> dict[str, Any]:
 
 
 def _untokenized_report(path: Path, max_seq_length: int, dataset_format: str | None,
-                        on_rows=None) -> dict[str, Any]:
+                        on_rows=None, column_mapping: dict[str, str] | None = None
+                        ) -> dict[str, Any]:
     from app.data import formats, loader
     from app.data.report import counted
 
@@ -111,14 +118,17 @@ def _untokenized_report(path: Path, max_seq_length: int, dataset_format: str | N
         first = invalid[0] if invalid else {}
         raise DatasetError(first.get("message", "the file holds no rows"), first.get("row"),
                            first.get("field"))
-    fmt = formats.canonical_format(dataset_format) if dataset_format else \
-        formats.detect_format([rec.data for rec in good[:100]])
+    mapping = formats.check_column_mapping(column_mapping)
+    fmt = "alpaca" if mapping else formats.canonical_format(dataset_format) if dataset_format \
+        else formats.detect_format([rec.data for rec in good[:100]])
     valid, preview = 0, []
     for rec in good:
         try:
-            formats.normalize_row(rec.data, fmt, rec.row)
+            formats.normalize_row(formats.apply_column_mapping(rec.data, mapping) if mapping
+                                  else rec.data, fmt, rec.row)
         except DatasetError as err:
-            invalid.append({"row": err.row or rec.row, "field": err.field, "message": err.message})
+            field = (mapping or {}).get(err.field, err.field)
+            invalid.append({"row": err.row or rec.row, "field": field, "message": err.message})
             continue
         valid += 1
     if valid == 0:
@@ -129,5 +139,6 @@ def _untokenized_report(path: Path, max_seq_length: int, dataset_format: str | N
     return normalize_report({"format": fmt, "total_rows": len(records), "valid_rows": valid,
                              "invalid_rows": len(invalid), "errors": invalid[:MAX_ISSUES],
                              "warnings": [{"row": None, "field": None, "message": hint}] if hint else [],
-                             "preview": preview, "tokenized": False, "histogram": []},
+                             "preview": preview, "tokenized": False, "histogram": [],
+                             **({"column_mapping": mapping} if mapping else {})},
                             max_seq_length)

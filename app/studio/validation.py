@@ -78,6 +78,17 @@ def start(engine: Engine, actor: User, ds_id: str, final: Path, filename: str, s
     return ds
 
 
+def restart(engine: Engine, ds: Dataset, options: dict[str, Any]) -> Dataset:
+    """Validate ``ds`` again with new ``options`` (see :func:`start`; a ``column_mapping``):
+    the row goes back to ``validating`` and a new ``validate_dataset`` job is queued."""
+    total = estimate_rows(ds.path)
+    job = queue.enqueue(engine, JOB_KIND, {"dataset_id": ds.id, **options}, max_attempts=2,
+                        owner=ds.owner)
+    return repo.update_dataset(engine, ds.id, status=VALIDATING, error=None,
+                               report={"validating": {"done": 0, "total": total,
+                                                      "job_id": job.id}})
+
+
 def job_id(ds: Dataset) -> int | None:
     """The id of the job validating ``ds`` (also kept once it is done), or None."""
     info = (ds.report or {}).get("validating") or {}
@@ -165,8 +176,10 @@ def validate(engine: Engine, settings: Settings, dataset_id: str, options: dict[
     except repo.NotFound:
         return {"skipped": "the dataset was deleted"}
     except DatasetError as exc:
+        mapping = options.get("column_mapping")
         _settle(engine, ds.id, status=ERROR, error=str(exc),
-                report={"validation_job_id": jid, "rows_read": progress.done})
+                report={"validation_job_id": jid, "rows_read": progress.done,
+                        **({"column_mapping": mapping} if mapping else {})})
         return {"status": ERROR, "error": str(exc)}
     rows = report.get("valid_rows") or report.get("rows")
     _settle(engine, ds.id, status=PROCESSED, error=None, format=report.get("format"), rows=rows,

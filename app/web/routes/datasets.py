@@ -98,8 +98,9 @@ async def _report_ctx(request: Request, ds, model: str | None, chat_template: st
         return ctx, 422
     ctx["max_seq_length"] = length
     try:
-        ctx["report"] = await run_in_threadpool(datasets_uc.report_for, ds.path, chosen,
-                                                chat_template, length, get_settings(request))
+        ctx["report"] = await run_in_threadpool(
+            datasets_uc.report_for, ds.path, chosen, chat_template, length, get_settings(request),
+            column_mapping=datasets_uc.column_mapping(ds))
     except DatasetError as exc:
         ctx["report_error"] = str(exc)
     ctx["train_url"] = train_url(ds, chosen, ctx["report"], length)
@@ -133,14 +134,46 @@ async def dataset_page(request: Request, dataset_id: str, engine: EngineDep, use
     if any(v not in (None, "") for v in (model, chat_template, max_seq_length)):
         ctx, status = await _report_ctx(request, ds, model, chat_template, max_seq_length)
         return render(request, "dataset.html", ctx, block="report", status_code=status)
+    return render(request, "dataset.html", _stored_ctx(request, ds), block="report")
+
+
+def _stored_ctx(request: Request, ds, **extra) -> dict:
+    """The dataset page's context from the stored report, with the column-mapping form."""
+    engine, user = get_engine(request), current_user(request)
     report = (ds.report or None) if ds.status == validation.PROCESSED else None
     selected = _pick_model(engine, user, None, report)
     length = (report or {}).get("max_seq_length", datasets_uc.default_max_seq_length(selected))
-    return render(request, "dataset.html", {
-        "dataset": ds, "report": report, "report_error": ds.error,
-        "models": datasets_uc.usable_models(engine, user), "selected_model": selected,
-        "template_names": list(DEFAULT_TEMPLATES), "max_seq_length": length,
-        "train_url": train_url(ds, selected, report, length)}, block="report")
+    return {"dataset": ds, "report": report, "report_error": ds.error,
+            "models": datasets_uc.usable_models(engine, user), "selected_model": selected,
+            "template_names": list(DEFAULT_TEMPLATES), "max_seq_length": length,
+            "train_url": train_url(ds, selected, report, length),
+            "mapping_form": datasets_uc.mapping_form(ds), **extra}
+
+
+@router.post("/datasets/{dataset_id}/columns")
+async def map_columns(request: Request, dataset_id: str, engine: EngineDep,
+                      settings: SettingsDep, user: CurrentUser):
+    """Save the column mapping (instruction, input, output, system: a column each) and validate
+    the dataset again with it; a bad mapping re-renders the page with the field's error."""
+    form = await request.form()
+    mapping = {role: str(form.get(role) or "") for role in ("instruction", "input", "output",
+                                                            "system")}
+    try:
+        ds = await run_in_threadpool(datasets_uc.set_column_mapping, engine, settings, user,
+                                     dataset_id, mapping)
+    except StudioError as exc:
+        if exc.kind not in ("invalid", "conflict"):
+            raise
+        ds = access.dataset(engine, user, dataset_id)
+        ctx = _stored_ctx(request, ds, mapping_error=exc.message, mapping_field=exc.field)
+        if ctx["mapping_form"]:
+            ctx["mapping_form"] = {**ctx["mapping_form"], "mapping": mapping}
+        return render(request, "dataset.html", ctx, block="report",
+                      status_code=400 if exc.kind == "invalid" else 409)
+    url = f"/datasets/{ds.id}"
+    if is_htmx(request):
+        return Response(status_code=200, headers={"HX-Redirect": url})
+    return RedirectResponse(url, status_code=303)
 
 
 @router.get("/datasets/{dataset_id}/report")

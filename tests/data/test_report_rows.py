@@ -1,0 +1,73 @@
+"""Issue 19: rows with no trained token listed with the reason (item 9), repeated warnings
+grouped (Low), and a column mapping for files with other column names (item 13)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from datalayer_paths import SHARED
+
+from app.data.errors import DatasetError
+from app.data.formats import check_column_mapping
+from app.data.report import inspect_dataset, iter_encoded
+
+DOLLY = SHARED / "messy" / "dolly_pretemplated_eos_marker.jsonl"
+GSM8K = SHARED / "grpo" / "gsm8k" / "train.jsonl"
+
+
+def test_untrained_rows_listed_with_reason_and_dropped_the_same(bundle):
+    rep = inspect_dataset(DOLLY, bundle, "chatml", max_seq_length=512, max_issues=500)
+    assert rep.no_trained_tokens > 0 and len(rep.untrained) == rep.no_trained_tokens
+    first = rep.untrained[0]
+    assert first.row > 0 and "past max_seq_length (512 tokens" in first.message
+    dropped = []
+    kept = [row for row, _ in iter_encoded(DOLLY, bundle, "chatml", 512, True, dropped=dropped)]
+    assert [d.row for d in dropped] == [u.row for u in rep.untrained]
+    assert not set(kept) & {d.row for d in dropped}
+    assert len(kept) == rep.valid_rows - rep.no_trained_tokens
+
+
+def test_repeated_warnings_grouped_with_exact_counts(bundle):
+    rep = inspect_dataset(DOLLY, bundle, "chatml", max_seq_length=512, max_issues=20)
+    assert rep.warning_count == 302
+    counts = {(g.field, g.message[:20]): g.count for g in rep.warning_groups}
+    assert sum(counts.values()) == 302 and len(rep.warning_groups) == 2
+    eos = next(g for g in rep.warning_groups if "eos_token" in g.message)
+    assert eos.count == 151 and eos.field == "answer" and len(eos.rows) == 20
+    assert eos.rows == sorted(eos.rows) and eos.rows[0] >= 1
+
+
+def test_column_mapping_reads_gsm8k_as_alpaca(bundle, tmp_path):
+    with pytest.raises(DatasetError, match="map the columns"):
+        inspect_dataset(GSM8K, bundle, "chatml")
+    mapping = {"instruction": "question", "output": "answer"}
+    rep = inspect_dataset(GSM8K, bundle, "chatml", max_seq_length=512, preview_rows=1,
+                          column_mapping=mapping)
+    first = json.loads(GSM8K.read_text().splitlines()[0])
+    assert rep.format == "alpaca" and rep.valid_rows == rep.total_rows == 7473
+    text = "".join(t for t, _ in rep.preview[0].segments)
+    trained = "".join(t for t, f in rep.preview[0].segments if f)
+    assert first["question"] in text and trained.startswith(first["answer"])
+    # training reads the same rows the same way
+    row, enc = next(iter(iter_encoded(GSM8K, bundle, "chatml", 512, True, column_mapping=mapping)))
+    assert row == 1 and "".join(enc_text for enc_text, _ in rep.preview[0].segments) == text
+    # a CSV with a numeric-looking label: errors name the file's own column
+    csv = tmp_path / "spam.csv"
+    csv.write_text("text,label\nWin a prize now,spam\nSee you at 5,\n")
+    rep = inspect_dataset(csv, bundle, "chatml", column_mapping={"instruction": "text",
+                                                                 "output": "label"})
+    assert (rep.valid_rows, rep.invalid_rows) == (1, 1)
+    assert (rep.errors[0].row, rep.errors[0].field) == (2, "label")
+
+
+def test_column_mapping_checked():
+    assert check_column_mapping({"instruction": "q", "input": "", "output": "a"}) == \
+        {"instruction": "q", "output": "a"}
+    assert check_column_mapping({"instruction": "", "output": ""}) is None
+    with pytest.raises(DatasetError, match="holds the output") as info:
+        check_column_mapping({"instruction": "q"})
+    assert info.value.field == "output"
+    with pytest.raises(DatasetError, match="already the instruction"):
+        check_column_mapping({"instruction": "q", "output": "q"})
+    with pytest.raises(DatasetError, match="no column 'x'"):
+        check_column_mapping({"instruction": "q", "output": "x"}, ["q", "a"])
