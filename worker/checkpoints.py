@@ -62,6 +62,33 @@ def is_complete(folder: Path) -> bool:
         return False
 
 
+def record(engine, run_id: str, job_id: int, step: int, folder: Path, model=None) -> None:
+    """Record a checkpoint the trainer just saved as an ``Artifact(kind="checkpoint")`` of the
+    run (``meta.step``; ``path`` the folder), so a cancelled or failed run can be exported from
+    its newest one. With ``model`` (the base's row) the folder's ``adapter_config.json`` names
+    the base as others load it (:func:`worker.jobs.card.make_portable`), not a server path."""
+    from app.store import repo
+    from app.store.schema import Artifact
+
+    if model is not None and (folder / "adapter_config.json").is_file():
+        from worker.jobs.card import make_portable
+
+        make_portable(folder, model)
+    size = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+    repo.add_artifact(engine, Artifact(run_id=run_id, job_id=job_id, kind="checkpoint",
+                                       name=folder.name, path=str(folder), bytes=size,
+                                       meta={"step": step}))
+
+
+def recorder(ctx, run_id: str, model=None):
+    """The TrainerCallback a training job adds so that every checkpoint it saves is recorded
+    (:func:`record`) as an artifact of run ``run_id``."""
+    from worker.engine.callbacks import checkpoint_callback
+
+    return checkpoint_callback(lambda step, folder: record(ctx.engine, run_id, ctx.job.id, step,
+                                                           folder, model))
+
+
 def newest_complete(ckpt_dir: Path, on_skip: Callable[[str], None] | None = None) -> Path | None:
     """The complete ``checkpoint-<step>`` folder of ``ckpt_dir`` with the highest step, or None.
 

@@ -20,6 +20,17 @@ from app.store import events
 log = logging.getLogger("worker.progress")
 
 
+def rounded(value: Any, digits: int = 4) -> str:
+    """A number for a log line: ``digits`` significant digits (``17.14``, ``-0.03333``), ``n/a``
+    for None, the text of anything else."""
+    if value is None:
+        return "n/a"
+    try:
+        return f"{float(value):.{digits}g}"
+    except (TypeError, ValueError):
+        return str(value)
+
+
 def _clean(v: Any) -> Any:
     """JSON-safe numbers: NaN/inf become None, numpy/torch scalars become floats."""
     if isinstance(v, bool) or v is None or isinstance(v, (str, int)):

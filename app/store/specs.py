@@ -92,6 +92,9 @@ class TrainSpec(LoraTrainingFields):
     """
 
     dataset_format: str | None = Field(default=None, description="override format detection")
+    column_mapping: dict[str, str] | None = Field(
+        default=None, description="the dataset's columns read as alpaca fields ({instruction, "
+        "input, output, system: column}); set from the dataset's mapping when the run is created")
     max_seq_length: int = Field(default=1024, ge=8, le=1_048_576)
     num_train_epochs: float = Field(default=1.0, gt=0.0, le=1000.0)
     train_on_responses_only: bool = True
@@ -139,6 +142,9 @@ class ExportSpec(BaseModel):
     run_id: str
     format: Literal["adapter", "merged_16bit", "gguf", "ollama"]
     quantization: list[str] = Field(default_factory=list)
+    checkpoint_step: int | None = Field(
+        default=None, ge=1, description="export the adapter of this trainer checkpoint "
+        "(checkpoints/checkpoint-<step>) instead of the final one: a cancelled or failed run")
 
     @field_validator("quantization")
     @classmethod

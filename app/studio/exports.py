@@ -65,7 +65,8 @@ def export_info(engine: Engine, job: Job) -> dict[str, Any]:
     prog = events.latest(engine, job.id, "progress")
     return {"id": job.id, "object": "export", "run_id": job.run_id,
             "format": payload.get("format"), "quantization": payload.get("quantization", []),
-            "dtype": payload.get("dtype"), "status": job.state, "error": job.error,
+            "dtype": payload.get("dtype"), "checkpoint_step": payload.get("checkpoint_step"),
+            "status": job.state, "error": job.error,
             "created_at": job.created_at, "finished_at": job.finished_at,
             "progress": prog.data if prog else None, "verification": verification,
             "files": files, "ollama": result.get("ollama"),
@@ -80,29 +81,79 @@ def list_exports(engine: Engine, actor: User, run_id: str) -> list[dict[str, Any
     return [export_info(engine, j) for j in repo.list_run_jobs(engine, run_id, "export")]
 
 
+def checkpoint_steps(engine: Engine, run_id: str) -> list[int]:
+    """The steps of the run's trainer checkpoints still on disk (``Artifact(kind="checkpoint")``
+    rows the worker records as it saves them, whose folder holds an adapter), newest first."""
+    steps = {(a.meta or {}).get("step") for a in repo.list_artifacts(engine, run_id, "checkpoint")
+             if (Path(a.path) / "adapter_config.json").is_file()}
+    return sorted((s for s in steps if isinstance(s, int)), reverse=True)
+
+
+def exportable(engine: Engine, run_id: str, job: Job | None) -> tuple[bool, int | None]:
+    """(whether the run can be exported now, the checkpoint step an export uses by default): a
+    succeeded run exports its final adapter (None); a cancelled or failed one its newest
+    checkpoint, when it saved one."""
+    if job is not None and job.state == JobState.SUCCEEDED:
+        return True, None
+    if job is not None and job.state in (JobState.CANCELLED, JobState.FAILED):
+        steps = checkpoint_steps(engine, run_id)
+        return bool(steps), (steps[0] if steps else None)
+    return False, None
+
+
+def _checkpoint_step(engine: Engine, run_id: str, job: Job | None, asked) -> int | None:
+    """The checkpoint an export request uses (see :func:`queue_export`). Raises StudioError."""
+    state = job.state if job else "unknown"
+    if job is None or job.state in (JobState.QUEUED, JobState.RUNNING):
+        raise StudioError("conflict", f"run {run_id} has not finished training (state: "
+                                      f"{state}); export it once it has succeeded, or cancel "
+                                      "it and export its newest checkpoint")
+    steps = checkpoint_steps(engine, run_id)
+    if asked not in (None, ""):
+        try:
+            step = int(asked)
+        except (TypeError, ValueError):
+            raise invalid("checkpoint_step", "must be a whole number (a checkpoint's step)") \
+                from None
+        if step not in steps:
+            have = ", ".join(str(s) for s in steps) or "none"
+            raise invalid("checkpoint_step", f"run {run_id} has no checkpoint at step {step} "
+                                             f"(checkpoints on disk: {have})")
+        return step
+    if job.state == JobState.SUCCEEDED:
+        return None
+    if not steps:
+        raise StudioError("conflict", f"run {run_id} was {state} before it saved a checkpoint "
+                                      "(one is saved every save_steps steps); there is nothing "
+                                      "to export")
+    return steps[0]
+
+
 def queue_export(engine: Engine, actor: User, run_id: str, body: dict[str, Any]) -> Job:
     """Validate an export request (``format``, ``quantization`` as a list or a comma/space
-    separated string, ``dtype``) for a finished run and queue its job.
+    separated string, ``dtype``, ``checkpoint_step``) and queue its job. A succeeded run exports
+    its final adapter; a cancelled or failed one the newest checkpoint the trainer saved (or
+    the ``checkpoint_step`` asked for, which a succeeded run may name too).
 
     Raises:
-        StudioError: not_found (unknown or another user's run), conflict (run not finished),
-            invalid (unknown field, bad format/quantization/dtype).
+        StudioError: not_found (unknown or another user's run), conflict (still training, or
+            ended before any checkpoint), invalid (unknown field, bad
+            format/quantization/dtype, a checkpoint step the run does not have).
     """
     run, job = access.run_with_job(engine, actor, run_id)
-    if job is None or job.state != JobState.SUCCEEDED:
-        state = job.state if job else "unknown"
-        raise StudioError("conflict", f"run {run_id} has not finished training (state: {state}); "
-                                      "export it once it has succeeded")
-    unknown = sorted(str(k) for k in set(body) - {"format", "quantization", "dtype"})
+    step = _checkpoint_step(engine, run.id, job, body.get("checkpoint_step"))
+    unknown = sorted(str(k) for k in set(body) - {"format", "quantization", "dtype",
+                                                   "checkpoint_step"})
     if unknown:
         raise invalid(unknown[0], f"unknown field {unknown[0]!r}; an export takes format, "
-                                  "quantization and dtype")
+                                  "quantization, dtype and checkpoint_step")
     quant = body.get("quantization") or []
     if isinstance(quant, str):
         quant = [q.strip() for q in quant.replace(",", " ").split() if q.strip()]
     try:
         spec = ExportSpec(run_id=run.id, format=body.get("format"),
-                          quantization=quant, dtype=body.get("dtype") or "bf16")
+                          quantization=quant, dtype=body.get("dtype") or "bf16",
+                          checkpoint_step=step)
     except ValidationError as exc:
         raise SpecError(*field_errors(exc)) from None
     if spec.quantization and spec.format not in ("gguf", "ollama"):
@@ -114,8 +165,32 @@ def queue_export(engine: Engine, actor: User, run_id: str, body: dict[str, Any])
     job = queue.enqueue(engine, "export", payload, run_id=run.id, priority=5, max_attempts=2,
                         owner=run.owner)
     audit.record(engine, actor.id, "export.created", "export", job.id, run=run.id,
-                 format=spec.format, quantization=spec.quantization)
+                 format=spec.format, quantization=spec.quantization,
+                 **({"checkpoint_step": step} if step else {}))
     return job
+
+
+def slug(text: str, limit: int = 60) -> str:
+    """A file-name-safe slug of a run name: lower-case ASCII letters, digits and ``-``
+    (``"My run: v2 (final)"`` → ``my-run-v2-final``); empty when nothing is left."""
+    import unicodedata
+
+    ascii_text = unicodedata.normalize("NFKD", text).encode("ascii", "ignore").decode()
+    return re.sub(r"[^a-z0-9]+", "-", ascii_text.lower()).strip("-")[:limit].strip("-")
+
+
+def download_name(engine: Engine, run_id: str | None, filename: str) -> str:
+    """The name a run's file downloads under: a run with a name is named by the slug of it
+    (``ftjob-…-Q8_0.gguf`` → ``my-run-Q8_0.gguf``, ``adapter.zip`` → ``my-run-adapter.zip``);
+    otherwise ``filename`` unchanged."""
+    try:
+        run = repo.get_run(engine, run_id) if run_id else None
+    except repo.NotFound:
+        run = None
+    name = slug(run.name) if run is not None and run.name else ""
+    if not name:
+        return filename
+    return filename.replace(run.id, name) if run.id in filename else f"{name}-{filename}"
 
 
 def zip_export(engine: Engine, settings: Settings, actor: User, export_id: int) -> tuple[Path, str]:
@@ -137,6 +212,7 @@ def zip_export(engine: Engine, settings: Settings, actor: User, export_id: int) 
         for f in info["files"]:
             path = Path(arts[f["name"]].path)
             if is_under(path, settings.data_dir) and path.is_file():
-                z.write(path, arcname=f["name"])
+                z.write(path, arcname=download_name(engine, info["run_id"], f["name"]))
     audit.record(engine, actor.id, "export.downloaded", "export", export_id, run=info["run_id"])
-    return Path(tmp.name), f"{info['run_id']}-{info['format']}-{export_id}.zip"
+    return Path(tmp.name), download_name(engine, info["run_id"],
+                                         f"{info['run_id']}-{info['format']}-{export_id}.zip")

@@ -185,6 +185,9 @@ def create_sft_run(engine: Engine, settings: Settings, actor: User, spec: TrainS
                                  f"without responses to train on), not an SFT dataset"
                                  + (f" ({why})" if why else "") + "; start a GRPO run on it "
                                  f"at /runs/new/grpo?dataset={ds.id}")
+    mapping = (ds.report or {}).get("column_mapping")
+    if mapping and not spec.column_mapping:  # preview == training: the dataset's own mapping
+        spec = spec.model_copy(update={"column_mapping": mapping})
     check_qlora_device(engine, settings, spec)
     estimate_gib = calibration.for_new_run(engine, settings, model, spec, "sft")
     run, job = repo.create_run(engine, spec, name=name, owner=actor.id, estimate_gib=estimate_gib)

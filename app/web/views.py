@@ -45,10 +45,12 @@ def exports_view(engine, user, run_id: str, error: str | None = None,
     run, job = access.run_with_job(engine, user, run_id)
     items = [{**e, "verification_summary": verification.summarize(e["verification"])}
              for e in exports_uc.list_exports(engine, user, run_id)]
+    can_export, checkpoint = exports_uc.exportable(engine, run.id, job)
     return {"run": run, "exports": items, "export_formats": exports_uc.FORMATS,
             "export_quants": exports_uc.QUANTS, "export_error": error,
             "export_values": values or {"format": "gguf", "quantization": ["Q8_0"]},
-            "can_export": bool(job and job.state == JobState.SUCCEEDED),
+            "can_export": can_export, "export_checkpoint": checkpoint,
+            "run_state": job.state if job else None,
             "exports_active": any(e["status"] in (JobState.QUEUED, JobState.RUNNING) for e in items)}
 
 
@@ -83,6 +85,24 @@ def run_view(engine, user, run_id: str) -> dict[str, Any]:
             "spec_json": json.dumps(spec, indent=2), "memory": calibration.memory_summary(job),
             "evaluation": evaluation.run_evaluation(engine, run, job),
             **exports_view(engine, user, run.id)}
+
+
+def dataset_label(ds) -> str:
+    """A dataset as a picker lists it, so that two files of one name can be told apart:
+    ``train.jsonl — GRPO prompts, 7,473 rows, 2026-12-01 14:03 · …9a3f1c``."""
+    import datetime as dt
+
+    kind = "GRPO prompts" if ds.format == "prompts" else f"SFT {ds.format or '?'}"
+    rows = f"{ds.rows:,} rows" if isinstance(ds.rows, int) else "? rows"
+    when = dt.datetime.fromtimestamp(ds.created_at).strftime("%Y-%m-%d %H:%M")
+    return f"{ds.filename} — {kind}, {rows}, {when} · …{ds.id[-6:]}"
+
+
+def grpo_datasets(datasets: list, selected: str | None) -> list:
+    """The GRPO form's dataset choices: prompt datasets (newest first) and, after them, only
+    the other dataset the form already names (a link from an SFT dataset's page)."""
+    prompts = [d for d in datasets if d.format == "prompts"]
+    return prompts + [d for d in datasets if d.format != "prompts" and d.id == selected]
 
 
 def owner_names(engine, user) -> dict[str, str]:

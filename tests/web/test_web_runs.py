@@ -283,3 +283,38 @@ def test_run_names_are_bounded_and_printable(client, settings):
     r = client.post("/api/runs", json={"model": "stories260K", "dataset": ds,
                                        "name": "  nightly alpaca  "})
     assert r.status_code == 201 and r.json()["name"] == "nightly alpaca"
+
+
+def test_cleared_learning_rate_is_a_field_error_not_the_default(client):
+    """Issue 19 (Low): clearing Learning rate used 2e-4 silently; now the field says so."""
+    ds = _upload(client)
+    r = client.post("/runs", data=_form(client, ds, learning_rate="", r=" "))
+    assert r.status_code == 422
+    assert re.search(r"enter a value \(the default is 0\.0002\)", r.text)
+    assert "enter a value (the default is 16)" in r.text  # r
+    assert client.get("/api/runs").json()["data"] == []
+    r = client.post("/runs", data=_form(client, ds, max_steps=""), follow_redirects=False)
+    assert r.status_code == 303  # an empty max_steps still means "use num_train_epochs"
+
+
+def test_dataset_pickers_tell_files_apart_and_grpo_lists_prompts(client):
+    """Issue 19 item 16: two train.jsonl files differ by kind, rows, date and id; the GRPO
+    picker lists prompt datasets only (unless the form already names another)."""
+    sft = (SHARED / "sft" / "identity_alpaca.json").read_bytes()
+    gsm = "\n".join((SHARED / "grpo" / "gsm8k" / "train.jsonl").read_text().splitlines()[:30])
+    a = client.post("/datasets", files={"file": ("train.jsonl", sft)}, follow_redirects=False)
+    b = client.post("/grpo/datasets", files={"file": ("train.jsonl", gsm.encode())},
+                    follow_redirects=False)
+    run_validations(client.app)
+    a_id = a.headers["location"].rsplit("/", 1)[1]
+    b_id = b.headers["location"].rsplit("/", 1)[1]
+    form = client.get("/runs/new").text
+    opt = re.search(rf'<option value="{a_id}"[^>]*>([^<]*)</option>', form).group(1)
+    assert re.fullmatch(rf"train\.jsonl — SFT alpaca, 91 rows, \d{{4}}-\d\d-\d\d \d\d:\d\d · …"
+                        rf"{a_id[-6:]}", opt), opt
+    assert b_id not in form  # prompt datasets are for GRPO
+    grpo = client.get("/runs/new/grpo").text
+    opt = re.search(rf'<option value="{b_id}"[^>]*>([^<]*)</option>', grpo).group(1)
+    assert opt.startswith("train.jsonl — GRPO prompts, 30 rows, ") and opt.endswith(b_id[-6:])
+    assert a_id not in grpo  # SFT files are not offered for GRPO by default
+    assert a_id in client.get(f"/runs/new/grpo?dataset={a_id}").text

@@ -142,7 +142,12 @@ def test_train_30_steps_loss_falls_and_adapter_works(env) -> None:
     assert cfg["spec"]["r"] == 8 and cfg["chat_template"]["name"] == "chatml"  # the fallback
     assert cfg["chat_template"]["template"]
     kinds = {a.kind: a for a in repo.list_artifacts(eng, run.id)}
-    assert set(kinds) == {"adapter", "config"}
+    assert set(kinds) == {"adapter", "config", "checkpoint"}
+    steps = sorted(a.meta["step"] for a in repo.list_artifacts(eng, run.id, "checkpoint"))
+    assert steps == [10, 20, 30]  # recorded as the trainer saved them
+    logs = [ev.data["message"] for ev in events.since(eng, job.id, types=["log"])]
+    done = next(m for m in logs if m.startswith("done:"))
+    assert len(done.split("final loss ")[1]) <= 8, done  # rounded, not 17.136369705200195
     assert Path(kinds["adapter"].path).name == "adapter.zip" and kinds["adapter"].bytes > 0
     adapter = run_dir / "adapter"
     for f in ("adapter_config.json", "adapter_model.safetensors", "tokenizer.json",
@@ -181,6 +186,37 @@ def test_cancel_running_train_job_within_seconds(env) -> None:
     assert j.state == JobState.CANCELLED
     assert time.monotonic() - t0 < 10
     assert env["proc"].poll() is None
+
+
+def test_cancelled_run_exports_its_newest_checkpoint(env) -> None:
+    """Issue 19 item 10: checkpoints are recorded as the trainer saves them; a cancelled run's
+    newest one exports as a PEFT adapter that loads and matches that checkpoint's weights."""
+    from safetensors.torch import load_file
+
+    from app.store.schema import Artifact  # noqa: F401
+    from app.store.specs import ExportSpec
+
+    eng = env["engine"]
+    run, job = _run(env, max_steps=100_000, save_steps=2)
+    _wait(lambda: len(repo.list_artifacts(eng, run.id, "checkpoint")) >= 2, 180,
+          "two checkpoints", env["proc"])
+    queue.cancel(eng, job.id)
+    assert _wait(lambda: _ended(eng, job.id), 30, "cancelled", env["proc"]).state == "cancelled"
+    arts = repo.list_artifacts(eng, run.id, "checkpoint")
+    step = max(a.meta["step"] for a in arts if Path(a.path).is_dir())
+    folder = Path(next(a.path for a in arts if a.meta["step"] == step))
+    cfg = json.loads((folder / "adapter_config.json").read_text())
+    assert cfg["base_model_name_or_path"] == "stories260K"  # no server path
+    spec = ExportSpec(run_id=run.id, format="adapter", checkpoint_step=step)
+    exp = queue.enqueue(eng, "export", spec.model_dump(mode="json"), run_id=run.id, priority=5)
+    j = _wait(lambda: _ended(eng, exp.id), 180, "export", env["proc"])
+    assert j.state == JobState.SUCCEEDED, j.error
+    assert j.result["verification"]["passed"] is True
+    out = next(f["path"] for f in j.result["files"]
+               if f["path"].endswith("adapter_model.safetensors"))
+    got = load_file(out)
+    want = load_file(str(folder / "adapter_model.safetensors"))
+    assert set(got) == set(want) and all((got[k] == want[k]).all() for k in want)
 
 
 def test_sigterm_requeues_running_job_and_next_worker_resumes(env) -> None:

@@ -5,7 +5,23 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+
+
+def checkpoint_callback(on_save: Callable[[int, Path], None]):
+    """A TrainerCallback that calls ``on_save(step, folder)`` each time the trainer has written a
+    checkpoint (``<output_dir>/checkpoint-<step>``, at ``save_steps`` and on shutdown)."""
+    from transformers import TrainerCallback
+
+    class CheckpointCallback(TrainerCallback):
+        def on_save(self, args, state, control, **kw):
+            folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            if folder.is_dir():
+                on_save(state.global_step, folder)
+            return control
+
+    return CheckpointCallback()
 
 
 @functools.cache

@@ -58,16 +58,20 @@ class EncodedSet:
     tokens: int
     trained_tokens: int
     truncated: int
+    dropped: list = field(default_factory=list)  # app.data.report.Issue: rows with no trained token
     row_numbers: list = field(default_factory=list)  # the file's row number of each encoded row
 
 
 def build_dataset(path: str | Path, model_dir: str | Path, template: str | None,
                   max_seq_length: int, train_on_responses_only: bool, fmt: str | None = None,
                   check: Callable[[], None] | None = None,
-                  progress: Callable[[int], None] | None = None) -> EncodedSet:
+                  progress: Callable[[int], None] | None = None,
+                  column_mapping: dict[str, str] | None = None) -> EncodedSet:
     """Encode every valid row of ``path`` for the model in ``model_dir``.
 
     ``check`` is called every 64 rows (raises to stop), ``progress(rows_done)`` likewise.
+    Rows with no trained token are left out and listed in ``EncodedSet.dropped`` (row, reason).
+    ``column_mapping``: the dataset's columns read as alpaca fields (as the preview reads them).
     Raises DatasetError for whole-file problems (or when no row is trainable).
     """
     from datasets import Dataset
@@ -79,9 +83,12 @@ def build_dataset(path: str | Path, model_dir: str | Path, template: str | None,
     bundle = load_tokenizer_bundle(model_dir)
     ids, labels = [], []
     tokens = trained = truncated = 0
+    dropped: list = []
     row_numbers: list[int] = []
     for n, (_row, enc) in enumerate(iter_encoded(path, bundle, template, max_seq_length,
-                                                 train_on_responses_only, fmt), 1):
+                                                 train_on_responses_only, fmt,
+                                                 column_mapping=column_mapping,
+                                                 dropped=dropped), 1):
         row_numbers.append(_row)
         ids.append(list(enc.input_ids))
         labels.append(list(enc.labels))
@@ -97,4 +104,22 @@ def build_dataset(path: str | Path, model_dir: str | Path, template: str | None,
         raise DatasetError("no row of the dataset has a trained token; check the format and "
                            "the chat template")
     return EncodedSet(Dataset.from_dict({"input_ids": ids, "labels": labels}), len(ids), tokens,
-                      trained, truncated, row_numbers=row_numbers)
+                      trained, truncated, dropped, row_numbers=row_numbers)
+
+
+def dropped_note(dropped: list, limit: int = 20) -> str | None:
+    """The run log's warning about rows left out for having no trained token (row numbers and
+    reasons, grouped by reason), or None when none was."""
+    if not dropped:
+        return None
+    by_reason: dict[str, list[int]] = {}
+    for issue in dropped:
+        by_reason.setdefault(issue.message, []).append(issue.row)
+    parts = []
+    for reason, rows in by_reason.items():
+        shown = ", ".join(str(r) for r in rows[:limit])
+        more = f" and {len(rows) - limit} more" if len(rows) > limit else ""
+        parts.append(f"row{'s' if len(rows) > 1 else ''} {shown}{more}: {reason}")
+    n = len(dropped)
+    return f"{n} row{'s' if n > 1 else ''} with no trained token left out of training (" + \
+        "; ".join(parts) + ")"

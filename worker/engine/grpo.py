@@ -227,7 +227,7 @@ def make_trainer(model, tokenizer, train_dataset, args, scorer: Scorer, max_prom
             self.stats.append(stat)
             b = scorer.batch
             self.samples = [
-                {"prompt": b.prompts[i][-300:], "completion": b.completions[i][:600],
+                {"prompt": clip_start(b.prompts[i], 300), "completion": clip_end(b.completions[i], 600),
                  "tokens": b.completion_tokens[i], "group": i // scorer.num_generations,
                  "rewards": {f.name: scorer.current[f.name][i] for f in scorer.functions},
                  "reward": total[i], "advantage": adv[i]}
@@ -265,6 +265,29 @@ def grpo_config(spec, output_dir: str, cuda: bool, optim: str, **overrides: Any)
     )
     kw.update(overrides)
     return GRPOConfig(**kw)
+
+
+ELLIPSIS = "…"
+
+
+def clip_end(text: str, limit: int) -> str:
+    """``text`` kept from its start to at most ``limit`` characters, cut at a word boundary
+    (mid-word only when a single word is that long) and marked with a trailing "…"."""
+    if len(text) <= limit:
+        return text
+    head = text[:limit - 1]
+    cut = max(head.rfind(" "), head.rfind("\n"))
+    return (head[:cut] if cut > limit // 2 else head).rstrip() + ELLIPSIS
+
+
+def clip_start(text: str, limit: int) -> str:
+    """``text``'s last ``limit`` characters at most (a prompt's end is what the model answers),
+    cut at a word boundary and marked with a leading "…"."""
+    if len(text) <= limit:
+        return text
+    tail = text[len(text) - limit + 1:]
+    cut = min((i for i in (tail.find(" "), tail.find("\n")) if i >= 0), default=-1)
+    return ELLIPSIS + (tail[cut + 1:] if 0 <= cut < limit // 2 else tail).lstrip()
 
 
 def progress_callback(metric: Callable[..., None], sample: Callable[..., None],

@@ -43,8 +43,13 @@ class RunInfo:
 
 
 def load_run(run_dir: str | Path, base_dir: str | Path | None = None,
-             run_spec: dict | None = None) -> RunInfo:
+             run_spec: dict | None = None, checkpoint_step: int | None = None) -> RunInfo:
     """Read a run folder; raises :class:`ExportError` naming what is missing.
+
+    ``checkpoint_step``: the adapter is that trainer checkpoint's
+    (``checkpoints/checkpoint-<step>``, which holds ``adapter_model.safetensors`` and
+    ``adapter_config.json`` of the PEFT model) instead of the final ``adapter/``: how a
+    cancelled or failed run is exported.
 
     ``run_spec`` is the run row's spec (the worker's export job passes it, with ``base_dir`` from
     the model row): its resolved chat template, system prompt and ``load_in_4bit`` are used as
@@ -53,6 +58,13 @@ def load_run(run_dir: str | Path, base_dir: str | Path | None = None,
     """
     run_dir = Path(run_dir)
     adapter = run_dir / "adapter"
+    if checkpoint_step is not None:
+        from worker.checkpoints import is_complete
+
+        adapter = run_dir / "checkpoints" / f"checkpoint-{checkpoint_step}"
+        if not is_complete(adapter) or not (adapter / "adapter_config.json").exists():
+            raise ExportError(f"checkpoint {checkpoint_step} of the run is missing or incomplete "
+                              "(the trainer keeps only its newest checkpoints)")
     if not (adapter / "adapter_config.json").exists():
         raise ExportError(f"{adapter}: no adapter_config.json; has the run finished training?")
     cfg_path = run_dir / "config.json"

@@ -62,7 +62,7 @@ def export_run(run_dir: str | Path, spec, out_dir: str | Path,
 
     s = _spec(spec)
     fmt, out = s["format"], Path(out_dir)
-    info = load_run(run_dir, base_dir, run_spec)
+    info = load_run(run_dir, base_dir, run_spec, s.get("checkpoint_step"))
     tok = load_tokenizer(info)
     progress("reference", 0.02)
     trained = load_trained_model(info, dtype=torch.float32)

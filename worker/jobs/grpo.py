@@ -25,6 +25,8 @@ from worker import gpu
 from worker.context import JobContext, JobError
 from worker.jobs import common
 from worker.jobs.card import model_card
+from worker import checkpoints
+from worker.progress import rounded
 from worker.rewards.base import RewardError
 
 
@@ -85,7 +87,9 @@ def run(ctx: JobContext) -> dict[str, Any]:
                                       sample_every=spec.sample_every,
                                       warn=lambda m: ctx.log(m, "warning"))
     trainer = grpo.make_trainer(model, tokenizer, prompts.dataset, args, scorer,
-                                spec.max_prompt_length, [callback], on_log=ctx.log,
+                                spec.max_prompt_length,
+                                [callback, checkpoints.recorder(ctx, run_id, model_row)],
+                                on_log=ctx.log,
                                 check=ctx.check)
     holder["trainer"] = trainer
     if spec.beta > 0:
@@ -142,5 +146,5 @@ def run(ctx: JobContext) -> dict[str, Any]:
         "chat_template": chosen.name, "memory_peak": gpu.peak(),
     }
     ctx.log(f"done: {trainer.state.global_step} steps in {runtime:.1f}s, mean reward "
-            f"{result['first_rewards_mean']} -> {result['last_rewards_mean']}")
+            f"{rounded(result['first_rewards_mean'])} -> {rounded(result['last_rewards_mean'])}")
     return result

@@ -20,10 +20,11 @@ import time
 from typing import Any
 
 from app.store.specs import TrainSpec
-from worker import gpu
+from worker import checkpoints, gpu
 from worker.context import JobContext, JobError
 from worker.jobs import common
 from worker.jobs.card import model_card
+from worker.progress import rounded
 
 
 def run(ctx: JobContext) -> dict[str, Any]:
@@ -56,10 +57,14 @@ def run(ctx: JobContext) -> dict[str, Any]:
         enc = edata.build_dataset(ds_row.path, model_row.path, chosen.source, spec.max_seq_length,
                                   spec.train_on_responses_only, spec.dataset_format or None,
                                   check=ctx.check,
-                                  progress=lambda n: ctx.progress("tokenize", n, ds_row.rows or 0))
+                                  progress=lambda n: ctx.progress("tokenize", n, ds_row.rows or 0),
+                                  column_mapping=spec.column_mapping)
     except DatasetError as e:
         raise JobError(f"dataset {ds_row.filename}: {e}") from e
     ctx.progress("tokenize", enc.rows, enc.rows)
+    dropped = edata.dropped_note(enc.dropped)
+    if dropped:
+        ctx.log(dropped, "warning")
     ctx.log(f"{enc.rows} training rows, {enc.tokens} tokens ({enc.trained_tokens} trained)"
             + (f", {enc.truncated} truncated to {spec.max_seq_length}" if enc.truncated else ""))
     from worker.engine.evaluation import eval_arguments, eval_callbacks
@@ -80,7 +85,9 @@ def run(ctx: JobContext) -> dict[str, Any]:
                                      on_stop=lambda r: ctx.log(f"stopping training ({r})"))
     reporter, eval_cbs = eval_callbacks(spec, ctx.metric) if held.eval_dataset is not None \
         else (None, [])
-    trainer = sft.make_trainer(model, tokenizer, held.train_dataset, args, [callback, *eval_cbs],
+    saved = checkpoints.recorder(ctx, run_id, model_row)
+    trainer = sft.make_trainer(model, tokenizer, held.train_dataset, args,
+                               [callback, saved, *eval_cbs],
                                eval_dataset=held.eval_dataset)
 
     common.write_config(ctx, run_id, run_dir, {
@@ -132,5 +139,5 @@ def run(ctx: JobContext) -> dict[str, Any]:
     result.update(evaluation.finish(ctx, run_id, run_dir, spec, held, reporter, trainer,
                                     tokenizer))
     ctx.log(f"done: {state.global_step} steps in {runtime:.1f}s, final loss "
-            f"{result['final_loss']}")
+            f"{rounded(result['final_loss'])}")
     return result

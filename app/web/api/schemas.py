@@ -115,6 +115,7 @@ class ExportOut(BaseModel):
     format: str | None
     quantization: list[str] | str | None
     dtype: str | None
+    checkpoint_step: int | None = None
     status: str
     error: str | None
     created_at: float

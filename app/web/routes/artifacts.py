@@ -10,6 +10,7 @@ from fastapi.responses import FileResponse
 
 from app.studio import access
 from app.studio import datasets as datasets_uc
+from app.studio import exports as exports_uc
 from app.studio.datasets import is_under
 from app.studio.errors import StudioError
 from app.web.deps import CurrentUser, EngineDep, SettingsDep
@@ -25,4 +26,5 @@ def download(artifact_id: str, engine: EngineDep, settings: SettingsDep, user: C
     datasets_uc.downloaded(engine, user, "artifact", art.id, run=art.run_id, name=art.name)
     media = "application/zip" if art.path.endswith(".zip") else (
         "application/json" if art.path.endswith(".json") else "application/octet-stream")
-    return FileResponse(art.path, filename=Path(art.name).name, media_type=media)
+    name = exports_uc.download_name(engine, art.run_id, Path(art.name).name)
+    return FileResponse(art.path, filename=name, media_type=media)

@@ -16,7 +16,7 @@ from app.web.deps import CurrentUser, EngineDep, SettingsDep, is_htmx
 from app.web.render import render
 from app.web.sse import job_event_stream, start_after
 from app.web import views
-from app.web.views import redirect_to_run, run_view, template_ctx
+from app.web.views import dataset_label, redirect_to_run, run_view, template_ctx
 
 router = APIRouter()
 
@@ -43,7 +43,8 @@ def _form_ctx(engine, user, values: dict, errors: dict | None = None,
     if not values.get("dataset") and datasets:
         values["dataset"] = datasets[0].id
     return {"values": values, "errors": errors or {}, "general_errors": general or [],
-            "models": models, "datasets": datasets, "all_modules": ALL_LINEAR,
+            "models": models, "datasets": datasets, "dataset_label": dataset_label,
+            "all_modules": ALL_LINEAR,
             "schedulers": SCHEDULERS,
             "tmpl": tmpl or template_ctx(engine, user, values.get("model"))}
 
@@ -122,6 +123,21 @@ def spec_from_form(form) -> tuple[dict, dict]:
     return raw, values
 
 
+def cleared_numbers(form) -> dict[str, str]:
+    """``{field: message}`` for the numeric fields submitted empty whose TrainSpec default is a
+    number (``learning_rate``, ``r``, ...): refused rather than silently replaced by the default.
+    ``max_steps`` may be empty (it means "use num_train_epochs")."""
+    out = {}
+    for key, field in TrainSpec.model_fields.items():
+        default = field.default
+        if key == "max_steps" or isinstance(default, bool) or not isinstance(default, (int, float)):
+            continue
+        v = form.get(key)
+        if v is not None and not str(v).strip():
+            out[key] = f"enter a value (the default is {default:g})"
+    return out
+
+
 @router.post("/runs")
 async def create_run(request: Request, engine: EngineDep, settings: SettingsDep,
                      user: CurrentUser):
@@ -136,6 +152,7 @@ async def create_run(request: Request, engine: EngineDep, settings: SettingsDep,
         errors["model"] = "choose a model (register one on the Models page)"
     if not raw.get("dataset"):
         errors["dataset"] = "choose a dataset (upload one on the Datasets page)"
+    errors.update(cleared_numbers(form))
     try:
         spec = runs_uc.parse_spec(TrainSpec, raw)
         if not errors:
