@@ -31,7 +31,9 @@ PARAMS = {"run_id": "run", "job_id": "run", "dataset_id": "dataset", "file_id": 
           "key_id": "key", "user_id": "user_a"}
 #: Routes whose object is not "A's" in the ownership sense (admin-only user management: B is a
 #: member and gets 403 there; A's own account pages take no id).
-ADMIN_ONLY = {"/admin/users/{user_id}", "/admin", "/admin/users", "/api/users"}
+ADMIN_ONLY = {"/admin/users/{user_id}", "/admin", "/admin/users", "/api/users",
+              "/queue/jobs/{job_id}/front", "/api/queue/jobs/{job_id}/front", "/admin/quotas",
+              "/admin/quotas/{user_id}", "/admin/usage.csv"}
 #: Form URLs whose GET only sends the caller to the form's page (POST-redirect-GET).
 FORM_PAGES = {"/account/keys": "/account", "/account/password": "/account"}
 
@@ -104,7 +106,7 @@ def objs(app, server, engine, settings, tmp_path):
     assert r.status_code == 201, r.text
     key = r.json()["id"]
     yield {"a": a, "b": b, "admin": admin, "anon": httpx.Client(base_url=server, timeout=60),
-           "run": run, "dataset": dataset, "model": model, "model_name": model_name, "export": str(export),
+           "run": run, "job": job.id, "dataset": dataset, "model": model, "model_name": model_name, "export": str(export),
            "artifact": art.id, "key": key, "user_a": users["alice"]["id"],
            "names": [run, dataset, model, art.id, key]}
     for c in (a, b, admin):
@@ -115,6 +117,8 @@ def fill(path: str, objs: dict) -> str:
     out = path
     if path.startswith("/v1/models/"):  # /v1 names base models by name
         return out.replace("{model_id}", objs["model_name"])
+    if path.startswith(("/queue/", "/api/queue/")):  # the queue names its (integer) job ids
+        out = out.replace("{job_id}", str(objs["job"]))
     for param, key in PARAMS.items():
         out = out.replace("{" + param + "}", str(objs[key]))
     return out
