@@ -65,6 +65,8 @@ class Settings(BaseSettings):
         fair_share_hours: the window (hours) of GPU time that fair share compares between users.
         simulated_gpus: tests only: ``"2x24"`` makes a supervisor on a CPU box own 2 simulated
             GPUs of 24 GiB each (jobs run on the CPU, admission as on real GPUs); empty = real.
+        gpu_sample_seconds: how often a supervisor writes each GPU's figures (utilisation,
+            memory, temperature, power, jobs) for the GPU dashboard (seconds; kept two hours).
 
     Reward sandbox (custom GRPO reward code runs in a bubblewrap jail, one per batch of
     completions; these limits are the admin's, a submitter cannot change them):
@@ -106,6 +108,7 @@ class Settings(BaseSettings):
     gpu_admit_margin: float = Field(default=0.1, ge=0)
     fair_share_hours: float = Field(default=24.0, gt=0)
     simulated_gpus: str = ""
+    gpu_sample_seconds: float = Field(default=5.0, gt=0)
     # reward sandbox
     reward_memory_mb: int = Field(default=1024, ge=64)
     reward_cpu_seconds: int = Field(default=30, ge=1)

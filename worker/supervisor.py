@@ -19,6 +19,9 @@ their estimated memory, several at once per GPU, and runs each admitted job in i
   to the queue; then the lane stops and the rows are removed.
 * ``settings.simulated_gpus`` (tests only, e.g. ``2x24``) gives a CPU box simulated GPUs of that
   size; without a GPU or a simulation the host has one CPU slot that runs one job at a time.
+* Every ``settings.gpu_sample_seconds`` each slot's figures (NVML utilisation, memory,
+  temperature, power, its running jobs) are written to ``gpu_samples`` for the GPU dashboard
+  (worker/gpu_samples.py); a sampling fault is logged and never stops admission.
 """
 from __future__ import annotations
 
@@ -30,12 +33,15 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass
 
 from app.settings import Settings
+from app.store import gpu_samples as samples_store
 from app.store import queue, workers
 from app.store.admission import Slot
 from worker import faults, gpu
+from worker.gpu_samples import Sampler
 from worker.loop import CPU_KINDS, HANDLERS, Worker, one_line
 
 log = logging.getLogger("worker.supervisor")
@@ -112,6 +118,7 @@ class Child:
     owner: str
     slot: Slot
     proc: subprocess.Popen
+    admitted_gib: float | None = None
 
 
 class Supervisor:
@@ -130,18 +137,23 @@ class Supervisor:
         self.slots: list[Slot] = []
         self.children: list[Child] = []
         self._lock = threading.Lock()
+        self.sampler: Sampler | None = None
+        self._sampled_at = float("-inf")  # monotonic seconds of the last GPU sample
 
     def start(self) -> None:
         """Start as a worker, register the slots, reap what this id's previous process left."""
         self.base.start()
         self.engine = self.base.engine
+        labels = {}
         for slot, label in discover(self.settings, self.id):
+            labels[slot.id] = label
             workers.register(self.engine, slot.id, slot.host, os.getpid(), label,
                              slot.total_gib, slot.index, slot.capacity_gib)
             for job_id, state in queue.reap(self.engine, restarted=slot.id,
                                             restarted_prefix=f"{slot.id}:"):
                 log.warning("reaped job %s of a previous supervisor -> %s", job_id, state)
             self.slots.append(slot)
+        self.sampler = Sampler(self.slots, labels, bool(self.settings.simulated_gpus))
         log.info("supervisor %s: %s (admits %s)", self.id, ", ".join(
             f"{s.id} {s.capacity_gib if s.capacity_gib is not None else 'cpu'}"
             + (" GiB" if s.capacity_gib is not None else "") for s in self.slots),
@@ -165,7 +177,7 @@ class Supervisor:
         cmd = [sys.executable, "-m", "worker.child", "--job", str(job.id),
                "--lease-owner", job.lease_owner, "--handlers", json.dumps(HANDLERS)]
         proc = subprocess.Popen(cmd, env=env)
-        child = Child(job.id, job.lease_owner, slot, proc)
+        child = Child(job.id, job.lease_owner, slot, proc, job.admitted_gib)
         with self._lock:
             self.children.append(child)
         log.info("job %s (%s) admitted on %s with %s GiB: pid %s", job.id, job.kind, slot.id,
@@ -208,6 +220,28 @@ class Supervisor:
         for slot in self.slots:
             workers.touch(self.engine, slot.id, on.get(slot.id))
 
+    def sample(self) -> int:
+        """Write one GPU sample per slot (:mod:`worker.gpu_samples`) and prune the table to
+        its window. Returns how many samples were written."""
+        self._sampled_at = time.monotonic()
+        if self.sampler is None:
+            return 0
+        with self._lock:
+            running: dict[str, list[tuple[int, float | None]]] = {}
+            for c in self.children:
+                running.setdefault(c.slot.id, []).append((c.job_id, c.admitted_gib))
+        rows = self.sampler.sample(running)
+        samples_store.record(self.engine, rows)
+        return len(rows)
+
+    def _sample_if_due(self) -> None:
+        if time.monotonic() - self._sampled_at < self.settings.gpu_sample_seconds:
+            return
+        try:
+            self.sample()
+        except Exception as exc:  # noqa: BLE001 - the dashboard may miss a point, admission not
+            log.warning("could not write the GPU samples: %s", one_line(exc))
+
     def serve(self, once: bool = False) -> int:
         """Admit and supervise until shutdown, then stop the children. Returns 0. A database
         or disk fault never ends the loop (logged, backed off); with less than
@@ -220,6 +254,7 @@ class Supervisor:
                 if not 0 <= free < faults.MIN_FREE_BYTES:
                     self.admit_all()
                 self.touch()
+                self._sample_if_due()
                 backoff.reset()
                 self.shutdown.wait(self.poll_interval)
             except Exception as exc:  # noqa: BLE001 - back off, keep supervising
@@ -252,6 +287,8 @@ class Supervisor:
     def stop(self) -> None:
         """Stop the lane and the reaper, remove this process's and its slots' rows."""
         self.base.stop()
+        if self.sampler is not None:
+            self.sampler.close()
         for slot in self.slots:
             try:
                 workers.unregister(self.engine, slot.id)

@@ -173,6 +173,32 @@ class Worker(SQLModel, table=True):
     gpu_capacity_gib: float | None = None
 
 
+class GpuSample(SQLModel, table=True):
+    """One GPU's figures at one moment, written by its supervisor every
+    ``settings.gpu_sample_seconds`` and kept for :data:`app.store.gpu_samples.KEEP_SECONDS`.
+
+    ``source`` says where the figures came from: ``nvml`` (a real GPU), ``simulated`` (tests:
+    memory used is the sum admitted there, the rest unknown) or ``cpu`` (a box without a GPU: the
+    host's CPU utilisation and RAM). Unknown figures are None. ``jobs`` lists the ids of the jobs
+    running there at that moment."""
+
+    __tablename__ = "gpu_samples"
+    __table_args__ = (Index("ix_gpu_samples_slot_ts", "slot", "ts"),)
+    id: int | None = Field(default=None, primary_key=True)
+    ts: float = Field(default_factory=now, index=True)
+    slot: str  # the GPU slot's worker row id, e.g. "box-gpu0"
+    host: str
+    gpu_index: int | None = None
+    name: str = ""  # device label, e.g. "cuda:0 NVIDIA H200"
+    source: str = "nvml"  # nvml | simulated | cpu
+    util_pct: float | None = None  # utilisation, percent
+    mem_used_gib: float | None = None
+    mem_total_gib: float | None = None
+    temp_c: float | None = None  # degrees Celsius
+    power_w: float | None = None  # watts
+    jobs: list[int] = Field(default_factory=list, sa_column=Column(JSON, nullable=False))
+
+
 class User(SQLModel, table=True):
     """A person who signs in; ``role`` is ``admin`` or ``member``. The ``owner`` columns of
     datasets, models, runs and jobs hold a user's ``id``."""
