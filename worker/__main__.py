@@ -12,6 +12,9 @@ unregister the worker and exit 0.
 the host's GPUs, admits training jobs onto them by estimated memory, several per GPU, and runs
 each in its own process (worker/supervisor.py); ``--worker-id`` is then the supervisor's id
 (default: the host name) and the CPU lane runs as well.
+
+``--health`` (the worker image's HEALTHCHECK): exit 0 when the supervisor's heartbeat row
+(``--worker-id``, default the host name) is fresh, else 1 with the reason (worker/health.py).
 """
 from __future__ import annotations
 
@@ -37,6 +40,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "worker knows, CPU kinds on the CPU lane)")
     p.add_argument("--supervise", action="store_true",
                    help="own this host's GPUs: admit jobs by memory, one process per job")
+    p.add_argument("--health", action="store_true",
+                   help="exit 0 when the supervisor's heartbeat (--worker-id, default the host "
+                        "name) is fresh, else 1")
     p.add_argument("--no-cpu-lane", action="store_true",
                    help="no CPU lane: one loop claims every kind (CPU kinds wait behind training)")
     return p.parse_args(argv)
@@ -44,6 +50,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.health:
+        from worker import health
+
+        return health.main(args.worker_id)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from worker.loop import CPU_KINDS, HANDLERS, Worker
