@@ -210,6 +210,32 @@ def csrf_token(request: Request) -> str | None:
     return getattr(request.state, "csrf_token", None)
 
 
+def resolve(engine, request: Request):
+    """``(user, token row, method)`` for the request's credentials: a Bearer API key or access
+    token (method ``"bearer"``) or the session cookie (``"cookie"``); ``(None, None, method)``
+    when they name no live, enabled user."""
+    auth = request.headers.get("authorization", "")
+    if auth[:7].lower() == "bearer ":
+        cred = auth[7:].strip()
+        if cred.startswith(accounts.KEY_PREFIX):
+            return accounts.user_for_api_key(engine, cred), None, "bearer"
+        found = accounts.session_for_token(engine, cred)
+        return (found[0], found[1], "bearer") if found else (None, None, "bearer")
+    token = session_token(request)
+    found = accounts.session_for_token(engine, token) if token else None
+    if found and found[1].kind == "session":
+        return found[0], found[1], "cookie"
+    return None, None, None
+
+
+def still_signed_in(request: Request) -> bool:
+    """Whether the credentials that opened ``request`` still name the same live, enabled user
+    (a long stream re-checks this: sign-out, revocation or disabling ends it). Blocking."""
+    user = getattr(request.state, "user", None)
+    now_user = resolve(request.app.state.engine, request)[0]
+    return user is not None and now_user is not None and now_user.id == user.id
+
+
 class AuthMiddleware:
     """The ASGI middleware described in the module docstring (added by :func:`install`)."""
 
@@ -243,7 +269,7 @@ class AuthMiddleware:
             await refusal(scope, receive, send)
             return
         state = scope.setdefault("state", {})
-        user, row, method = await run_in_threadpool(self._resolve, request)
+        user, row, method = await run_in_threadpool(resolve, self.engine, request)
         state.update(user=user, auth_method=method, csrf_token=row.csrf_token if row and
                      row.kind == "session" and method == "cookie" else None)
         no_store = no_store or (user is not None and not path.startswith("/static/"))
@@ -261,20 +287,6 @@ class AuthMiddleware:
                                      code="csrf_failed")(scope, receive, send)
                 return
         await self.app(scope, receive, send)
-
-    def _resolve(self, request: Request):
-        auth = request.headers.get("authorization", "")
-        if auth[:7].lower() == "bearer ":
-            cred = auth[7:].strip()
-            if cred.startswith(accounts.KEY_PREFIX):
-                return accounts.user_for_api_key(self.engine, cred), None, "bearer"
-            found = accounts.session_for_token(self.engine, cred)
-            return (found[0], found[1], "bearer") if found else (None, None, "bearer")
-        token = session_token(request)
-        found = accounts.session_for_token(self.engine, token) if token else None
-        if found and found[1].kind == "session":
-            return found[0], found[1], "cookie"
-        return None, None, None
 
     @staticmethod
     def _anonymous(request: Request) -> Response:

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import contextlib
 import json
 import logging
 import threading
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from sqlalchemy.engine import Engine
@@ -208,6 +209,46 @@ def unsubscribe(feed: JobFeed) -> None:
 def active_feeds() -> int:
     """How many job feeds the running event loop holds (each one poller)."""
     return len(_loop_feeds())
+
+
+#: How often a long stream re-checks that its caller is still signed in (seconds).
+AUTH_RECHECK_SECONDS = 5.0
+
+
+async def while_signed_in(stream: AsyncIterator[bytes], still_signed_in: Callable[[], bool],
+                          every: float | None = None) -> AsyncIterator[bytes]:
+    """``stream``'s chunks for as long as ``still_signed_in()`` (blocking; run in the thread pool
+    every ``every`` seconds, default :data:`AUTH_RECHECK_SECONDS`, idle or not) holds: signing
+    out, revoking the key or disabling the user ends an open stream within that time, not only
+    new ones."""
+    every = AUTH_RECHECK_SECONDS if every is None else every
+    loop = asyncio.get_running_loop()
+    it = stream.__aiter__()
+    pending: asyncio.Future | None = None
+    due = loop.time() + every
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(it.__anext__())
+            done, _ = await asyncio.wait({pending}, timeout=max(0.0, due - loop.time()))
+            if pending in done:
+                try:
+                    chunk = pending.result()
+                except StopAsyncIteration:
+                    pending = None
+                    return
+                pending = None
+                yield chunk
+            if loop.time() >= due:
+                if not await run_in_threadpool(still_signed_in):
+                    return
+                due = loop.time() + every
+    finally:
+        if pending is not None:  # let the inner generator see the cancel before closing it
+            pending.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration, Exception):
+                await pending
+        await it.aclose()
 
 
 async def job_event_stream(engine: Engine, job_id: int, after_id: int,

@@ -12,8 +12,9 @@ from sse_starlette.sse import EventSourceResponse
 
 from app.studio import exports as exports_uc
 from app.web.api.schemas import ExportList, ExportOut, ExportQueued, json_object
+from app.web.auth import still_signed_in
 from app.web.deps import CurrentUser, EngineDep
-from app.web.sse import job_event_stream, start_after
+from app.web.sse import job_event_stream, start_after, while_signed_in
 
 router = APIRouter(prefix="/api", tags=["exports"])
 
@@ -41,4 +42,6 @@ async def export_events(export_id: int, request: Request, engine: EngineDep, use
     """The export job's events over SSE (resumes after ``Last-Event-ID`` or ``?after=``)."""
     job = exports_uc.export_job(engine, user, export_id)
     start = start_after(request.headers.get("last-event-id"), after)
-    return EventSourceResponse(job_event_stream(engine, job.id, start), ping=15)
+    stream = while_signed_in(job_event_stream(engine, job.id, start),
+                             lambda: still_signed_in(request))
+    return EventSourceResponse(stream, ping=15)

@@ -14,9 +14,10 @@ from app.studio import access, validation
 from app.studio import datasets as datasets_uc
 from app.studio.errors import StudioError
 from app.web.deps import CurrentUser, EngineDep, SettingsDep, current_user, get_engine, get_settings, is_htmx
+from app.web.auth import still_signed_in
 from app.web.render import render
 from app.web.views import owner_names
-from app.web.sse import job_event_stream, start_after
+from app.web.sse import job_event_stream, start_after, while_signed_in
 from app.web.uploads import UploadError, receive_upload
 
 router = APIRouter()
@@ -200,5 +201,7 @@ async def dataset_events(request: Request, dataset_id: str, engine: EngineDep, u
     if job_id is None:
         return Response(status_code=204)
     start = start_after(request.headers.get("last-event-id"), after)
-    return EventSourceResponse(job_event_stream(engine, job_id, start), ping=15,
+    stream = while_signed_in(job_event_stream(engine, job_id, start),
+                             lambda: still_signed_in(request))
+    return EventSourceResponse(stream, ping=15,
                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

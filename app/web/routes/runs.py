@@ -13,8 +13,9 @@ from app.studio import datasets as datasets_uc
 from app.studio import runs as runs_uc
 from app.studio.errors import StudioError
 from app.web.deps import CurrentUser, EngineDep, SettingsDep, is_htmx
+from app.web.auth import still_signed_in
 from app.web.render import render
-from app.web.sse import job_event_stream, start_after
+from app.web.sse import job_event_stream, start_after, while_signed_in
 from app.web import views
 from app.web.views import dataset_label, redirect_to_run, run_view, template_ctx
 
@@ -196,5 +197,7 @@ async def run_events(request: Request, run_id: str, engine: EngineDep, user: Cur
     if run.job_id is None:
         return Response(status_code=204)
     start = start_after(request.headers.get("last-event-id"), after)
-    return EventSourceResponse(job_event_stream(engine, run.job_id, start), ping=15,
+    stream = while_signed_in(job_event_stream(engine, run.job_id, start),
+                             lambda: still_signed_in(request))
+    return EventSourceResponse(stream, ping=15,
                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
