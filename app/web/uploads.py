@@ -2,11 +2,19 @@
 
 The request body is parsed incrementally with python-multipart: file bytes go to a temporary
 ``*.part`` file under ``data_dir/uploads`` as they arrive; the limit (``settings.max_upload_mb``)
-is checked on every chunk, and an oversize or interrupted upload deletes its partial file. The
-caller renames the finished temp file to its final name.
+is checked on every chunk, and an oversize or interrupted upload (client gone, malformed body,
+request cancelled) deletes its partial file. The caller renames the finished temp file to its
+final name.
+
+The event loop only receives the chunks: they are handed in batches of about
+:data:`FEED_BATCH_BYTES` to a worker thread (``run_in_threadpool``), which runs the parser and
+the file writes, so neither a slow disk nor the parser holds up other requests
+(``tests/web/test_upload_bombs.py`` probes ``/healthz`` while 190 MiB stream in). At most one
+batch waits while the previous one is written: an upload holds about two batches in memory.
 """
 from __future__ import annotations
 
+import asyncio
 import os
 import secrets
 from dataclasses import dataclass, field
@@ -14,6 +22,7 @@ from pathlib import Path
 
 from fastapi import Request
 from python_multipart.multipart import MultipartParser, parse_options_header
+from starlette.concurrency import run_in_threadpool
 
 
 class UploadError(Exception):
@@ -47,6 +56,10 @@ class ReceivedUpload:
         if self.temp_path is not None:
             self.temp_path.unlink(missing_ok=True)
             self.temp_path = None
+
+
+#: Bytes of request body collected on the event loop before the thread parses and writes them.
+FEED_BATCH_BYTES = 1024 * 1024
 
 
 def limit_message(limit_mb: int) -> str:
@@ -122,18 +135,52 @@ async def receive_upload(request: Request, upload_dir: Path, limit_mb: int,
         "on_header_field": on_header_field, "on_header_value": on_header_value,
         "on_header_end": on_header_end, "on_headers_finished": on_headers_finished,
     })
-    try:
-        async for chunk in request.stream():
+
+    def feed(chunks: list[bytes], last: bool) -> None:
+        """Parse and write one batch of body chunks (in a worker thread)."""
+        for chunk in chunks:
             parser.write(chunk)
             if state["too_big"]:
                 raise UploadError(limit_message(limit_mb), 413)
-        parser.finalize()
-    except UploadError:
+        if last:
+            parser.finalize()
+
+    pending: asyncio.Future | None = None  # the batch being parsed while the next arrives
+    try:
+        batch: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            if not chunk:
+                continue
+            batch.append(chunk)
+            size += len(chunk)
+            if size >= FEED_BATCH_BYTES:
+                if pending is not None:
+                    await pending
+                pending = asyncio.ensure_future(run_in_threadpool(feed, batch, False))
+                batch, size = [], 0
+        if pending is not None:
+            await pending
+        pending = None
+        await run_in_threadpool(feed, batch, True)
+    except BaseException as exc:
+        failure = exc
+        if pending is not None:  # let the thread finish with the file before deleting it
+            try:
+                await asyncio.shield(asyncio.wait([pending]))
+            except asyncio.CancelledError:
+                pending.add_done_callback(lambda _: _abort(state, out))
+                raise
+            if not pending.cancelled() and pending.exception() is not None \
+                    and isinstance(exc, Exception):
+                failure = pending.exception()
         _abort(state, out)
-        raise
-    except Exception as exc:  # malformed body or client gone: never leave a partial file
-        _abort(state, out)
-        raise UploadError(f"the upload could not be read: {exc}", 400) from None
+        if isinstance(failure, UploadError):
+            raise failure from None
+        if not isinstance(failure, Exception):  # cancelled: the request is gone
+            raise
+        # malformed body or client gone: never leave a partial file
+        raise UploadError(f"the upload could not be read: {failure}", 400) from None
     if out.temp_path is None:
         raise UploadError(f"no file was sent (expected a file field named {file_field!r})", 400)
     if out.bytes == 0:
