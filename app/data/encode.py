@@ -85,11 +85,27 @@ class Encoded:
     @property
     def num_trained(self) -> int:
         """Tokens that carry loss (after truncation)."""
-        return sum(1 for label in self.labels if label != IGNORE_INDEX)
+        return len(self.labels) - self.labels.count(IGNORE_INDEX)
+
+    @property
+    def trained(self) -> bool:
+        """At least one token carries loss (after truncation); training drops the row if not."""
+        return self.num_trained > 0
 
     def to_dict(self) -> dict:
         return {"input_ids": self.input_ids, "labels": self.labels, "truncated": self.truncated,
                 "segments": [[t, f] for t, f in self.segments], "num_tokens": self.num_tokens}
+
+
+@dataclass
+class Measured:
+    """What the validation report needs of one tokenised example, without its ids and labels:
+    the same ``num_tokens`` (tokens, before truncation), ``truncated`` and ``trained`` (at
+    least one token carries loss after truncation) as the :class:`Encoded` training gets."""
+
+    num_tokens: int
+    truncated: bool
+    trained: bool
 
 
 def _token_str(value) -> str | None:
@@ -305,12 +321,49 @@ def encode_example(example: dict, tokenizer: Tokenizer, template: str | None, *,
                            train_on_responses_only=train_on_responses_only)
 
 
+def measure_encoding(prep: Prepared, enc, tokenizer: Tokenizer, *, eos_token: str | None = None,
+                     max_seq_length: int | None = None,
+                     train_on_responses_only: bool = True) -> Measured:
+    """:func:`finish_encoding`'s token count, truncation and "any token trained" for ``enc``,
+    without building its per-token lists (about 5 µs a row instead of 200 µs on a 500-token row).
+
+    A span's first character falls in a token (``Encoding.char_to_token``) of non-zero width
+    whose offsets overlap the span: that token is trained when it is kept (index below
+    ``max_seq_length``), so the row has a trained token. Only when no span shows one (the answer
+    starts past ``max_seq_length``, or renders to nothing) is the row finished in full, so the
+    answer is always :func:`finish_encoding`'s."""
+    n = len(enc)
+    limit = max_seq_length if max_seq_length is not None else n + 1
+    eos_id = tokenizer.token_to_id(eos_token) if eos_token else None
+    ends_with_eos = False
+    if prep.kind != "messages" and eos_id is not None:
+        if not n or enc.ids[-1] != eos_id:
+            n += 1  # finish_encoding appends the EOS
+        ends_with_eos = True  # ... which is trained
+    truncated = max_seq_length is not None and n > max_seq_length
+    if not train_on_responses_only or (ends_with_eos and not truncated):
+        trained = min(n, limit) > 0
+        if trained or not train_on_responses_only:
+            return Measured(n, truncated, trained)
+    for a, b in prep.spans:
+        if a < b:
+            t = enc.char_to_token(a)
+            if t is not None and t < limit:
+                return Measured(n, truncated, True)
+    full = finish_encoding(prep, enc, tokenizer, eos_token=eos_token,
+                           max_seq_length=max_seq_length,
+                           train_on_responses_only=train_on_responses_only, with_segments=False)
+    return Measured(full.num_tokens, full.truncated, full.trained)
+
+
 def encode_prepared_batch(preps: list[Prepared], bundle: TokenizerBundle, *,
                           max_seq_length: int | None = None, train_on_responses_only: bool = True,
-                          with_segments: bool = False) -> list[Encoded]:
+                          with_segments: bool = False, measure_only: bool = False
+                          ) -> list[Encoded] | list[Measured]:
     """Tokenise many prepared examples with the tokenizer's batch encoder (Rust threads, the
-    GIL released); the results equal :func:`encode_example`'s one by one."""
-    out: list[Encoded | None] = [None] * len(preps)
+    GIL released); the results equal :func:`encode_example`'s one by one. ``measure_only``:
+    :class:`Measured` results (see :func:`measure_encoding`), what the report needs."""
+    out: list = [None] * len(preps)
     for special in (False, True):
         idx = [i for i, p in enumerate(preps) if p.add_special_tokens == special]
         if not idx:
@@ -318,6 +371,12 @@ def encode_prepared_batch(preps: list[Prepared], bundle: TokenizerBundle, *,
         encs = bundle.tokenizer.encode_batch([preps[i].text for i in idx],
                                              add_special_tokens=special)
         for i, enc in zip(idx, encs):
+            if measure_only:
+                out[i] = measure_encoding(preps[i], enc, bundle.tokenizer,
+                                          eos_token=bundle.eos_token,
+                                          max_seq_length=max_seq_length,
+                                          train_on_responses_only=train_on_responses_only)
+                continue
             out[i] = finish_encoding(preps[i], enc, bundle.tokenizer, eos_token=bundle.eos_token,
                                      max_seq_length=max_seq_length,
                                      train_on_responses_only=train_on_responses_only,
