@@ -50,7 +50,7 @@ def arch(model: str) -> dict:
     return {**train_step.ARCH, **MODELS[model]}
 
 
-def estimate_gib(model: str, config: str, seq: int, bs: int) -> float:
+def estimate_gib(model: str, config: str, seq: int, bs: int, budget: float | None = None) -> float:
     """The studio's allocator estimate (GiB) of one job (what admission packs by)."""
     from app.store.specs import TrainSpec
     from app.studio.estimate import ModelShape, estimate_training
@@ -58,7 +58,7 @@ def estimate_gib(model: str, config: str, seq: int, bs: int) -> float:
 
     spec = TrainSpec(model="m", dataset="d", r=16, lora_alpha=16, target_modules=TARGETS,
                      load_in_4bit=config == "qlora", optim="adamw_torch", max_seq_length=seq,
-                     per_device_train_batch_size=bs)
+                     per_device_train_batch_size=bs, vram_budget_gib=budget)
     return round(estimate_training(ModelShape.from_config(arch(model)), spec, "train")
                  .allocated_gib, 3)
 
@@ -72,9 +72,24 @@ def run_job(ctx) -> dict:
     from app.studio.estimate import CUDA_CONTEXT_GIB
 
     p = ctx.payload
+    if os.environ.get("BENCH_FAKE"):  # CPU check of the harness: admission, windows, the row
+        return fake_job(ctx)
     train_step.ARCH.update(arch(p["model"]))
     budget = round(ctx.job.admitted_gib - CUDA_CONTEXT_GIB, 2) if ctx.job.admitted_gib else None
+    # train_step.build makes the random bf16 model on the GPU before quantising it (16 GiB for
+    # the 8B shape), which the admitted cap (worker/child.py cap_allocator) cannot hold; a studio
+    # job instead loads its weights from disk and quantises them one layer at a time. So the cap
+    # is lifted while the random weights are made and quantised, and set again before training;
+    # the peak is measured from there (reset_peak_memory_stats below).
+    total = torch.cuda.get_device_properties(0).total_memory / 2**30
+    capped = ctx.job.admitted_gib is not None
+    if capped:
+        torch.cuda.set_per_process_memory_fraction(1.0, 0)
     pm = train_step.build(p["config"], budget, True)
+    torch.cuda.empty_cache()
+    if capped:
+        torch.cuda.set_per_process_memory_fraction(
+            min(1.0, max(0.05, (ctx.job.admitted_gib - CUDA_CONTEXT_GIB) / total)), 0)
     pm.train()
     opt = torch.optim.AdamW([q for q in pm.parameters() if q.requires_grad], lr=2e-4, fused=True)
     g = torch.Generator(device="cuda").manual_seed(ctx.job.id)
@@ -101,6 +116,19 @@ def run_job(ctx) -> dict:
             "memory_peak": {"kind": "gpu", "peak_gib": round(peak, 4)}}
 
 
+def fake_job(ctx) -> dict:
+    """``BENCH_FAKE=1``: a job that sleeps through its steps (no CUDA), to check the harness."""
+    p, starts, ends = ctx.payload, [], []
+    for _ in range(p["steps"]):
+        ctx.check()
+        starts.append(time.time())
+        time.sleep(0.05)
+        ends.append(time.time())
+    return {"tokens_per_step": p["bs"] * p["seq"], "starts": starts, "ends": ends,
+            "tokens_per_s": round(p["bs"] * p["seq"] / 0.05, 1), "vram_budget_gib": None,
+            "device": "fake", "memory_peak": {"kind": "gpu", "peak_gib": 1.0}}
+
+
 def serve() -> int:
     """``--serve``: the real supervisor with the ``bench_step`` handler added."""
     from worker import loop
@@ -110,13 +138,14 @@ def serve() -> int:
     return main(["--supervise", "--worker-id", "bench", "--poll-interval", "0.5"])
 
 
-def phase(env: dict, url: str, a, n: int, est: float, log: str) -> dict:
+def phase(env: dict, url: str, a, n: int, est: float, log: str, steps: int | None = None) -> dict:
     """Queue ``n`` jobs, start a supervisor, wait for them; returns jobs and max running."""
     from app.store import queue
     from app.store.db import make_engine
 
     eng = make_engine(url)
-    payload = {"model": a.model, "config": a.config, "seq": a.seq, "bs": a.bs, "steps": a.steps}
+    payload = {"model": a.model, "config": a.config, "seq": a.seq, "bs": a.bs,
+               "steps": steps or a.steps}
     ids = [queue.enqueue(eng, "bench_step", payload, estimate_gib=est, max_attempts=1).id
            for _ in range(n)]
     with open(log, "ab") as fh:
@@ -160,6 +189,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--bs", type=int, default=2)
     ap.add_argument("--steps", type=int, default=80)
+    ap.add_argument("--warmup-steps", type=int, default=0,
+                    help="run one job of this many steps first (Triton autotune cache)")
     ap.add_argument("--timeout", type=float, default=540.0, help="seconds a phase may take")
     a = ap.parse_args(argv)
     if a.serve:
@@ -172,9 +203,17 @@ def main(argv=None) -> int:
     upgrade(url)
     env = {**os.environ, "WHETSTONE_DATA_DIR": f"{tmp}/data", "WHETSTONE_DATABASE_URL": url,
            "WHETSTONE_SEED_DIR": f"{tmp}/noseed", "PYTHONUNBUFFERED": "1",
+           "HF_HUB_OFFLINE": "1",
            "PYTHONPATH": os.pathsep.join([REPO, HERE, os.environ.get("PYTHONPATH", "")])}
     est = estimate_gib(a.model, a.config, a.seq, a.bs)
     log = os.path.join(out, f"packing_{a.model}_{a.jobs}.log")
+    warm = None
+    if a.warmup_steps:  # one job first (admitted with 1.5 x the estimate) so Triton's autotune
+        # cache is warm for the measured phases, as on a box that has trained this shape before
+        w = phase(env, url, a, 1, round(est * 1.5, 3), log, steps=a.warmup_steps)["jobs"][0]
+        warm = {"state": w.state, "peak_gib": w.peak_gib, "admitted_gib": w.admitted_gib,
+                "error": (w.error or "")[:300] or None}
+        print("WARMUP", json.dumps(warm), flush=True)
     single = phase(env, url, a, 1, est, log)
     packed = phase(env, url, a, a.jobs, est, log)
     ok = [j for j in packed["jobs"] if j.state == "succeeded"]
@@ -184,7 +223,25 @@ def main(argv=None) -> int:
     single_tps = (one.result or {}).get("tokens_per_s", 0.0)
     agg, window = aggregate([j.result for j in ok]) if len(ok) == a.jobs else (0.0, 0.0)
     import train_step
+    from app.studio.estimate import CUDA_CONTEXT_GIB
 
+    # issue 15's estimator check: each job's allocator peak against the estimate for its spec
+    # (raw: as at run creation; with the job's vram_budget_gib, as the engine ran it), and after
+    # one calibration run (app.studio.calibration: measured / estimated of the single job).
+    def err(e, p):
+        return round((e - p) / p, 4) if e and p else None
+
+    factor = one.peak_gib / est if one.peak_gib else None
+    estimator = []
+    for j in [one] + packed["jobs"]:
+        b = round(j.admitted_gib - CUDA_CONTEXT_GIB, 2) if j.admitted_gib else None
+        eb = estimate_gib(a.model, a.config, a.seq, a.bs, b) if b else est
+        estimator.append(dict(job=j.id, phase="single" if j is one else "packed",
+                              peak_gib=j.peak_gib, estimate_gib=est, estimate_budget_gib=eb,
+                              vram_budget_gib=b, error=err(est, j.peak_gib),
+                              error_budget=err(eb, j.peak_gib),
+                              error_calibrated=err(est * factor, j.peak_gib)
+                              if factor and j is not one else None))
     row = dict(bench="packing", model=a.model, config=a.config, seq=a.seq, bs=a.bs,
                steps=a.steps, jobs=a.jobs, estimate_gib=est,
                single_tokens_per_s=single_tps, single_peak_gib=one.peak_gib,
@@ -195,8 +252,12 @@ def main(argv=None) -> int:
                        "within": j.peak_gib is not None and j.admitted_gib is not None
                        and j.peak_gib <= j.admitted_gib} for j in packed["jobs"]],
                oom=oom, failed=[(j.id, j.error) for j in packed["jobs"] if j.state != "succeeded"],
-               max_running=packed["max_running"],
-               device=(one.result or {}).get("device", "unknown"),
+               max_running=packed["max_running"], estimator=estimator,
+               calibration_factor=round(factor, 4) if factor else None,
+               warmup=warm, single_state=one.state,
+               single_error=(one.error or "")[:400] or None,
+               device=next((j.result["device"] for j in [one] + packed["jobs"]
+                            if j.result and j.result.get("device")), "unknown"),
                date=datetime.date.today().isoformat(), commit=train_step._commit(),
                call_id=os.environ.get("CALL_ID", ""))
     print("RESULT", json.dumps(row), flush=True)
