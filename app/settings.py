@@ -105,7 +105,7 @@ class Settings(BaseSettings):
     secret_key: str = ""
     # GPU admission
     gpu_reserve_gib: float = Field(default=2.0, ge=0)
-    gpu_admit_margin: float = Field(default=0.1, ge=0)
+    gpu_admit_margin: float = Field(default=0.25, ge=0)
     fair_share_hours: float = Field(default=24.0, gt=0)
     simulated_gpus: str = ""
     gpu_sample_seconds: float = Field(default=5.0, gt=0)

@@ -23,7 +23,7 @@ from tests.store.test_queue import url  # noqa: F401 - the SQLite/Postgres fixtu
 
 GPU0 = Slot("hostA-gpu0", "hostA", 0, 22.0, 24.0)  # a 24 GiB GPU less a 2 GiB reserve
 ADMIN = User(id="user-root", name="root", password_hash="x", role="admin")
-SETTINGS = Settings(gpu_reserve_gib=2, worker_stale_seconds=30)
+SETTINGS = Settings(gpu_reserve_gib=2, gpu_admit_margin=0.1, worker_stale_seconds=30)
 
 
 @pytest.fixture()

@@ -31,7 +31,8 @@ def test_dashboard_shows_a_supervisors_samples_and_jobs_live(app, client, engine
     bea, admin = r.json()["id"], client.get("/api/me").json()["id"]
     # the supervisor works on the web app's database (data dir and SQLite file)
     studio = Studio(settings.data_dir, data_dir=settings.data_dir, simulated_gpus="1x24",
-                    gpu_reserve_gib=2, lease_seconds=10, gpu_sample_seconds=0.2)
+                    gpu_reserve_gib=2, gpu_admit_margin=0.1, lease_seconds=10,
+                    gpu_sample_seconds=0.2)
     assert studio.url == settings.resolved_database_url
     try:
         # an estimate of 6 GiB is admitted with 6 x 1.1 + 0.5 = 7.1 GiB: both fit at once

@@ -21,7 +21,8 @@ pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="processes and s
 
 # 24 GiB GPU, 2 GiB reserve -> 22 GiB admissible; an estimate of 6 GiB is admitted with
 # 6 x 1.1 + 0.5 (CUDA context) = 7.1 GiB: three fit (21.3), a fourth does not.
-SIM = {"simulated_gpus": "1x24", "gpu_reserve_gib": 2, "lease_seconds": 10}
+SIM = {"simulated_gpus": "1x24", "gpu_reserve_gib": 2, "gpu_admit_margin": 0.1,
+       "lease_seconds": 10}
 
 
 def add_user(engine, name: str, **fields) -> User:
@@ -44,7 +45,8 @@ def span(studio: Studio, job: Job) -> tuple[float, float]:
 
 
 def settings_of(studio: Studio) -> Settings:
-    return Settings(database_url=studio.url, gpu_reserve_gib=2, worker_stale_seconds=30)
+    return Settings(database_url=studio.url, gpu_reserve_gib=2, gpu_admit_margin=0.1,
+                    worker_stale_seconds=30)
 
 
 def test_three_small_jobs_share_one_gpu_and_the_fourth_waits_with_its_reason(tmp_path) -> None:
