@@ -1,8 +1,10 @@
 """One browser journey in headless Chromium (Debian's package), driven by Playwright.
 
-Sign in as a member, upload a dataset, start a run, watch the loss chart grow while it trains,
-cancel a second run, download the adapter of the first, export it; then a second member signs
-in (another browser context) and sees none of it. Runs against the real web process and CPU
+Sign in as a member, upload a dataset (validated in the background), start a run, watch the loss
+chart grow while it trains and the Exports form appear when it ends, download the adapter, export
+it twice while a second run trains (exports do not wait for training; the form keeps its choices
+while the list refreshes), cancel the second run; then a second member signs in (another browser
+context) and sees none of it. Runs against the real web process and CPU
 worker.
 """
 from __future__ import annotations
@@ -92,12 +94,12 @@ def test_browser_journey(studio: Studio, tmp_path):
         expect(page.locator("#m-state")).to_have_text("succeeded", timeout=300_000)
         assert chart_points(page) >= 20
 
-        # 3. A second run, cancelled from its page.
-        start_run(page, studio, dataset_id, max_steps=5000, name="to-cancel")
+        # the Exports form appears as the run finishes, without a reload (issue 19 item 7)
+        expect(page.locator("#export_form")).to_be_visible(timeout=30_000)
+
+        # 3. A second, long run keeps the training lane busy.
+        cancel_id = start_run(page, studio, dataset_id, max_steps=5000, name="to-cancel")
         expect(page.locator("#m-state")).to_have_text("running", timeout=120_000)
-        page.once("dialog", lambda d: d.accept())  # "Cancel this run?" (hx-confirm)
-        page.click("#controls button")
-        expect(page.locator("#m-state")).to_have_text("cancelled", timeout=60_000)
 
         # 4. Download the first run's adapter from its page.
         page.goto(f"{studio.url}/runs/{run_id}")
@@ -111,16 +113,34 @@ def test_browser_journey(studio: Studio, tmp_path):
         assert any(n.endswith("adapter_config.json") for n in names), names
         assert any(n.endswith("adapter_model.safetensors") for n in names), names
 
-        # 5. Export it as GGUF (Q8_0, the form's default) from the page; verification passes.
+        # 5. Exports run on the CPU lane while the other run trains (item 4), and the form keeps
+        # what the user picks while the list refreshes during an active export (item 1).
+        page.select_option("#export_form select[name=format]", value="adapter")
+        page.click("#export_form button[type=submit]")
+        expect(page.locator("#exports tbody tr")).to_have_count(1)
         page.select_option("#export_form select[name=format]", value="gguf")
+        page.check("#export_form input[name=quantization][value=Q8_0]")
+        page.check("#export_form input[name=quantization][value=Q4_K_M]")
+        page.wait_for_timeout(4500)  # two refreshes of the list while the adapter export runs
+        assert page.locator("#export_form select[name=format]").input_value() == "gguf"
+        assert page.locator("#export_form input[value=Q4_K_M]").is_checked()
         page.click("#export_form button[type=submit]")
         row = page.locator("#exports tbody tr").first
         expect(row.locator(".state")).to_have_text("succeeded", timeout=300_000)
         expect(row).to_contain_text("passed")
         expect(row.locator("a", has_text="Q8_0.gguf")).to_have_count(1)
+        expect(row.locator("a", has_text="Q4_K_M.gguf")).to_have_count(1)
+        with studio.client() as c:  # the long run was never paused for them
+            assert c.get(f"/api/runs/{cancel_id}").json()["state"] == "running"
+
+        # 6. The long run, cancelled from its page.
+        page.goto(f"{studio.url}/runs/{cancel_id}")
+        page.once("dialog", lambda d: d.accept())  # "Cancel this run?" (hx-confirm)
+        page.click("#controls button")
+        expect(page.locator("#m-state")).to_have_text("cancelled", timeout=60_000)
         assert not errors, errors
 
-        # 6. Another member, in a browser of their own, sees none of A's work.
+        # 7. Another member, in a browser of their own, sees none of A's work.
         other = browser.new_context().new_page()
         sign_in(other, studio, "journey-b", "journey-b-password")
         other.goto(f"{studio.url}/")
