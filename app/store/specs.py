@@ -154,7 +154,8 @@ class ExportSpec(BaseModel):
             if q not in GGUF_TYPES:
                 raise ValueError(f"unknown GGUF type {q!r}; use one of {', '.join(GGUF_TYPES)}")
         return list(dict.fromkeys(out))
-    dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
+    dtype: Literal["bf16", "fp16", "fp32"] | None = Field(
+        default=None, description="merged_16bit weights; None: the base model's own dtype")
 
 
 class ImportModelSpec(BaseModel):

@@ -152,7 +152,7 @@ def queue_export(engine: Engine, actor: User, run_id: str, body: dict[str, Any])
         quant = [q.strip() for q in quant.replace(",", " ").split() if q.strip()]
     try:
         spec = ExportSpec(run_id=run.id, format=body.get("format"),
-                          quantization=quant, dtype=body.get("dtype") or "bf16",
+                          quantization=quant, dtype=body.get("dtype") or None,
                           checkpoint_step=step)
     except ValidationError as exc:
         raise SpecError(*field_errors(exc)) from None

@@ -15,6 +15,12 @@ Two tokenizer models are written:
 
 Special ids: bos, eos, unknown, padding, eot (the chat template's end-of-turn token when it is
 not EOS); ``add_bos_token``/``add_eos_token``; ``tokenizer.chat_template``.
+
+The unknown token is the tokenizer *model's* own (``tokenizer.json`` ``model.unk_token``, or the
+SentencePiece unk), never a Python tokenizer class's default: transformers 5's ``Qwen2Tokenizer``
+and ``GPT2Tokenizer`` report ``unk_token = "<|endoftext|>"`` for a byte-level BPE that has no
+unknown token, which typed ``<|endoftext|>`` "unknown" (llama.cpp then warns about a
+control-looking token that is not control). Every special added token is ``CONTROL``.
 """
 from __future__ import annotations
 
@@ -106,8 +112,8 @@ def vocab_from_tokenizer(tok, tokenizer_dir: Path | None, arch: str, vocab_size:
         tokens[i] = t["content"]
         if types[i] != UNKNOWN and not (types[i] == BYTE and _byte_piece(t["content"])):
             types[i] = CONTROL if t.get("special") else USER_DEFINED
-    unk = getattr(tok, "unk_token_id", None)
-    if unk is not None and unk < len(types):
+    unk = _model_unk(tok, model, spm_file)
+    if unk is not None and unk < len(types) and types[unk] != CONTROL:
         types[unk] = UNKNOWN
     while len(tokens) < vocab_size:
         tokens.append(f"[PAD{len(tokens)}]")
@@ -122,6 +128,17 @@ def vocab_from_tokenizer(tok, tokenizer_dir: Path | None, arch: str, vocab_size:
                eos=tok.eos_token_id, unk=unk, pad=tok.pad_token_id, add_bos=bool(add_bos),
                add_eos=tok.eos_token_id is not None and probe[-1:] == [tok.eos_token_id])
     return out
+
+
+def _model_unk(tok, model: dict, spm_file: Path | None) -> int | None:
+    """The id of the tokenizer model's own unknown token (None for byte-level BPE)."""
+    if spm_file is not None and spm_file.exists():
+        import sentencepiece as spm
+
+        i = spm.SentencePieceProcessor(model_file=str(spm_file)).unk_id()
+        return i if i >= 0 else None
+    text = model.get("unk_token")
+    return tok.convert_tokens_to_ids(text) if text and text in tok.get_vocab() else None
 
 
 def write_vocab(w, v: dict, chat_template: str | None = None, eot_id: int | None = None) -> None:

@@ -13,7 +13,12 @@ Layout rules (llama.cpp's model loader, ``src/llama-model.cpp``):
   no permutation.
 * Gemma's RMSNorm multiplies by ``1 + w``; llama.cpp multiplies by ``w``, so 1 is added to
   every Gemma norm weight. Gemma scales embeddings by sqrt(hidden) at run time in both.
-* Tied embeddings: no ``output.weight``; llama.cpp then reuses ``token_embd.weight``.
+* Tied embeddings: no ``output.weight``; llama.cpp then reuses ``token_embd.weight``. Gemma and
+  Gemma 2 always reuse it (their llama.cpp tensor lists have no ``output``), so an untied Gemma
+  (a base with its own head, or LoRA on ``embed_tokens`` that untied the export) is refused.
+* Provenance (GGUF spec, "General metadata"): ``general.base_model.count`` = 1 and
+  ``general.base_model.0.{name,organization,repo_url}`` for the base, ``general.description``
+  naming the adapter (run, sha256, r, alpha) and the base weights it was merged into.
 * 1-D tensors (norms, biases) stay F32; 2-D weights take the requested type; Q8_0 needs rows
   that are a multiple of 32 values (``gguf.quants``), other rows fall back to F16.
 
@@ -159,6 +164,11 @@ def gguf_tensors(state: dict, config, arch: str):
     heads = config.num_attention_heads
     kv = _cfg(config, "num_key_value_heads", default=heads)
     tied = bool(getattr(config, "tie_word_embeddings", False))
+    if arch in GEMMA and not tied and "lm_head.weight" in state:
+        raise ExportError(f"GGUF cannot hold this {arch} model: its output head differs from its "
+                          "token embedding (untied, e.g. by LoRA on embed_tokens), and llama.cpp "
+                          "always uses the token embedding as the output of Gemma models. Export "
+                          "merged_16bit instead, or train without embed_tokens in target_modules")
     freqs = llama3_rope_freqs(config)
     if freqs is not None:
         yield "rope_freqs.weight", freqs
@@ -188,8 +198,15 @@ FILE_TYPE = {"F32": 0, "F16": 1, "Q8_0": 7, "BF16": 32}
 def write_gguf(state: dict, config, tok, out_path: str | Path, qtype: str = "F16", *,
                chat_template: str | None = None, eot_id: int | None = None,
                tokenizer_dir: Path | None = None, name: str = "whetstone-export",
+               add_bos: bool | None = None, provenance: dict | None = None,
                progress: ProgressFn = noop_progress) -> dict:
-    """Write one GGUF file (atomically); returns ``{"path", "type", "arch", "tensors"}``."""
+    """Write one GGUF file (atomically); returns ``{"path", "type", "arch", "tensors"}``.
+
+    ``state``: the merged model's tensors (any float dtype, converted to float32 numpy);
+    ``add_bos``: ``tokenizer.ggml.add_bos_token`` (None: what ``tok`` does on plain text; an
+    export passes what training did, :func:`worker.export.verify.trained_bos`); ``provenance``:
+    :func:`worker.export.provenance.provenance`'s dict, written as ``general.base_model.*``.
+    Raises :class:`ExportError` (unsupported architecture, type or tensor; untied Gemma)."""
     import gguf
 
     arch = arch_of(config)
@@ -197,15 +214,19 @@ def write_gguf(state: dict, config, tok, out_path: str | Path, qtype: str = "F16
         raise ExportError(f"GGUF type {qtype!r}: written types are {BASE_TYPES}; "
                           "K-quants are made from F16 by quantize.py")
     vocab = vocab_from_tokenizer(tok, tokenizer_dir, arch, int(config.vocab_size))
+    if add_bos is not None:
+        vocab["add_bos"] = bool(add_bos)
+    items = list(gguf_tensors(state, config, arch))
     with atomic_path(out_path) as tmp:
         w = gguf.GGUFWriter(str(tmp), arch)
         w.add_name(name)
+        if provenance:
+            add_provenance(w, provenance)
         _hparams(w, arch, config, len(vocab["tokens"]))
         w.add_file_type(FILE_TYPE[qtype])
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
         write_vocab(w, vocab, chat_template, eot_id)
         names = []
-        items = list(gguf_tensors(state, config, arch))
         for k, (tname, arr) in enumerate(items):
             data, raw = _encode(tname, arr, qtype)
             if raw is None:
@@ -220,6 +241,27 @@ def write_gguf(state: dict, config, tok, out_path: str | Path, qtype: str = "F16
         w.close()
     progress(f"gguf {qtype}", 1.0)
     return {"path": str(out_path), "type": qtype, "arch": arch, "tensors": len(names)}
+
+
+def add_provenance(w, prov: dict) -> None:
+    """``general.base_model.*`` (GGUF spec) and ``general.description`` from ``prov``."""
+    hub = prov.get("base_model") or ""
+    hf = prov.get("base_model_source") == "hf" and "/" in hub
+    w.add_base_model_count(1)
+    w.add_base_model_name(0, prov.get("base_model_name") or hub)
+    if hf:
+        rev = prov.get("base_model_revision")
+        w.add_base_model_organization(0, hub.split("/")[0])
+        w.add_base_model_repo_url(0, f"https://huggingface.co/{hub}"
+                                  + (f"/tree/{rev}" if rev else ""))
+        if rev:
+            w.add_base_model_version(0, rev)
+    a = prov.get("adapter") or {}
+    weights = prov.get("base_weights")
+    w.add_description(f"{prov.get('base_model_name') or hub} ({hub}) + LoRA adapter of run "
+                      f"{a.get('run_id')} (r={a.get('r')}, lora_alpha={a.get('lora_alpha')}, "
+                      f"adapter_model.safetensors sha256 {a.get('sha256')}), merged into the "
+                      f"base's {weights} weights")
 
 
 def write_vocab_only(tok, out_path: str | Path, tokenizer_dir: Path | None = None,

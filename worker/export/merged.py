@@ -8,7 +8,10 @@
   transformers' bitsandbytes integration). Double quantisation of the absmax is not reproduced
   on CPU (its error is ~1e-3 of the scale).
 * The delta ``B @ A * scaling`` is added with peft's ``merge_and_unload`` in fp32, then the
-  weights are cast to bf16/fp16 and saved with ``save_pretrained`` (safetensors).
+  weights are cast to the chosen dtype and saved with ``save_pretrained`` (safetensors). The
+  default dtype is the base's own (``config.json`` ``dtype``/``torch_dtype``; fp32 when unset):
+  bf16 of an fp32 base alone can change greedy continuations of a small model. The result
+  states the rounding that dtype implies (:data:`ROUNDING`).
 * Tied embeddings (:func:`merge_adapter`): PEFT computes a LoRA on ``embed_tokens`` of a tied
   model with the trained embedding on the input side only; the output head keeps the base
   matrix. Merging into the shared tensor would make the head the trained embedding too (a
@@ -32,6 +35,21 @@ NF4_CODE = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453
             0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
             0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0)
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+#: What casting a weight to the dtype does to it (relative rounding of one value).
+ROUNDING = {"bf16": "bfloat16 keeps 8 significant bits: each weight rounded by up to 2^-9 "
+                    "(0.2%) of its value",
+            "fp16": "float16 keeps 11 significant bits: each weight rounded by up to 2^-12 "
+                    "(0.024%) of its value, beyond +-65504 it overflows",
+            "fp32": "float32: the fp32 merge is stored without further rounding"}
+
+
+def base_dtype(base_dir: Path) -> str:
+    """The base's stored dtype as an export dtype key (``bf16``/``fp16``/``fp32``), read from
+    ``config.json`` (``dtype`` or ``torch_dtype``); ``fp32`` when unset or another type."""
+    cfg_p = Path(base_dir) / "config.json"
+    cfg = json.loads(cfg_p.read_text()) if cfg_p.is_file() else {}
+    stored = str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
+    return {v: k for k, v in DTYPES.items()}.get(stored.removeprefix("torch."), "fp32")
 
 
 def nf4_roundtrip(w, blocksize: int = 64):
@@ -167,14 +185,18 @@ def _set_tied(config, tied: bool) -> None:
         config.get_text_config().tie_word_embeddings = tied
 
 
-def export_merged(info: RunInfo, out_dir: str | Path, dtype: str = "bf16",
+def export_merged(info: RunInfo, out_dir: str | Path, dtype: str | None = None,
                   progress: ProgressFn = noop_progress, provenance: dict | None = None) -> dict:
-    """Write ``out_dir`` (atomically) and return ``{"path", "dtype", "eos_token_id", ...}``.
+    """Write ``out_dir`` (atomically) and return ``{"path", "dtype", "dtype_from", "rounding",
+    "eos_token_id", ...}``.
 
+    ``dtype``: ``bf16``/``fp16``/``fp32``, None for the base's own (:func:`base_dtype`).
     ``provenance`` (:func:`worker.export.provenance.provenance`) goes into ``config.json``
     (``merged_from``) and the model card ``README.md``. Raises :class:`ExportError`."""
     import torch
 
+    dtype_from = "requested" if dtype else "base"
+    dtype = dtype or base_dtype(info.base_dir)
     if dtype not in DTYPES:
         raise ExportError(f"merged dtype must be one of {sorted(DTYPES)}, not {dtype!r}")
     progress("load", 0.05)
@@ -198,6 +220,7 @@ def export_merged(info: RunInfo, out_dir: str | Path, dtype: str = "bf16",
 
             write_merged_provenance(tmp, provenance, DTYPES[dtype])
     progress("save", 1.0)
-    return {"path": str(out_dir), "dtype": dtype, "tied_embeddings": tied, "untied": untied,
+    return {"path": str(out_dir), "dtype": dtype, "dtype_from": dtype_from,
+            "rounding": ROUNDING[dtype], "tied_embeddings": tied, "untied": untied,
             "eos_token_id": ends, "end_of_turn": [t for t, _ in eot],
             "dequantized_from_nf4": info.load_in_4bit}

@@ -109,10 +109,12 @@ def _diff(check: str, prompt: str, want: list[int], got: list[int]) -> dict:
             "got_tokens": got, "first_mismatch": first_mismatch(want, got)}
 
 
-def probe_prompts(path: str | Path | None, tok, template: str | None, n: int = 3,
-                  max_chars: int = 200) -> list[str]:
-    """Up to ``n`` prompts from the run's data file (chat rows rendered with the template up to
-    the last user turn + generation prompt; plain text cut at ``max_chars``)."""
+def probe_set(path: str | Path | None, tok, template: str | None, n: int = 3,
+              max_chars: int = 200) -> tuple[list[str], bool]:
+    """``(prompts, chat)``: up to ``n`` prompts from the run's data file (chat rows rendered with
+    the template up to the last user turn + generation prompt; plain text cut at ``max_chars``)
+    and whether they are chat renderings (training encodes those without adding special tokens,
+    text with them: :attr:`app.data.encode.Prepared.add_special_tokens`)."""
     rows: list = []
     p = Path(path) if path else None
     if p and p.exists():
@@ -127,6 +129,7 @@ def probe_prompts(path: str | Path | None, tok, template: str | None, n: int = 3
             rows = [b.strip() for b in text.replace("<|endoftext|>", "\n\n").split("\n\n")
                     if b.strip()]
     out: list[str] = []
+    chat = False
     for r in rows:
         if len(out) >= n:
             break
@@ -145,15 +148,42 @@ def probe_prompts(path: str | Path | None, tok, template: str | None, n: int = 3
             msgs = [dict(m, content=m["content"][:max_chars]) for m in msgs]
             out.append(tok.apply_chat_template(msgs, chat_template=template, tokenize=False,
                                                add_generation_prompt=True))
+            chat = True
         elif msgs:
             out.append(msgs[-1]["content"][:max_chars])
-    return out or ["Once upon a time", "The little dog"][:n]
+    return (out, chat) if out else (["Once upon a time", "The little dog"][:n], False)
 
 
-def encode(tok, prompt: str) -> list[int]:
-    """HF ids for a prompt; BOS added unless the (rendered) prompt already starts with it."""
-    bos = tok.bos_token or "\0"
-    return list(tok(prompt, add_special_tokens=not prompt.startswith(bos))["input_ids"])
+def probe_prompts(path: str | Path | None, tok, template: str | None, n: int = 3,
+                  max_chars: int = 200) -> list[str]:
+    """The prompts of :func:`probe_set`."""
+    return probe_set(path, tok, template, n, max_chars)[0]
+
+
+def trained_bos(tok, template: str | None, chat: bool) -> bool:
+    """Whether training put BOS first: for chat rows, whether the template renders the BOS text
+    first (the rendering is encoded as is); for text rows, whether the tokenizer adds it. The GGUF's
+    ``add_bos_token`` is written from this, so llama.cpp and Ollama (which add BOS as a token and
+    drop the template's leading BOS text) see the sequences training saw."""
+    if not tok.bos_token:
+        return False
+    if chat and template:
+        from .chat import render
+
+        text = render(template, [{"role": "user", "content": "hi"}], True,
+                      {"bos_token": tok.bos_token, "eos_token": tok.eos_token or ""})
+        return text.startswith(tok.bos_token)
+    return tok("a", add_special_tokens=True)["input_ids"][:1] == [tok.bos_token_id]
+
+
+def encode(tok, prompt: str, chat: bool | None = None) -> list[int]:
+    """HF ids for a prompt as training encoded it: a chat rendering (``chat=True``) as is, its
+    BOS (if any) being text of the rendering; plain text (``chat=False``) with the tokenizer's
+    special tokens. ``chat=None``: BOS added unless the prompt already starts with it."""
+    if chat is None:
+        bos = tok.bos_token or "\0"
+        return list(tok(prompt, add_special_tokens=not prompt.startswith(bos))["input_ids"])
+    return list(tok(prompt, add_special_tokens=not chat)["input_ids"])
 
 
 def hf_greedy(model, ids: list[int], end_ids: list[int], n: int = MAX_NEW,
@@ -178,14 +208,16 @@ def hf_greedy(model, ids: list[int], end_ids: list[int], n: int = MAX_NEW,
     return seq[len(ids):]
 
 
-def reference(model, tok, prompts: list[str], end_ids: list[int]) -> list[dict]:
-    """``[{"prompt", "ids", "continuation", "top"}]`` from the trained (unmerged) model."""
+def reference(model, tok, prompts: list[str], end_ids: list[int],
+              chat: bool | None = None) -> list[dict]:
+    """``[{"prompt", "chat", "ids", "continuation", "top"}]`` from the trained (unmerged) model;
+    ``chat`` as in :func:`encode`."""
     refs = []
     for p in prompts:
         tops: list = []
-        ids = encode(tok, p)
-        refs.append({"prompt": p, "ids": ids, "continuation": hf_greedy(model, ids, end_ids,
-                                                                        tops=tops), "top": tops})
+        ids = encode(tok, p, chat)
+        refs.append({"prompt": p, "chat": chat, "ids": ids, "top": tops,
+                     "continuation": hf_greedy(model, ids, end_ids, tops=tops)})
     return refs
 
 
@@ -233,7 +265,7 @@ def verify_merged(folder: str | Path, refs: list[dict], end_ids: list[int], tok)
     mtok = AutoTokenizer.from_pretrained(folder)
     fails, checks, ties, hits, total, err = [], [], [], 0, 0, 0.0
     for r in refs:
-        ids = encode(mtok, r["prompt"])
+        ids = encode(mtok, r["prompt"], r.get("chat"))
         checks.append("tokenization")
         if ids != r["ids"]:
             fails.append(_diff("tokenization", r["prompt"], r["ids"], ids))
@@ -296,14 +328,22 @@ def teacher_forced_top1(llm, ids: list[int], cont: list[int]) -> tuple[int, int,
 
 def verify_gguf(path: str | Path, qtype: str, refs: list[dict], end_ids: list[int],
                 bos_text: str | None = None) -> dict:
-    """Reload a GGUF with llama.cpp and compare with ``refs`` (see the module docstring)."""
+    """Reload a GGUF with llama.cpp and compare with ``refs`` (see the module docstring).
+
+    Prompts are tokenised as llama.cpp's chat path does: with the GGUF's own BOS rule
+    (``add_bos_token``), a leading ``bos_text`` of the rendering dropped when that rule adds BOS;
+    the ids must equal training's (``refs[i]["ids"]``). Runs llama.cpp in this process: the
+    export calls it through :func:`worker.export.llama_child.call`."""
     exact = qtype.upper() in EXACT_GGUF
     n_ctx = max(len(r["ids"]) + MAX_NEW for r in refs) + 8
     llm = _llama(path, n_ctx)
+    gguf_bos = bool(llm.tokenize(b"", add_bos=True, special=True))
     fails, ties, hits, total, err = [], [], 0, 0, 0.0
     for r in refs:
-        add_bos = not (bos_text and r["prompt"].startswith(bos_text))
-        ids = llm.tokenize(r["prompt"].encode("utf-8"), add_bos=add_bos, special=True)
+        prompt = r["prompt"]
+        if gguf_bos and bos_text and prompt.startswith(bos_text):
+            prompt = prompt[len(bos_text):]
+        ids = llm.tokenize(prompt.encode("utf-8"), add_bos=True, special=True)
         if list(ids) != r["ids"]:
             fails.append(_diff("tokenization", r["prompt"], r["ids"], list(ids)))
             continue

@@ -71,7 +71,9 @@ def export_run(run_dir: str | Path, spec, out_dir: str | Path,
     ds = info.config.get("dataset")
     data_path = data_path or (ds.get("path") if isinstance(ds, dict) else None) \
         or info.config.get("dataset_path")
-    refs = V.reference(trained, tok, V.probe_prompts(data_path, tok, info.chat_template), end_ids)
+    prompts, chat = V.probe_set(data_path, tok, info.chat_template)
+    refs = V.reference(trained, tok, prompts, end_ids, chat)
+    add_bos = V.trained_bos(tok, info.chat_template, chat)  # GGUF/Ollama BOS = training's
     files: list[Path] = []
     result: dict[str, Any] = {"format": fmt, "probes": [r["prompt"] for r in refs],
                               "provenance": provenance(info, base, s.get("run_id"))}
@@ -95,17 +97,19 @@ def export_run(run_dir: str | Path, spec, out_dir: str | Path,
                  if (got := V.hf_greedy(reloaded, r["ids"], end_ids)) != r["continuation"]]
         checks["adapter"] = {"passed": not fails, "peft": res, "failures": fails}
     elif fmt == "merged_16bit":
-        from worker.export.merged import export_merged
+        from worker.export.merged import base_dtype, export_merged
 
-        folder = out / f"merged-{s.get('dtype', 'bf16')}"
-        result["merged"] = export_merged(info, folder, s.get("dtype", "bf16"), progress,
+        dtype = s.get("dtype") or base_dtype(info.base_dir)
+        folder = out / f"merged-{dtype}"
+        result["merged"] = export_merged(info, folder, s.get("dtype"), progress,
                                          result["provenance"])
         files.append(folder)
         progress("verify", 0.8)
         checks["merged"] = V.verify_merged(folder, refs, end_ids, tok)
+        checks["merged"]["dtype_rounding"] = result["merged"]["rounding"]
     elif fmt in ("gguf", "ollama"):
         from worker.export.gguf_writer import BASE_TYPES, write_gguf
-        from worker.export.quantize import quantize
+        from worker.export.llama_child import call as llama_call
 
         types = [q.upper() for q in s.get("quantization") or []] or (
             ["F16"] if fmt == "gguf" else [DEFAULT_OLLAMA_TYPE])
@@ -115,7 +119,8 @@ def export_run(run_dir: str | Path, spec, out_dir: str | Path,
         state, config = merged.state_dict(), merged.config
         eot_id = next((i for _, i in eot if i != tok.eos_token_id), None)
         kw = dict(chat_template=info.chat_template, eot_id=eot_id,
-                  tokenizer_dir=info.tokenizer_dir, name=name)
+                  tokenizer_dir=info.tokenizer_dir, name=name, add_bos=add_bos,
+                  provenance=result["provenance"])
         f16 = out / f"{name}-F16.gguf"
         ggufs: list[tuple[str, Path]] = []
         for k, q in enumerate(types):
@@ -126,17 +131,22 @@ def export_run(run_dir: str | Path, spec, out_dir: str | Path,
             else:
                 if not f16.exists():
                     write_gguf(state, config, tok, f16, "F16", **kw)
-                quantize(f16, path, q)
+                llama_call("quantize", {"f16_path": str(f16), "out_path": str(path),
+                                        "qtype": q}, f"quantising {path.name}",
+                           on_wait=lambda q=q: progress(f"gguf {q}", 0.7))
             ggufs.append((q, path))
         if "F16" not in types and f16.exists():
             f16.unlink()
         for q, path in ggufs:
             progress(f"verify {q}", 0.75)
-            checks[f"gguf_{q}"] = V.verify_gguf(path, q, refs, end_ids, tok.bos_token)
+            checks[f"gguf_{q}"] = llama_call(
+                "verify_gguf", {"path": str(path), "qtype": q, "refs": refs, "end_ids": end_ids,
+                                "bos_text": tok.bos_token}, f"verifying {path.name}",
+                on_wait=lambda q=q: progress(f"verify {q}", 0.75))
             files.append(path)
         if fmt == "ollama":
             result["ollama"] = _ollama(info, tok, ggufs[0][1], out, checks, ollama_url,
-                                       model_name or name, progress)
+                                       model_name or name, progress, add_bos)
             files.append(out / "Modelfile")
     else:
         raise ExportError(f"unknown export format {fmt!r}")
@@ -151,7 +161,8 @@ def export_run(run_dir: str | Path, spec, out_dir: str | Path,
     return result
 
 
-def _ollama(info, tok, gguf_path: Path, out: Path, checks: dict, url, model_name, progress):
+def _ollama(info, tok, gguf_path: Path, out: Path, checks: dict, url, model_name, progress,
+            add_bos: bool):
     from worker.export.gotemplate import go_template
     from worker.export.merged import chat_layout
     from worker.export.ollama import build_modelfile, check_template, create_command, push
@@ -159,7 +170,7 @@ def _ollama(info, tok, gguf_path: Path, out: Path, checks: dict, url, model_name
     lay = chat_layout(tok, info.chat_template)
     template, stops = None, []
     if lay is not None:
-        bos = tok.bos_token if getattr(tok, "add_bos_token", True) else ""
+        bos = tok.bos_token if add_bos else ""  # llama.cpp adds it as a token
         template, stops = go_template(lay, bos or ""), lay.stops
         sysmsg = [{"role": "system", "content": info.system_prompt or "You are helpful."}]
         convs = [sysmsg + [{"role": "user", "content": "Hi"}],

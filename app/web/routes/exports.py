@@ -27,7 +27,7 @@ def exports_fragment(request: Request, run_id: str, engine: EngineDep, user: Cur
 async def exports_submit(request: Request, run_id: str, engine: EngineDep, user: CurrentUser):
     form = await request.form()
     values = {"format": form.get("format"), "quantization": form.getlist("quantization"),
-              "dtype": form.get("dtype") or "bf16"}
+              "dtype": form.get("dtype") or None}
     if values["format"] not in ("gguf", "ollama"):
         values["quantization"] = []  # the form always posts its checkboxes
     error = None
