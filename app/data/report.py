@@ -139,7 +139,11 @@ def iter_rows(path: str | os.PathLike, tokenizer: TokenizerBundle | str | os.Pat
     mapping = check_column_mapping(column_mapping)
     if mapping:
         fmt = "alpaca"
-    fmt = canonical_format(fmt) if fmt else detect_format([r.data for r in head if r.data is not None])
+    readable = [r.data for r in head if r.data is not None]
+    if not fmt and not readable:  # every sampled row was unreadable: say why, by row
+        first = next(r for r in head if r.error is not None)
+        raise DatasetError(f"no readable row to detect the format from; {first.error}")
+    fmt = canonical_format(fmt) if fmt else detect_format(readable)
 
     def normalize(data: dict, row: int) -> tuple[dict, list]:
         if not mapping:

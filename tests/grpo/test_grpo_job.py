@@ -93,7 +93,7 @@ def test_toy_task_reward_rises(studio):
     assert cfg["kind"] == "grpo" and cfg["dataset"]["prompt_column"] == "prompt"
     assert cfg["prompt_example"] == "<s>Once upon a time"
     kinds = {a.kind for a in repo.list_artifacts(studio["engine"], run.id)}
-    assert kinds == {"config", "adapter"}
+    assert kinds == {"config", "adapter", "checkpoint"}
     adapter = studio["worker"].settings.data_dir / "runs" / run.id / "adapter"
     assert (adapter / "adapter_config.json").exists()
     assert job.result["last_rewards_mean"] > job.result["first_rewards_mean"]

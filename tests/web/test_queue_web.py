@@ -20,7 +20,9 @@ def _member(client, name: str = "bea") -> str:
     return r.json()["id"]
 
 
-def test_queue_page_explains_every_waiting_job_and_hides_others(app, client, engine) -> None:
+def test_queue_page_explains_every_waiting_job_and_hides_others(app, client, engine,
+                                                               monkeypatch) -> None:
+    monkeypatch.setattr(app.state.settings, "gpu_admit_margin", 0.1)  # 6 GiB -> 7.1 GiB slots
     admin_id = client.get("/api/me").json()["id"]
     bea = _member(client)
     workers.register(engine, GPU.id, GPU.host, 1, "cuda:0 NVIDIA test", 24.0, 0, 22.0)
@@ -28,7 +30,7 @@ def test_queue_page_explains_every_waiting_job_and_hides_others(app, client, eng
             for _ in range(3)]
     hers = queue.enqueue(engine, "train", {}, owner=bea, estimate_gib=6.0).id
     for _ in range(3):
-        assert queue.admit(engine, GPU, 300, ["train"]) is not None
+        assert queue.admit(engine, GPU, 300, ["train"], margin=0.1) is not None
     # fair share took bea's job second: the admin's third job waits
     running = {j.id for j in queue.list_jobs(engine, JobState.RUNNING)}
     assert running == {mine[0], hers, mine[1]}
