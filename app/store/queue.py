@@ -123,10 +123,11 @@ ADMISSION_LOCK = 0x57480015
 
 
 def admit(engine: Engine, slot: admission.Slot, lease_seconds: float, kinds: Collection[str],
-          margin: float = 0.1, fair_share_hours: float = 24.0) -> Job | None:
+          margin: float, fair_share_hours: float) -> Job | None:
     """Claim for GPU ``slot`` the first queued job of ``kinds`` in admission order that fits
     beside the jobs running there and whose owner is within quota (:mod:`app.store.admission`),
-    or return None.
+    or return None. ``margin`` and ``fair_share_hours`` are the settings'
+    ``gpu_admit_margin`` and ``fair_share_hours`` (one default, in :class:`app.settings.Settings`).
 
     One transaction: the write lock (``BEGIN IMMEDIATE``; on Postgres also the advisory lock
     :data:`ADMISSION_LOCK`), the admission check, then one fenced ``UPDATE ... WHERE id = :id

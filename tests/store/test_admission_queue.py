@@ -54,7 +54,7 @@ def _admitter(url: str, slots: list[Slot], kinds: list[str], seconds: float,
     got, end = [], time.monotonic() + seconds
     while time.monotonic() < end:
         for slot in slots:
-            job = queue.admit(eng, slot, 300, kinds)
+            job = queue.admit(eng, slot, 300, kinds, 0.1, 24.0)
             if job is not None:
                 got.append(job.id)
     out.put(got)
@@ -105,7 +105,7 @@ def test_each_quota_holds_with_its_reason(engine) -> None:
                   gpu_slot="x", gpu_index=0, started_at=t - 7200, finished_at=t - 1800))
     ids = {u.name: [queue.enqueue(engine, "train", {}, owner=u.id, estimate_gib=8.0).id
                     for _ in range(3)] for u in (by_jobs, by_gib, by_hours, other)}
-    while queue.admit(engine, slot, 300, ["train"]) is not None:
+    while queue.admit(engine, slot, 300, ["train"], 0.1, 24.0) is not None:
         pass
     run = queue.list_jobs(engine, JobState.RUNNING)
     per = {name: sum(j.id in js for j in run) for name, js in ids.items()}
@@ -128,7 +128,7 @@ def test_each_quota_holds_with_its_reason(engine) -> None:
     assert sum(r.visible for g in mine.gpus for r in g.running) == 3
     # an admin lifts the job limit: the next admission takes jobs2's third job
     quotas.set_quota(engine, ADMIN, by_jobs.id, jobs="", gib="", gpu_hours="", weight="1")
-    assert queue.admit(engine, slot, 300, ["train"]).id == ids["jobs2"][2]
+    assert queue.admit(engine, slot, 300, ["train"], 0.1, 24.0).id == ids["jobs2"][2]
 
 
 def test_fair_share_follows_recent_gpu_time_over_the_admins_weights(engine) -> None:
@@ -162,7 +162,7 @@ def test_an_admin_moves_a_job_to_the_front(engine) -> None:
     quotas.move_to_front(engine, ADMIN, jobs[2])
     assert [w.job_id for w in queue_view(engine, SETTINGS, ADMIN, kinds=("train",)).waiting] \
         == [jobs[2], jobs[0], jobs[1]]
-    assert queue.admit(engine, GPU0, 300, ["train"]).id == jobs[2]
+    assert queue.admit(engine, GPU0, 300, ["train"], 0.1, 24.0).id == jobs[2]
     with pytest.raises(StudioError) as exc:
         quotas.move_to_front(engine, ADMIN, jobs[2])  # running now
     assert exc.value.kind == "conflict"

@@ -30,7 +30,7 @@ def test_queue_page_explains_every_waiting_job_and_hides_others(app, client, eng
             for _ in range(3)]
     hers = queue.enqueue(engine, "train", {}, owner=bea, estimate_gib=6.0).id
     for _ in range(3):
-        assert queue.admit(engine, GPU, 300, ["train"], margin=0.1) is not None
+        assert queue.admit(engine, GPU, 300, ["train"], 0.1, 24.0) is not None
     # fair share took bea's job second: the admin's third job waits
     running = {j.id for j in queue.list_jobs(engine, JobState.RUNNING)}
     assert running == {mine[0], hers, mine[1]}
@@ -78,7 +78,7 @@ def test_admin_sets_quotas_and_downloads_gpu_hours(app, client, engine) -> None:
     assert 'hx-get="/admin/quotas"' in client.get("/admin").text
     # one finished GPU job of bea's, 1.5 h long
     job = queue.enqueue(engine, "train", {}, owner=bea, estimate_gib=1.0)
-    queue.admit(engine, GPU, 300, ["train"])
+    queue.admit(engine, GPU, 300, ["train"], 0.1, 24.0)
     assert queue.finish(engine, job.id, queue.get_job(engine, job.id).lease_owner, {})
     from app.store.db import session_scope
     from app.store.schema import Job
