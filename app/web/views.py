@@ -113,6 +113,34 @@ def owner_names(engine, user) -> dict[str, str]:
     return {u.id: u.name for u in accounts.list_users(engine, user)}
 
 
+async def create_from_form(spec_cls, raw: dict, errors: dict[str, str], create,
+                           field_of=lambda field: field) -> tuple[Any, dict[str, str], list[str]]:
+    """Validate a run form's ``raw`` input as ``spec_cls`` and, when ``errors`` (the form's own
+    checks) is empty, ``create(spec)`` off the event loop: ``(run or None, field errors,
+    form-level messages)``. A spec error lists every bad field; a use-case error about one
+    field goes under ``field_of(field)``; one about the whole spec (too big for every GPU) above
+    the form; any other is raised (the surface's error mapping answers it)."""
+    from starlette.concurrency import run_in_threadpool
+
+    from app.studio.runs import SpecError, parse_spec
+
+    run, general = None, []
+    try:
+        spec = parse_spec(spec_cls, raw)
+        if not errors:
+            run, _ = await run_in_threadpool(create, spec)
+    except SpecError as exc:
+        errors, general = {**exc.fields, **errors}, exc.general
+    except StudioError as exc:
+        if exc.code == "too_big_for_gpus":  # about the whole spec: shown above the form
+            general.append(exc.message)
+        elif exc.field is None:
+            raise
+        else:
+            errors[field_of(exc.field)] = exc.message
+    return run, errors, general
+
+
 def redirect_to_run(request: Request, run) -> Response:
     """After a form created a run: go to its page (HX-Redirect for htmx, else 303)."""
     url = f"/runs/{run.id}"

@@ -14,7 +14,6 @@ from starlette.concurrency import run_in_threadpool
 from app.store.specs import (ALL_LINEAR, CUSTOM_REWARD_SIGNATURE, GRPO_LOSS_TYPES, REWARD_DESCRIPTIONS,
                              REWARD_NAMES, SCALE_REWARDS, SCHEDULERS, GrpoSpec)
 from app.studio import datasets as datasets_uc
-from app.studio import runs as runs_uc
 from app.studio.errors import StudioError
 from app.studio.grpo import create_grpo_run, custom_rewards_allowed
 from app.web.deps import CurrentUser, EngineDep, SettingsDep, current_user, get_engine
@@ -135,24 +134,12 @@ async def create_grpo_form(request: Request, engine: EngineDep, settings: Settin
     form = await request.form()
     raw, values = spec_from_form(form)
     errors: dict[str, str] = {}
-    general: list[str] = []
-    run = None
     if not raw.get("rewards"):
         errors["rewards"] = "choose at least one reward function"
-    try:
-        spec = runs_uc.parse_spec(GrpoSpec, raw)
-        if not errors:
-            run, _ = await run_in_threadpool(create_grpo_run, engine, settings, user, spec,
-                                             values.get("name") or None)
-    except runs_uc.SpecError as exc:
-        errors, general = {**exc.fields, **errors}, exc.general
-    except StudioError as exc:
-        if exc.code == "too_big_for_gpus":  # about the whole spec: shown above the form
-            general.append(exc.message)
-        elif exc.field is None:
-            raise
-        else:
-            errors["rewards" if exc.field.startswith("rewards") else exc.field] = exc.message
+    run, errors, general = await views.create_from_form(
+        GrpoSpec, raw, errors,
+        lambda spec: create_grpo_run(engine, settings, user, spec, values.get("name") or None),
+        lambda field: "rewards" if field.startswith("rewards") else field)
     if run is None:
         return render(request, "run_grpo_new.html", _form_ctx(request, values, errors, general),
                       block="grpo_form", status_code=422)

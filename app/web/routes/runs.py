@@ -4,7 +4,6 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import RedirectResponse, Response
 from sse_starlette.sse import EventSourceResponse
-from starlette.concurrency import run_in_threadpool
 
 from app.data.chat_template import DEFAULT_TEMPLATES
 from app.store.specs import ALL_LINEAR, SCHEDULERS, TrainSpec
@@ -147,27 +146,14 @@ async def create_run(request: Request, engine: EngineDep, settings: SettingsDep,
     name = values.get("name") or None
     raw.pop("name", None)
     errors: dict[str, str] = {}
-    general: list[str] = []
-    run = None
     if not raw.get("model"):
         errors["model"] = "choose a model (register one on the Models page)"
     if not raw.get("dataset"):
         errors["dataset"] = "choose a dataset (upload one on the Datasets page)"
     errors.update(cleared_numbers(form))
-    try:
-        spec = runs_uc.parse_spec(TrainSpec, raw)
-        if not errors:
-            run, _ = await run_in_threadpool(runs_uc.create_sft_run, engine, settings, user,
-                                             spec, name)
-    except runs_uc.SpecError as exc:
-        errors, general = {**exc.fields, **errors}, exc.general
-    except StudioError as exc:
-        if exc.code == "too_big_for_gpus":  # about the whole spec: shown above the form
-            general.append(exc.message)
-        elif exc.field is None:
-            raise
-        else:
-            errors[exc.field] = exc.message
+    run, errors, general = await views.create_from_form(
+        TrainSpec, raw, errors,
+        lambda spec: runs_uc.create_sft_run(engine, settings, user, spec, name))
     if run is None:
         tmpl = template_ctx(engine, user, values.get("model"), form.get("chat_template_choice"),
                             values.get("chat_template") or None)
