@@ -5,6 +5,9 @@
   if (!root) return;
   const $ = (id) => document.getElementById(id);
   const FINAL = ["succeeded", "failed", "cancelled"];
+  // a page rendered after the run ended already shows its final cards: the replayed "end"
+  // event must not re-fetch them (that would reset an export form the user is filling in)
+  const renderedFinal = FINAL.includes(($("m-state") || {}).textContent?.trim());
   let chart = null;
   const points = [];
   const evalPoints = [];  // eval loss every eval_steps (metric events with eval_loss)
@@ -115,7 +118,7 @@
     es.close();
     const d = JSON.parse(e.data);
     if (FINAL.includes(d.state)) setState(d.state);
-    if (window.htmx) {
+    if (window.htmx && !renderedFinal) {
       const runId = root.dataset.runId;
       window.htmx.ajax("GET", `/runs/${runId}`, { target: "#artifacts", swap: "outerHTML" });
       window.htmx.ajax("GET", `/runs/${runId}`, { target: "#controls", swap: "outerHTML" });

@@ -54,6 +54,33 @@ class Studio:
                 p.wait(10)
         self.engine.dispose()
 
+    def stop_between_writes(self, proc: subprocess.Popen, tries: int = 50) -> None:
+        """SIGSTOP ``proc`` at a moment it holds no SQLite write lock.
+
+        A stop that lands inside the worker's heartbeat commit would leave the database locked
+        for every other process until SIGCONT; that is a stall of a different kind than the
+        lease tests mean to simulate. So stop, probe with ``BEGIN IMMEDIATE`` (0.2 s budget),
+        and on a lock let it run 50 ms and try again.
+
+        Raises AssertionError when no lock-free moment is found in ``tries`` attempts.
+        """
+        import sqlite3
+
+        path = self.url.removeprefix("sqlite:///")
+        for _ in range(tries):
+            proc.send_signal(signal.SIGSTOP)
+            con = sqlite3.connect(path, timeout=0.2, isolation_level=None)
+            try:
+                con.execute("BEGIN IMMEDIATE")
+                con.execute("ROLLBACK")
+                return
+            except sqlite3.OperationalError:
+                proc.send_signal(signal.SIGCONT)
+                time.sleep(0.05)
+            finally:
+                con.close()
+        raise AssertionError(f"worker {proc.pid} held the write lock at every stop")
+
     def log_of(self, worker_id: str) -> str:
         return (self.root / f"{worker_id}.log").read_text(errors="replace")
 

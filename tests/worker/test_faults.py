@@ -109,7 +109,7 @@ def test_stale_worker_stops_within_a_second_of_learning_it_lost_the_lease(tmp_pa
         proc = studio.worker("w-stale")
         ticks = studio.data_dir / "ticks" / f"{job.id}-1"
         wait_for(lambda: ticks.exists(), 30, "first tick")
-        proc.send_signal(signal.SIGSTOP)
+        studio.stop_between_writes(proc)
         time.sleep(2.5)
         assert queue.reap(eng) == [(job.id, JobState.QUEUED)]
         queue.cancel(eng, job.id)  # nobody else should run it
