@@ -16,12 +16,14 @@ reports; ``total_gib`` adds the CUDA context, which lives outside torch's alloca
 * **logits**: the fused LM head + cross-entropy works on chunks of at most 512 MiB of bf16 logits
   and saves ``dh`` (SFT); GRPO's log-prob pass holds a 256 MiB fp32 chunk, its log-softmax and the
   backward's copy.
+* **workspace**: cuBLAS/cuBLASLt GEMM workspaces, taken once through torch's allocator and held
+  for the process's life, so present in every phase (:data:`GEMM_WORKSPACE_GIB`).
 * **kv cache** (GRPO): the rollouts' cache, ``rows x (max_prompt_length + max_completion_length)``
   tokens x layers x 2 (K and V) x kv heads x head_dim in bf16, plus a decode step's logits.
 
 These phases do not overlap in time: backward through the layers, the loss, and (GRPO)
 generation each come and go, while the kept activations stay. So the allocator peak is
-``weights + adapter_optimizer + kept activations + the largest phase``; ``peak_phase`` names it.
+``weights + adapter_optimizer + workspace + kept activations + the largest phase``; ``peak_phase`` names it.
 Measured peaks correct the result (:mod:`app.studio.calibration`); the constants below were
 checked against the H200 peaks in ``bench/results.jsonl`` (tests/studio/test_estimate.py states
 the error per row).
@@ -43,9 +45,14 @@ NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
 #: CUDA context + cuBLAS/cuDNN handles outside torch's allocator (not in max_memory_allocated).
 #: An allowance, not measured by the benchmark rows (they report the allocator only).
 CUDA_CONTEXT_GIB = 0.5
-#: Working memory of a step besides activations: dequantised weights of the layer in flight,
-#: GEMM workspaces, small buffers (fitted to the 2048 x 2 and 16384 x 1 H200 rows).
-STEP_FIXED_GIB = 0.18
+#: GEMM workspaces (cuBLAS + cuBLASLt) held by torch's allocator from the first matmul on, in
+#: every phase. Measured: stories260K's allocator peak (0.070 GiB, H200 call s15-c3) less its
+#: tensors (0.006 GiB) is 0.064 GiB, i.e. two 32 MiB workspaces; model-size independent.
+GEMM_WORKSPACE_GIB = 1 / 16
+#: Besides activations, the layer in flight holds one weight-shaped bf16 transient the size of
+#: its largest projection (the dequantised NF4 weight; fitted on the 8B rows, where this plus the
+#: workspace, 0.172 GiB, replaced an older flat 0.18 GiB that made a 260K model's estimate +165 %).
+IN_FLIGHT_WEIGHTS = 1
 #: Residual-stream tensors live during backward, in hidden-size bf16 vectors a token.
 RESIDUAL_VECTORS = 6
 #: GRPO holds a little more after load than SFT (measured 5.62 vs 5.47 GiB on Llama-3.1-8B QLoRA).
@@ -112,6 +119,7 @@ class Estimate:
 
     weights_gib: float = 0.0
     adapter_optimizer_gib: float = 0.0
+    workspace_gib: float = 0.0  # GEMM workspaces (every phase)
     activations_gib: float = 0.0
     logits_gib: float = 0.0
     kv_cache_gib: float = 0.0
@@ -133,8 +141,8 @@ class Estimate:
         """This estimate scaled by ``factor`` (allocator parts only; the context is fixed)."""
         if n <= 0 or factor == 1.0:
             return self
-        scale = ("weights_gib", "adapter_optimizer_gib", "activations_gib", "logits_gib",
-                 "kv_cache_gib", "allocated_gib")
+        scale = ("weights_gib", "adapter_optimizer_gib", "workspace_gib", "activations_gib",
+                 "logits_gib", "kv_cache_gib", "allocated_gib")
         out = replace(self, **{k: getattr(self, k) * factor for k in scale},
                       correction=factor, calibrated_from=n, notes=list(self.notes))
         out.total_gib = out.allocated_gib + out.context_gib
@@ -199,8 +207,10 @@ def estimate_training(s: ModelShape, spec: Any, kind: str = "train") -> Estimate
     kept = kept_layers(s, tokens, spec.vram_budget_gib, w + n_lora * 4)
     layer = layer_activation_bytes(s, tokens)
     resident = kept * layer
+    largest = max(i * o for i, o in s.projections().values()) * 2
     working = (layer if kept < s.layers else 0) + RESIDUAL_VECTORS * s.hidden * 2 * tokens \
-        + STEP_FIXED_GIB * GIB
+        + IN_FLIGHT_WEIGHTS * largest
+    workspace = GEMM_WORKSPACE_GIB * GIB
     hidden_bytes = s.hidden * 2 * tokens
     if kind == "grpo":
         rows = min(tokens, GRPO_LOGPS_CHUNK_BYTES // (4 * s.vocab)) or 1
@@ -214,8 +224,9 @@ def estimate_training(s: ModelShape, spec: Any, kind: str = "train") -> Estimate
         kv = 0
     phases = {"layers": working, "loss": logits, "generation": kv}
     phase = max(phases, key=phases.get)
-    allocated = w + adapter + resident + phases[phase]
+    allocated = w + adapter + workspace + resident + phases[phase]
     est = Estimate(weights_gib=w / GIB, adapter_optimizer_gib=adapter / GIB,
+                   workspace_gib=workspace / GIB,
                    activations_gib=(resident + working) / GIB, logits_gib=logits / GIB,
                    kv_cache_gib=kv / GIB, context_gib=CUDA_CONTEXT_GIB,
                    allocated_gib=allocated / GIB, total_gib=allocated / GIB + CUDA_CONTEXT_GIB,
