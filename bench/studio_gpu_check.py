@@ -93,13 +93,49 @@ def wait(pred, timeout: float, what: str, every: float = 0.5):
     raise TimeoutError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
 
 
+def create_grpo(api: Api, seed: str, model_id: str, steps: int, four_bit: bool) -> str:
+    """Upload 64 GSM8K prompts and create a GRPO run on them (QLoRA with ``four_bit``, else
+    LoRA; 4 completions of <= 64 tokens a prompt); the run's id."""
+    with open(os.path.join(seed, "grpo", "gsm8k", "train.jsonl"), "rb") as fh:
+        rows = b"".join(fh.readlines()[:64])
+    ds = api.call("POST", "/api/grpo/datasets", files={"file": ("gsm8k_64.jsonl", rows)})
+    wait(lambda: (d := api.call("GET", f"/api/datasets/{ds['id']}"))["status"] != "validating"
+         and d, 180, "prompt dataset validation")
+    body = {"name": "gpu-check-grpo", "model": model_id, "dataset": ds["id"],
+            "load_in_4bit": four_bit, "rewards": [{"name": "numeric_match"}], "max_steps": steps,
+            "num_generations": 4, "per_device_train_batch_size": 8, "max_prompt_length": 128,
+            "max_completion_length": 64, "save_steps": 1000}
+    run = api.call("POST", "/api/runs/grpo", body=body)
+    result(check="created", run="grpo" if four_bit else "grpo_lora", id=run["id"], state=run.get("state"),
+           memory=run.get("memory"))
+    return run["id"]
+
+
+def gpus_summary(dash: dict) -> list[dict]:
+    """Per GPU of ``/api/gpus``: the newest sample's source/name/figures and how many samples
+    the last hour holds."""
+    out = []
+    for g in dash.get("gpus", []):
+        cur = g.get("current") or {}
+        out.append({"index": g.get("index"), "source": g.get("source"), "name": g.get("name"),
+                    "live": g.get("live"), "util_pct": cur.get("util_pct"),
+                    "mem_used_gib": cur.get("mem_used_gib"),
+                    "mem_total_gib": cur.get("mem_total_gib"), "temp_c": cur.get("temp_c"),
+                    "power_w": cur.get("power_w"),
+                    "samples": len((g.get("history") or {}).get("ts", []))})
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument("--dataset", default="sft/oasst1_en_100_messages.jsonl",
                     help="path under the seed dir")
-    ap.add_argument("--configs", default="qlora,lora", help="qlora, lora or both")
+    ap.add_argument("--configs", default="qlora,lora",
+                    help="comma-separated: qlora, lora (SFT runs), grpo, grpo_lora (a QLoRA or "
+                    "LoRA GRPO run on 64 GSM8K prompts of <seed>/grpo/gsm8k/train.jsonl, "
+                    "numeric_match reward)")
     a = ap.parse_args(argv)
     out = os.environ.get("OUT", "/tmp")
     seed = os.path.abspath(os.environ.get("WHETSTONE_SEED_DIR") or os.path.join(REPO, ".seed"))
@@ -145,6 +181,9 @@ def main(argv=None) -> int:
         assert ds["status"] == "processed", ds
         runs = {}
         for name in a.configs.split(","):
+            if name in ("grpo", "grpo_lora"):
+                runs[name] = create_grpo(api, seed, model["id"], a.steps, name == "grpo")
+                continue
             four = name == "qlora"
             body = {"name": f"gpu-check-{name}", "model": model["id"], "dataset": f["id"],
                     "load_in_4bit": four, "max_steps": a.steps, "max_seq_length": 256,
@@ -187,6 +226,11 @@ def main(argv=None) -> int:
                              "error": mem.get("error"), "reserved_gib": mem.get("reserved_gib"),
                              "nvml_gib": mem.get("nvml_gib")}
             ok = ok and r["state"] == "succeeded" and mem.get("peak_kind") == "gpu"
+        gpus = api.call("GET", "/api/gpus")
+        summary["gpus"] = gpus_summary(gpus)
+        result(check="gpus", gpus=summary["gpus"])
+        ok = ok and bool(summary["gpus"]) and all(
+            g["source"] == "nvml" and g["samples"] > 0 for g in summary["gpus"])
         q = api.call("GET", "/api/queue")
         h = api.call("GET", "/healthz")
         result(check="queue_after", queue=q)
