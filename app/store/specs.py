@@ -83,7 +83,24 @@ class LoraTrainingFields(BaseModel):
         return cleaned
 
 
-class TrainSpec(LoraTrainingFields):
+class HeldOutFields(BaseModel):
+    """A run's held-out set (SFT and GRPO): OpenAI's ``validation_file`` or a percentage of the
+    dataset's rows shuffled with the run's ``seed``; the rules in :mod:`app.studio.evaluation`."""
+
+    validation_file: str | None = Field(
+        default=None, description="dataset file id of the held-out set (OpenAI's "
+        "validation_file), read like the training rows")
+    validation_split_percentage: float = Field(
+        default=0.0, ge=0.0, le=50.0, description="percent of the dataset's rows held out "
+        "(shuffled with seed) when there is no validation_file; 0 = none")
+
+    @property
+    def has_held_out(self) -> bool:
+        """Whether the run evaluates on a held-out set."""
+        return bool(self.validation_file) or self.validation_split_percentage > 0
+
+
+class TrainSpec(HeldOutFields, LoraTrainingFields):
     """A LoRA/QLoRA supervised fine-tuning run (spec_version 1).
 
     ``max_steps > 0`` overrides ``num_train_epochs`` (as in transformers' TrainingArguments).
@@ -99,14 +116,8 @@ class TrainSpec(LoraTrainingFields):
     num_train_epochs: float = Field(default=1.0, gt=0.0, le=1000.0)
     train_on_responses_only: bool = True
     packing: bool = False
-    # held-out evaluation: transformers' names (eval_steps, load_best_model_at_end, early
-    # stopping patience), OpenAI's validation_file; cross-field rules in app.studio.evaluation
-    validation_file: str | None = Field(
-        default=None, description="dataset file id of the held-out set (OpenAI's "
-        "validation_file), encoded like the training rows")
-    validation_split_percentage: float = Field(
-        default=0.0, ge=0.0, le=50.0, description="percent of the dataset's rows held out "
-        "(shuffled with seed) when there is no validation_file; 0 = none")
+    # held-out evaluation (HeldOutFields): transformers' names (eval_steps,
+    # load_best_model_at_end, early stopping patience); cross-field rules in app.studio.evaluation
     eval_steps: int | None = Field(default=None, ge=1, description="evaluate the held-out "
                                    "loss every this many steps (default: save_steps)")
     per_device_eval_batch_size: int | None = Field(default=None, ge=1, le=4096)
@@ -120,11 +131,6 @@ class TrainSpec(LoraTrainingFields):
     generation_eval_samples: int = Field(
         default=0, ge=0, le=100, description="at the end, greedy answers of the base and the "
         "fine-tuned model on up to this many held-out prompts, beside the reference")
-
-    @property
-    def has_held_out(self) -> bool:
-        """Whether the run evaluates on a held-out set."""
-        return bool(self.validation_file) or self.validation_split_percentage > 0
 
     @model_validator(mode="after")
     def _steps(self) -> "TrainSpec":
@@ -270,7 +276,7 @@ class RewardSpec(BaseModel):
         return self.label or self.name
 
 
-class GrpoSpec(LoraTrainingFields):
+class GrpoSpec(HeldOutFields, LoraTrainingFields):
     """A LoRA/QLoRA GRPO run (spec_version 1), with TRL's GRPOConfig names.
 
     ``per_device_train_batch_size`` counts completions, as in TRL: each optimizer step sees
@@ -293,6 +299,10 @@ class GrpoSpec(LoraTrainingFields):
     scale_rewards: str = "group"
     num_iterations: int = Field(default=1, ge=1, le=64)
     sample_every: int = Field(default=1, ge=1, description="steps between sample-table events")
+    reward_eval_samples: int = Field(
+        default=16, ge=0, le=200, description="with a held-out set: the run's rewards applied "
+        "to greedy completions of up to this many held-out prompts by the base model (before "
+        "training) and the fine-tuned one (after)")
     # GRPO's own optimizer defaults (a small learning rate, fixed steps, whole groups per step)
     learning_rate: float = Field(default=5e-6, gt=0.0, le=1.0)
     per_device_train_batch_size: int = Field(default=4, ge=1, le=4096)

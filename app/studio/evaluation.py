@@ -13,25 +13,27 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy.engine import Engine
 
 from app.store import events
-from app.store.specs import TrainSpec
+from app.store.specs import GrpoSpec, TrainSpec
 from app.studio import access, validation
 from app.studio.errors import StudioError, invalid
 
 if TYPE_CHECKING:
     from app.store.schema import Dataset, Job, Run, User
 
-#: The fields that mean nothing without a held-out set.
+#: The fields that mean nothing without a held-out set (of a TrainSpec, of a GrpoSpec).
 NEEDS_HELD_OUT = ("eval_steps", "per_device_eval_batch_size", "load_best_model_at_end",
-                  "early_stopping_patience", "generation_eval_samples")
+                  "early_stopping_patience", "generation_eval_samples", "reward_eval_samples")
 _HOW = "set validation_file (a held-out dataset) or validation_split_percentage"
 
 
-def check_held_out(engine: Engine, actor: User, spec: TrainSpec, train_rows: int | None) -> None:
-    """Refuse evaluation settings that cannot work.
+def check_held_out(engine: Engine, actor: User, spec: TrainSpec | GrpoSpec,
+                   train_rows: int | None) -> None:
+    """Refuse evaluation settings that cannot work (an SFT or a GRPO spec).
 
     Raises StudioError (field named): not_found for a ``validation_file`` that is unknown or
-    another user's; invalid for a validation_file that is the training dataset, not processed
-    or a GRPO prompt dataset, for both a validation_file and a percentage, for a percentage
+    another user's; invalid for a validation_file that is the training dataset, not processed,
+    a GRPO prompt dataset for an SFT run or one without the prompt, answer or reward columns
+    for a GRPO run, for both a validation_file and a percentage, for a percentage
     that leaves no training row (``train_rows``: the dataset's valid rows), for evaluation
     settings without a held-out set, and for ``load_best_model_at_end`` when ``save_steps``
     is not a multiple of ``eval_steps`` (the best evaluation must have a checkpoint)."""
@@ -47,10 +49,12 @@ def check_held_out(engine: Engine, actor: User, spec: TrainSpec, train_rows: int
                           f"holding out {spec.validation_split_percentage:g}% of {train_rows} "
                           f"row{'s' if train_rows != 1 else ''} leaves none to train on")
     if not spec.has_held_out:
-        defaults = TrainSpec.model_fields
+        defaults = type(spec).model_fields
         for name in NEEDS_HELD_OUT:
-            if getattr(spec, name) != defaults[name].default:
+            if name in defaults and getattr(spec, name) != defaults[name].default:
                 raise invalid(name, f"{name} needs a held-out set: {_HOW}")
+        return
+    if isinstance(spec, GrpoSpec):
         return
     steps = spec.eval_steps or spec.save_steps
     if spec.load_best_model_at_end and spec.save_steps % steps:
@@ -59,7 +63,7 @@ def check_held_out(engine: Engine, actor: User, spec: TrainSpec, train_rows: int
                       "has a checkpoint to load")
 
 
-def validation_dataset(engine: Engine, actor: User, spec: TrainSpec) -> Dataset:
+def validation_dataset(engine: Engine, actor: User, spec: TrainSpec | GrpoSpec) -> Dataset:
     """The spec's ``validation_file`` dataset, if the actor may use it as a held-out set.
     Raises StudioError (field ``validation_file``): see :func:`check_held_out`."""
     if spec.validation_file == spec.dataset:
@@ -75,6 +79,14 @@ def validation_dataset(engine: Engine, actor: User, spec: TrainSpec) -> Dataset:
         why = validation.progress_text(ds) if ds.status == validation.VALIDATING \
             else ds.error or ds.status
         raise invalid("validation_file", f"dataset {ds.filename!r} is not usable: {why}")
+    if isinstance(spec, GrpoSpec):
+        from app.studio.grpo import check_columns
+
+        try:
+            check_columns(spec, ds)
+        except StudioError as exc:
+            raise invalid("validation_file", f"held-out prompts: {exc.message}") from None
+        return ds
     if ds.format == "prompts":
         raise invalid("validation_file", f"dataset {ds.filename!r} is a GRPO prompt dataset "
                       "(no responses to score); use a dataset with answers")

@@ -15,7 +15,7 @@ from app.settings import Settings
 from app.store import repo
 from app.store.schema import Dataset, Job, Run
 from app.store.specs import GrpoSpec
-from app.studio import audit, calibration
+from app.studio import audit, calibration, evaluation
 from app.studio.errors import StudioError, invalid
 from app.studio.runs import (check_qlora_device, check_targets, resolved_template, run_name,
                              usable_dataset, usable_model)
@@ -37,7 +37,8 @@ def create_grpo_run(engine: Engine, settings: Settings, actor: User, spec: GrpoS
 
     Raises:
         StudioError: forbidden (field ``rewards``) for custom rewards the actor may not run;
-            not_found for an unknown or another user's model/dataset; invalid otherwise (code
+            not_found for an unknown or another user's model/dataset/validation_file; invalid
+            otherwise (held-out rules: :func:`app.studio.evaluation.check_held_out`; code
             ``too_big_for_gpus`` when the estimated GPU memory exceeds the largest live GPU).
     """
     name = run_name(name)
@@ -53,6 +54,7 @@ def create_grpo_run(engine: Engine, settings: Settings, actor: User, spec: GrpoS
     ds = usable_dataset(engine, actor, spec)
     spec = with_dataset_columns(spec, ds)
     check_columns(spec, ds)
+    evaluation.check_held_out(engine, actor, spec, ds.rows)
     check_qlora_device(engine, settings, spec)
     estimate_gib = calibration.for_new_run(engine, settings, model, spec, "grpo")
     run, job = repo.create_run(engine, spec, kind="grpo", name=name, owner=actor.id,

@@ -54,6 +54,7 @@ class PromptSet:
     answer_column: str | None
     columns: list[str]
     examples: list[str] = field(default_factory=list)
+    row_numbers: list[int] = field(default_factory=list)  # each prompt's 1-based file row
 
 
 def _scalar(v: Any) -> Any:
@@ -77,26 +78,28 @@ def build_prompts(path: str, bundle, template: str | None, prompt_column: str | 
     from app.data.errors import DatasetError
     from app.data.prompts import pick_columns, prompt_messages
 
-    rows = []
+    rows, numbers = [], []
     skipped = 0
     for rec in iter_records(path):
         if rec.data is None:
             skipped += 1
             continue
         rows.append(rec.data)
+        numbers.append(rec.row)
         if check and len(rows) % 256 == 0:
             check()
     if not rows:
         raise DatasetError("the dataset has no readable rows")
     pcol, acol = pick_columns(rows[0], prompt_column, answer_column)
     columns = sorted({k for r in rows for k in r})
-    prompts, cols = [], {c: [] for c in columns}
+    prompts, cols, kept = [], {c: [] for c in columns}, []
     bos = bundle.bos_token or ""
-    for r in rows:
+    for number, r in zip(numbers, rows):
         msgs = prompt_messages(r.get(pcol), pcol, system_prompt)
         if msgs is None:
             skipped += 1
             continue
+        kept.append(number)
         if template is None:
             rendered = bos + msgs[-1]["content"]
         else:
@@ -108,7 +111,7 @@ def build_prompts(path: str, bundle, template: str | None, prompt_column: str | 
     if not prompts:
         raise DatasetError(f"no row has a non-empty {pcol!r}")
     ds = Dataset.from_dict({"prompt": prompts, **{COL + c: v for c, v in cols.items()}})
-    return PromptSet(ds, len(prompts), skipped, pcol, acol, columns, prompts[:2])
+    return PromptSet(ds, len(prompts), skipped, pcol, acol, columns, prompts[:2], kept)
 
 
 # ---- rewards as TRL reward functions ------------------------------------------------------

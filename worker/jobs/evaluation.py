@@ -41,7 +41,6 @@ def prepare(ctx: JobContext, spec, enc, model_row, template: str | None) -> Held
     leaves no row to train on."""
     from app.data.errors import DatasetError
     from worker.engine import data as edata
-    from worker.engine.evaluation import split_held_out
 
     if not spec.has_held_out:
         return HeldOut(enc.dataset)
@@ -63,18 +62,29 @@ def prepare(ctx: JobContext, spec, enc, model_row, template: str | None) -> Held
             "source": "validation_file", "validation_file": vds.id, "filename": vds.filename,
             "rows": venc.rows, "training_rows": enc.rows,
             "row_numbers": venc.row_numbers[:MAX_LISTED_ROWS]})
-    pct = spec.validation_split_percentage
+    return HeldOut(*split(ctx, spec, enc.dataset, enc.row_numbers))
+
+
+def split(ctx: JobContext, spec, dataset, row_numbers: list[int], what: str = "rows"
+          ) -> tuple[Any, Any, list[int], dict[str, Any]]:
+    """(training rows, held-out rows, the held-out rows' numbers in the file, what the result
+    records) of ``dataset``: ``spec.validation_split_percentage`` of it chosen by a shuffle
+    seeded with ``spec.seed`` (:func:`worker.engine.evaluation.split_held_out`); logged.
+    Raises JobError when nothing would be left to train on."""
+    from worker.engine.evaluation import split_held_out
+
+    pct, n = spec.validation_split_percentage, len(dataset)
     try:
-        train_idx, held_idx = split_held_out(enc.rows, pct, spec.seed)
+        train_idx, held_idx = split_held_out(n, pct, spec.seed)
     except ValueError as e:
         raise JobError(f"validation_split_percentage: {e}") from None
-    rows = [enc.row_numbers[i] for i in held_idx] if enc.row_numbers else []
-    ctx.log(f"held-out set: {pct:g}% of the dataset, {len(held_idx)} of {enc.rows} rows "
+    rows = [row_numbers[i] for i in held_idx] if row_numbers else []
+    ctx.log(f"held-out set: {pct:g}% of the dataset, {len(held_idx)} of {n} {what} "
             f"(shuffled with seed {spec.seed}); training on {len(train_idx)}")
-    return HeldOut(enc.dataset.select(train_idx), enc.dataset.select(held_idx), rows, {
+    return dataset.select(train_idx), dataset.select(held_idx), rows, {
         "source": "validation_split_percentage", "percentage": pct, "seed": spec.seed,
         "rows": len(held_idx), "training_rows": len(train_idx),
-        "row_numbers": rows[:MAX_LISTED_ROWS]})
+        "row_numbers": rows[:MAX_LISTED_ROWS]}
 
 
 def finish(ctx: JobContext, run_id: str, run_dir: Path, spec, held: HeldOut, reporter,

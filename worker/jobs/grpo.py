@@ -12,7 +12,8 @@ A reward function that fails (raises, returns None, a non-number, NaN, the wrong
 times out in its sandbox) fails the job with its name and the offending sample.
 
 Result: ``{"steps", "first_reward", "final_reward", "train_runtime", "rows", "adapter_dir",
-"adapter_zip", ...}``.
+"adapter_zip", ...}``; with a held-out set also ``eval`` and ``reward_eval`` (the run's rewards
+on greedy completions of held-out prompts, base vs fine-tuned: :mod:`worker.jobs.grpo_eval`).
 """
 from __future__ import annotations
 
@@ -67,6 +68,9 @@ def run(ctx: JobContext) -> dict[str, Any]:
             + (f", reference column {prompts.answer_column!r}" if prompts.answer_column else "")
             + (f"; {prompts.skipped} rows skipped (no prompt)" if prompts.skipped else "")
             + f"; reward columns: {', '.join(prompts.columns)}")
+    from worker.jobs import grpo_eval
+
+    held = grpo_eval.prepare(ctx, spec, prompts, bundle, chosen.source)
     ctx.check()
 
     # ---- model, LoRA, rewards, trainer ----------------------------------------------------
@@ -86,7 +90,7 @@ def run(ctx: JobContext) -> dict[str, Any]:
                                       on_stop=lambda r: ctx.log(f"stopping training ({r})"),
                                       sample_every=spec.sample_every,
                                       warn=lambda m: ctx.log(m, "warning"))
-    trainer = grpo.make_trainer(model, tokenizer, prompts.dataset, args, scorer,
+    trainer = grpo.make_trainer(model, tokenizer, held.train, args, scorer,
                                 spec.max_prompt_length,
                                 [callback, checkpoints.recorder(ctx, run_id, model_row)],
                                 on_log=ctx.log,
@@ -106,6 +110,7 @@ def run(ctx: JobContext) -> dict[str, Any]:
                     "prompt_column": prompts.prompt_column,
                     "answer_column": prompts.answer_column, "columns": prompts.columns},
         "chat_template": {"name": chosen.name, "template": chosen.source},
+        "held_out": held.info,
         "prompt_example": prompts.examples[0] if prompts.examples else None,
         "rewards": [{"name": f.name, "weight": f.weight} for f in functions],
         "device": gpu.device_name(),
@@ -145,6 +150,7 @@ def run(ctx: JobContext) -> dict[str, Any]:
         "rows": prompts.rows, "adapter_dir": str(adapter_dir), "adapter_zip": str(zip_path),
         "chat_template": chosen.name, "memory_peak": gpu.peak(),
     }
+    result.update(grpo_eval.finish(ctx, run_id, run_dir, spec, held, trainer.model, tokenizer))
     ctx.log(f"done: {trainer.state.global_step} steps in {runtime:.1f}s, mean reward "
             f"{rounded(result['first_rewards_mean'])} -> {rounded(result['last_rewards_mean'])}")
     return result
