@@ -68,6 +68,10 @@ class Settings(BaseSettings):
         gpu_sample_seconds: how often a supervisor writes each GPU's figures (utilisation,
             memory, temperature, power, jobs) for the GPU dashboard (seconds; kept two hours).
 
+    Playground:
+        playground_idle_seconds: how long a playground session keeps its model loaded (and its
+            GPU slot) without a prompt before it ends (seconds).
+
     Reward sandbox (custom GRPO reward code runs in a bubblewrap jail, one per batch of
     completions; these limits are the admin's, a submitter cannot change them):
         reward_memory_mb: address space of each sandbox process (MiB); past it the code gets
@@ -109,6 +113,7 @@ class Settings(BaseSettings):
     fair_share_hours: float = Field(default=24.0, gt=0)
     simulated_gpus: str = ""
     gpu_sample_seconds: float = Field(default=5.0, gt=0)
+    playground_idle_seconds: float = Field(default=300.0, gt=0)
     # reward sandbox
     reward_memory_mb: int = Field(default=1024, ge=64)
     reward_cpu_seconds: int = Field(default=30, ge=1)

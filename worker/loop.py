@@ -50,6 +50,7 @@ HANDLERS: dict[str, str] = {
     "grpo": "worker.jobs.grpo:run",
     "export": "worker.jobs.export:run",
     "validate_dataset": "worker.jobs.validate_dataset:run",
+    "playground": "worker.jobs.playground:run",
 }
 #: Kinds that need no GPU: with a CPU lane (the default) they are claimed by a second loop of
 #: the worker process and never wait behind a training job; train and grpo stay on the main lane.

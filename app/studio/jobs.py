@@ -22,7 +22,8 @@ if TYPE_CHECKING:
     from app.store.schema import User
 
 KIND_LABELS = {"train": "training", "grpo": "GRPO training", "export": "export",
-               "import_model": "model import", "validate_dataset": "dataset validation"}
+               "import_model": "model import", "validate_dataset": "dataset validation",
+               "playground": "playground session"}
 
 
 @dataclass(frozen=True)

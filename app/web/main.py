@@ -96,13 +96,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     from app.web import auth
     from app.web.api import catalog, exports as api_exports, runs as api_runs
     from app.web.openai import files as openai_files, jobs as openai_jobs, models as openai_models
+    from app.web.openai import chat as openai_chat
     from app.web.routes import (account, artifacts, datasets, exports, grpo, models, pages, runs)
     from app.web.routes import gpus as gpu_routes, queue as queue_routes
+    from app.web.routes import playground as playground_routes
 
     auth.install(app)
     for mod in (account, pages, datasets, models, runs, grpo, artifacts, exports, api_runs,
                 catalog, api_exports, openai_files, openai_jobs, openai_models, queue_routes,
-                gpu_routes):
+                gpu_routes, openai_chat, playground_routes):
         app.include_router(mod.router)
     return app
 

@@ -5,6 +5,8 @@ it); ``client`` is signed in as that admin with an access token (Bearer, so no C
 needed), on ``http://127.0.0.1`` (an allowed Host)."""
 from __future__ import annotations
 
+import contextlib
+import os
 import socket
 import threading
 import time
@@ -84,9 +86,10 @@ def engine(app, client):
     return app.state.engine
 
 
-@pytest.fixture
-def server(app):
-    """The app served by a real uvicorn on a free loopback port; yields its base URL."""
+@contextlib.contextmanager
+def served(app):
+    """The app served by a real uvicorn on a free loopback port (a thread); yields its base URL
+    and stops the server afterwards."""
     import uvicorn
 
     with socket.socket() as s:
@@ -102,6 +105,13 @@ def server(app):
     yield f"http://127.0.0.1:{port}"
     srv.should_exit = True
     th.join(timeout=10)
+
+
+@pytest.fixture
+def server(app):
+    """The app served by a real uvicorn on a free loopback port; yields its base URL."""
+    with served(app) as url:
+        yield url
 
 
 @pytest.fixture
@@ -135,3 +145,22 @@ def run_validations(app) -> int:
             queue.finish(engine, job.id, "tests-inline", result)
         n += 1
     return n
+
+
+def upload_and_import(client, worker, path) -> str:
+    """Upload ``path`` through ``/v1/files`` (purpose fine-tune), validate it, and let
+    ``worker`` (a started :class:`worker.loop.Worker`) import the demo model stories260K; returns
+    the file id."""
+    from app.store import repo
+
+    with open(path, "rb") as fh:
+        r = client.post("/v1/files", files={"file": (os.path.basename(path), fh)},
+                        data={"purpose": "fine-tune"})
+    assert r.status_code == 200, r.text
+    run_validations(client.app)
+    for _ in range(5):
+        if repo.get_model(worker.engine, "stories260K").status == "ready":
+            break
+        worker.serve(once=True)
+    assert repo.get_model(worker.engine, "stories260K").status == "ready"
+    return r.json()["id"]

@@ -36,6 +36,8 @@ ADMIN_ONLY = {"/admin/users/{user_id}", "/admin", "/admin/users", "/api/users",
               "/admin/quotas/{user_id}", "/admin/usage.csv"}
 #: Form URLs whose GET only sends the caller to the form's page (POST-redirect-GET).
 FORM_PAGES = {"/account/keys": "/account", "/account/password": "/account"}
+#: A playground session (an integer job id) is A's too.
+PARAMS["session_id"] = "session"
 
 
 @dataclass
@@ -105,7 +107,10 @@ def objs(app, server, engine, settings, tmp_path):
     r = a.post("/api/keys", json={"name": "laptop"})
     assert r.status_code == 201, r.text
     key = r.json()["id"]
-    yield {"a": a, "b": b, "admin": admin, "anon": httpx.Client(base_url=server, timeout=60),
+    r = a.post("/api/playground/sessions", json={"model": f"stories260K:ft:{run}"})
+    assert r.status_code == 201, r.text
+    session = r.json()["id"]
+    yield {"session": session, "a": a, "b": b, "admin": admin, "anon": httpx.Client(base_url=server, timeout=60),
            "run": run, "job": job.id, "dataset": dataset, "model": model, "model_name": model_name, "export": str(export),
            "artifact": art.id, "key": key, "user_a": users["alice"]["id"],
            "names": [run, dataset, model, art.id, key]}

@@ -199,3 +199,27 @@ def result_file_object(art: Artifact) -> dict[str, Any]:
             "status": "processed", "status_details": None, "expires_at": None}
 
 
+
+
+def chat_completion_object(cid: str, created: float, model: str, text: str,
+                           finish_reason: str | None, usage: dict[str, int]) -> dict[str, Any]:
+    """A ``chat.completion``: one assistant choice with ``text`` and the token ``usage``
+    (``prompt_tokens``, ``completion_tokens``, ``total_tokens``)."""
+    return {"id": cid, "object": "chat.completion", "created": int(created), "model": model,
+            "system_fingerprint": None,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text,
+                                                 "refusal": None},
+                         "logprobs": None, "finish_reason": finish_reason or "stop"}],
+            "usage": usage}
+
+
+def chat_chunk_object(cid: str, created: float, model: str, delta: dict[str, Any] | None,
+                      finish_reason: str | None = None,
+                      usage: dict[str, int] | None = None) -> dict[str, Any]:
+    """A ``chat.completion.chunk`` of a stream: a ``delta`` (role, content) and, on the last
+    one, its ``finish_reason``; ``delta`` None gives the closing usage chunk (no choices), as
+    ``stream_options.include_usage`` asks."""
+    choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None,
+                                         "finish_reason": finish_reason}]
+    return {"id": cid, "object": "chat.completion.chunk", "created": int(created),
+            "model": model, "system_fingerprint": None, "choices": choices, "usage": usage}

@@ -1,0 +1,419 @@
+"""The playground: chat with a run's model (final adapter or any checkpoint) beside its base, with
+an exported GGUF through llama.cpp, or with a base model, and the same through
+``/v1/chat/completions``.
+
+A *session* is a queue job of kind ``playground`` (worker/jobs/playground.py) owned by its user:
+it loads the model once, keeps it loaded until ``settings.playground_idle_seconds`` pass without
+a prompt, and counts in GPU admission with :func:`estimate_gib`. A user's live session for a
+model is reused (:func:`open_session`). The database is the only channel: a prompt is a
+``prompt`` event the web appends to the session's job events; the worker answers with ``token``
+and ``answer`` events (see the worker module), which the web relays.
+
+Model ids (what ``/v1/models`` lists, plus a suffix for checkpoints and GGUF files):
+``stories260K`` (a base model), ``stories260K:ft:<run id>`` (the run's final adapter; its base
+is the other pane), ``…:ft:<run id>:checkpoint-<step>`` (a saved checkpoint) and
+``…:ft:<run id>:<artifact id>`` (a GGUF export, served by llama.cpp as Ollama would).
+
+The chat template is the run's own (``spec.chat_template`` / ``chat_template_name``, chosen when
+the run was created); a base model's is chosen as a new run's would be
+(:func:`app.data.chat_template.choose_template`), once, when its session opens.
+"""
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy.engine import Engine
+from sqlmodel import select
+
+from app.settings import Settings
+from app.store import events, queue, repo
+from app.store.db import session_scope
+from app.store.schema import Artifact, Job, JobState, Model, Run
+from app.studio import access
+from app.studio.errors import StudioError, invalid
+from app.studio.estimate import GIB, lora_params, model_shape, weight_bytes
+
+if TYPE_CHECKING:
+    from app.store.schema import User
+
+KIND = "playground"
+SIDE_LABELS = {"fine_tuned": "Fine-tuned", "base": "Base", "gguf": "GGUF (llama.cpp)"}
+ROLES = ("system", "user", "assistant")
+#: Longest answer a prompt may ask for (tokens) and the default.
+MAX_TOKENS, DEFAULT_MAX_TOKENS = 8192, 256
+#: Context the memory estimate reserves a KV cache for (tokens; less when the model's is less).
+ESTIMATE_CONTEXT = 4096
+#: Working memory of a decode step besides the cache and logits (GiB): buffers, GEMM workspace.
+STEP_GIB = 0.2
+
+
+@dataclass
+class Target:
+    """What a session serves: ``target`` ``adapter`` | ``base`` | ``gguf``; ``model`` the public
+    id; ``sides`` the panes (``fine_tuned`` + ``base``, ``base`` or ``gguf``); ``template`` the
+    chat template source (None: prompts sent as they are) and its ``template_name``."""
+
+    target: str
+    model: str
+    model_row: Model
+    sides: list[str]
+    template_name: str | None
+    template: str | None
+    run: Run | None = None
+    checkpoint_step: int | None = None
+    artifact: Artifact | None = None
+    system_prompt: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def payload(self, idle_seconds: float) -> dict[str, Any]:
+        """The session job's payload (see worker/jobs/playground.py)."""
+        return {"target": self.target, "model": self.model, "model_id": self.model_row.id,
+                "run_id": self.run.id if self.run else None,
+                "checkpoint_step": self.checkpoint_step,
+                "artifact_id": self.artifact.id if self.artifact else None,
+                "sides": self.sides, "template_name": self.template_name,
+                "template": self.template, "idle_seconds": idle_seconds}
+
+
+def _no_model(model: str) -> StudioError:
+    return StudioError("not_found", f"The model {model!r} does not exist: GET /v1/models lists "
+                       "the base models and the fine-tuned models you may use", "model",
+                       "model_not_found")
+
+
+def _run_template(run: Run) -> tuple[str | None, str | None]:
+    spec = run.spec or {}
+    name = spec.get("chat_template_name")
+    if name == "none":
+        return name, None
+    return name, spec.get("chat_template")
+
+
+def resolve(engine: Engine, actor: User, model: str) -> Target:
+    """The :class:`Target` a model id names, if ``actor`` may use it (see the module docstring).
+
+    Raises StudioError: ``not_found`` (field ``model``, code ``model_not_found``) for an unknown
+    id or another user's; ``invalid`` for a malformed one; ``conflict`` for a run that has not
+    finished (name a checkpoint instead) or a base model that is not ready."""
+    if not isinstance(model, str) or not model.strip():
+        raise invalid("model", "name a model (GET /v1/models lists them)")
+    model = model.strip()
+    base, sep, rest = model.partition(":ft:")
+    if not sep:
+        try:
+            row = access.model(engine, actor, model)
+        except StudioError:
+            raise _no_model(model) from None
+        if row.status != "ready":
+            raise StudioError("conflict", f"model {row.name!r} is not ready (status "
+                              f"{row.status})", "model", "model_not_ready")
+        from app.data.chat_template import choose_template
+        from app.data.errors import DatasetError
+
+        try:
+            name, source = choose_template(None, row.chat_template)
+        except DatasetError as e:
+            raise invalid("model", f"its chat template cannot be used: {e}") from None
+        return Target("base", model, row, ["base"], name, source)
+    run_id, _, suffix = rest.partition(":")
+    try:
+        run, job = access.run_with_job(engine, actor, run_id)
+        row = repo.get_model(engine, run.model_id)
+    except (StudioError, repo.NotFound):
+        raise _no_model(model) from None
+    if row.name != base:
+        raise _no_model(model)
+    name, source = _run_template(run)
+    t = Target("adapter", model, row, ["fine_tuned", "base"], name, source, run,
+               system_prompt=(run.spec or {}).get("system_prompt"))
+    if not suffix:
+        if job is None or job.state != JobState.SUCCEEDED:
+            raise StudioError("conflict", f"run {run.id} has not finished training (it is "
+                              f"{job.state if job else 'queued'}); chat with one of its "
+                              "checkpoints instead (…:checkpoint-<step>)", "model",
+                              "run_not_finished")
+        return t
+    if suffix.startswith("checkpoint-"):
+        step = suffix.removeprefix("checkpoint-")
+        steps = checkpoint_steps(engine, run.id)
+        if not step.isdigit() or int(step) not in steps:
+            raise _no_model(model)
+        t.checkpoint_step = int(step)
+        return t
+    art = next((a for a in repo.list_artifacts(engine, run.id, kind="gguf") if a.id == suffix),
+               None)
+    if art is None:
+        raise _no_model(model)
+    t.target, t.sides, t.artifact = "gguf", ["gguf"], art
+    return t
+
+
+def checkpoint_steps(engine: Engine, run_id: str) -> list[int]:
+    """Steps of the run's recorded checkpoints, ascending."""
+    return sorted({int((a.meta or {})["step"]) for a in repo.list_artifacts(
+        engine, run_id, kind="checkpoint") if isinstance((a.meta or {}).get("step"), int)})
+
+
+def estimate_gib(t: Target) -> float | None:
+    """GPU allocator peak of a session in GiB: the base weights in bf16 (a GGUF: its file),
+    the adapter, a KV cache of :data:`ESTIMATE_CONTEXT` tokens for each side at once and the
+    prefill's logits; None when the model's shape is unknown (the session then runs alone)."""
+    shape = model_shape(t.model_row.info, t.model_row.path)
+    if shape is None:
+        return None
+    ctx = min(ESTIMATE_CONTEXT, int((t.model_row.info or {}).get("max_position_embeddings")
+                                    or ESTIMATE_CONTEXT))
+    kv = ctx * shape.layers * 2 * shape.kv_heads * shape.head_dim * 2 * len(t.sides)
+    logits = ctx * shape.vocab * 2 + 2 * shape.vocab * 4
+    if t.artifact is not None:
+        weights = float(t.artifact.bytes or 0)
+    else:
+        weights = weight_bytes(shape, False)
+        if t.run is not None:
+            spec = t.run.spec or {}
+            weights += 2 * lora_params(shape, int(spec.get("r") or 16),
+                                       list(spec.get("target_modules") or []))
+    return round((weights + kv + logits) / GIB + STEP_GIB, 3)
+
+
+# ---- sessions --------------------------------------------------------------------------------
+def _live(engine: Engine, actor: User, model: str) -> Job | None:
+    with session_scope(engine) as s:
+        jobs = s.exec(select(Job).where(Job.kind == KIND, Job.owner == actor.id,
+                                        Job.state.in_([JobState.QUEUED, JobState.RUNNING]),
+                                        Job.cancel_requested == False)  # noqa: E712
+                      .order_by(Job.id.desc())).all()
+    return next((j for j in jobs if (j.payload or {}).get("model") == model), None)
+
+
+def open_session(engine: Engine, settings: Settings, actor: User, model: str
+                 ) -> tuple[Job, bool]:
+    """``(session, reused)``: the caller's live session for ``model`` (queued or running), or
+    a new one queued with its memory estimate. Raises StudioError as :func:`resolve`."""
+    t = resolve(engine, actor, model)
+    live = _live(engine, actor, t.model)
+    if live is not None:
+        return live, True
+    return queue.enqueue(engine, KIND, t.payload(settings.playground_idle_seconds),
+                         run_id=t.run.id if t.run else None, owner=actor.id,
+                         estimate_gib=estimate_gib(t), max_attempts=1), False
+
+
+def session(engine: Engine, actor: User, session_id: int | str) -> Job:
+    """The playground session ``session_id`` if ``actor`` owns it (an admin: any).
+    Raises StudioError not_found (another user's session too)."""
+    try:
+        ident = int(str(session_id))
+    except ValueError:
+        ident = 0
+    gone = StudioError("not_found", "no playground session of yours has this id")
+    if not 0 < ident < 2**63:
+        raise gone
+    try:
+        return access.job(engine, actor, ident, kind=KIND)
+    except StudioError:
+        raise gone from None
+
+
+def status_of(engine: Engine, job: Job) -> str:
+    """``queued`` (waiting for a GPU), ``loading``, ``ready`` or ``ended``."""
+    if job.state in JobState.FINAL or job.cancel_requested:
+        return "ended"
+    if job.state == JobState.QUEUED:
+        return "queued"
+    return "ready" if events.latest(engine, job.id, "session") is not None else "loading"
+
+
+def session_info(engine: Engine, job: Job) -> dict[str, Any]:
+    """A session as the API shows it: ``id``, ``object`` (``playground.session``), ``model``,
+    ``status`` (:func:`status_of`), ``state`` (the job's), ``sides``, ``template_name``,
+    ``template``, ``idle_seconds``, ``loads``, ``load_seconds``, ``device``, ``estimate_gib``,
+    ``error``, ``events_url``."""
+    p = job.payload or {}
+    ready = events.latest(engine, job.id, "session")
+    r = ready.data if ready else {}
+    return {"id": job.id, "object": "playground.session", "model": p.get("model"),
+            "run_id": p.get("run_id"), "checkpoint_step": p.get("checkpoint_step"),
+            "status": status_of(engine, job), "state": job.state, "sides": p.get("sides"),
+            "template_name": p.get("template_name"), "template": p.get("template"),
+            "idle_seconds": p.get("idle_seconds"), "loads": r.get("loads", 0),
+            "load_seconds": r.get("load_seconds"), "device": r.get("device"),
+            "estimate_gib": job.estimate_gib, "error": job.error, "created_at": job.created_at,
+            "events_url": f"/api/playground/sessions/{job.id}/events"}
+
+
+def stop_session(engine: Engine, actor: User, session_id: int | str) -> Job:
+    """End the session now (its model is unloaded, its slot freed). Raises StudioError."""
+    return queue.cancel(engine, session(engine, actor, session_id).id)
+
+
+# ---- prompts ---------------------------------------------------------------------------------
+def _number(value: Any, name: str, default: float, lo: float, hi: float,
+            lo_open: bool = False) -> float:
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        try:
+            value = float(str(value).strip())
+        except ValueError:
+            raise invalid(name, f"must be a number, not {value!r}") from None
+    if not math.isfinite(value):
+        raise invalid(name, f"must be a finite number, not {value!r}")
+    if value < lo or (lo_open and value == lo) or value > hi:
+        low = f"greater than {lo:g}" if lo_open else f"at least {lo:g}"
+        raise invalid(name, f"must be {low} and at most {hi:g}, not {value:g}")
+    return float(value)
+
+
+def params(temperature: Any = None, top_p: Any = None, max_tokens: Any = None,
+           seed: Any = None) -> dict[str, Any]:
+    """Validated sampling parameters: ``temperature`` in [0, 2] (0: greedy; default 0.7),
+    ``top_p`` in (0, 1] (default 1), ``max_tokens`` an integer in [1, :data:`MAX_TOKENS`]
+    (default :data:`DEFAULT_MAX_TOKENS`), ``seed`` an integer or None.
+    Raises StudioError invalid naming the field."""
+    out = {"temperature": _number(temperature, "temperature", 0.7, 0.0, 2.0),
+           "top_p": _number(top_p, "top_p", 1.0, 0.0, 1.0, lo_open=True)}
+    mt = _number(max_tokens, "max_tokens", DEFAULT_MAX_TOKENS, 1, MAX_TOKENS)
+    if mt != int(mt):
+        raise invalid("max_tokens", f"must be a whole number, not {mt:g}")
+    out["max_tokens"] = int(mt)
+    if seed is not None:
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**31:
+            raise invalid("seed", "must be an integer from 0 to 2147483647")
+        out["seed"] = seed
+    return out
+
+
+def messages(value: Any, name: str = "messages", system: str | None = None) -> list[dict]:
+    """``[{"role", "content"}]`` checked: a non-empty list, roles system/user/assistant, text
+    content (OpenAI ``[{"type": "text", "text"}]`` parts are joined), the last one the user's;
+    ``system`` (when given and the list has none) is put first. Raises StudioError invalid."""
+    if not isinstance(value, list) or not value:
+        raise invalid(name, "must be a non-empty list of {role, content} messages")
+    out = []
+    for i, m in enumerate(value):
+        where = f"{name}[{i}]"
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise invalid(f"{where}.role", f"must be one of {', '.join(ROLES)}")
+        content = m.get("content")
+        if isinstance(content, list):
+            parts = [p.get("text") for p in content if isinstance(p, dict)]
+            if not all(isinstance(p, str) for p in parts) or len(parts) != len(content):
+                raise invalid(f"{where}.content", "only text content parts are supported")
+            content = "".join(parts)
+        if not isinstance(content, str):
+            raise invalid(f"{where}.content", "must be a string")
+        out.append({"role": m["role"], "content": content})
+    if out[-1]["role"] != "user":
+        raise invalid(name, "the last message must be the user's")
+    if system and system.strip() and out[0]["role"] != "system":
+        out.insert(0, {"role": "system", "content": system.strip()})
+    return out
+
+
+def send_prompt(engine: Engine, actor: User, session_id: int | str,
+                body: dict[str, Any]) -> dict[str, Any]:
+    """Append a prompt to the caller's session ``session_id``. ``body``: ``messages`` (sent to
+    every side of the session, or to ``sides`` when given) or ``messages_by_side`` (side ->
+    messages, each side its own history), an optional ``system`` prompt, and the sampling
+    :func:`params` ``temperature``, ``top_p``, ``max_tokens``, ``seed``.
+
+    Returns ``{"request_id", "after", "session"}``: the answer's events follow the prompt event
+    ``after``. Raises StudioError: not_found (another user's session too, checked first);
+    invalid naming the field; conflict (code ``session_ended``) once the session has ended."""
+    job = session(engine, actor, session_id)
+    sides = list((job.payload or {}).get("sides") or [])
+    system = body.get("system")
+    if system is not None and not isinstance(system, str):
+        raise invalid("system", "must be a string")
+    by_side = body.get("messages_by_side")
+    if by_side is not None:
+        if not isinstance(by_side, dict) or not by_side:
+            raise invalid("messages_by_side", "must be an object: side -> messages")
+        unknown = [k for k in by_side if k not in sides]
+        if unknown:
+            raise invalid("messages_by_side", f"this session answers on {', '.join(sides)}, "
+                          f"not {', '.join(map(str, unknown))}")
+        checked = {k: messages(v, f"messages_by_side.{k}", system) for k, v in by_side.items()}
+    else:
+        wanted = body.get("sides") or sides
+        if not isinstance(wanted, list) or any(w not in sides for w in wanted):
+            raise invalid("sides", f"this session answers on {', '.join(sides)}")
+        msgs = messages(body.get("messages"), "messages", system)
+        checked = {k: msgs for k in wanted}
+    prompt_params = params(body.get("temperature"), body.get("top_p"), body.get("max_tokens"),
+                           body.get("seed"))
+    if status_of(engine, job) == "ended":
+        raise StudioError("conflict", "this playground session has ended (idle or stopped); "
+                          "open a new one", None, "session_ended")
+    rid = f"req-{secrets.token_hex(8)}"
+    with session_scope(engine, immediate=True) as s:
+        ev = events.append(s, job.id, "prompt", {"request_id": rid, "messages": checked,
+                                                 "params": prompt_params})
+        s.flush()
+        after = ev.id
+    return {"request_id": rid, "after": after, "session": job.id}
+
+
+def poll_answer(engine: Engine, job_id: int, request_id: str, side: str, after: int
+                ) -> tuple[list[str], dict[str, Any] | None, int, str | None]:
+    """One read of a prompt's progress on ``side``: ``(new text pieces, the answer event's
+    data or None, the newest event id read, the job's final state when it ended without
+    answering)``. Blocking (run it in a thread)."""
+    pieces, answer = [], None
+    batch = events.since(engine, job_id, after, 500, types=["token", "answer"])
+    for ev in batch:
+        after = ev.id
+        d = ev.data or {}
+        if d.get("request_id") != request_id or d.get("side") != side:
+            continue
+        if ev.type == "token":
+            pieces.append(d.get("text") or "")
+        else:
+            answer = d
+            break
+    ended = None
+    if answer is None and not batch:
+        job = queue.get_job(engine, job_id)
+        if job.state in JobState.FINAL:
+            # the answer may have been written just before the end: read once more
+            if not events.since(engine, job_id, after, 1, types=["token", "answer"]):
+                ended = job.state
+    return pieces, answer, after, ended
+
+
+def targets(engine: Engine, actor: User) -> list[dict[str, Any]]:
+    """What the caller may chat with, for the page's picker: ``{"model", "label", "group"}``
+    for each ready base model, each finished run's final adapter, each run's checkpoints and
+    GGUF exports (newest runs first)."""
+    out = [{"model": m.name, "label": f"{m.name} (base model)", "group": "Base models"}
+           for m in repo.list_models(engine, owner=access.owner_filter(actor))
+           if m.status == "ready"]
+    names = {m.id: m.name for m in repo.list_models(engine)}
+    for run in repo.list_runs(engine, 50, owner=access.owner_filter(actor)):
+        r, job = repo.run_with_job(engine, run.id)
+        base = f"{names.get(run.model_id, run.model_id)}:ft:{run.id}"
+        group = f"{run.name or run.id} ({names.get(run.model_id, '?')})"
+        if job is not None and job.state == JobState.SUCCEEDED:
+            out.append({"model": base, "label": "final adapter", "group": group})
+        for step in reversed(checkpoint_steps(engine, run.id)):
+            out.append({"model": f"{base}:checkpoint-{step}", "label": f"checkpoint {step}",
+                        "group": group})
+        for a in repo.list_artifacts(engine, run.id, kind="gguf"):
+            out.append({"model": f"{base}:{a.id}", "label": f"GGUF {a.name} (llama.cpp)",
+                        "group": group})
+    return out
+
+
+def context_note(t: Target) -> str:
+    """One line on what the panes compare, for the page."""
+    if t.target == "gguf":
+        return f"{t.artifact.name} through llama.cpp, as Ollama serves it"
+    if t.target == "base":
+        return f"the base model {t.model_row.name} alone"
+    what = f"checkpoint {t.checkpoint_step}" if t.checkpoint_step is not None else "final adapter"
+    return (f"the run's {what} beside its base {t.model_row.name} (the same weights with the "
+            "adapter switched off)")

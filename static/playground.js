@@ -1,0 +1,121 @@
+// Playground: send the same prompt to every pane (each keeps its own history), stream the
+// answers from the session's events (SSE: session, token, answer, state, end).
+(function () {
+  const root = document.getElementById("playground");
+  if (!root) return;
+  const model = root.dataset.model;
+  const sides = root.dataset.sides.split(",");
+  const form = document.getElementById("pg-form");
+  const statusEl = document.getElementById("pg-status");
+  const errorEl = document.getElementById("pg-error");
+  const sendBtn = document.getElementById("pg-send");
+  const csrf = (document.querySelector('meta[name="csrf-token"]') || {}).content || "";
+  const history = Object.fromEntries(sides.map((s) => [s, []]));
+  let session = null, source = null, lastId = 0, pending = null;
+
+  function bubble(side, role, text) {
+    const el = document.createElement("div");
+    el.className = "pg-msg " + role;
+    el.textContent = text;
+    document.getElementById("pg-log-" + side).appendChild(el);
+    return el;
+  }
+  function showError(msg) { errorEl.textContent = msg || ""; errorEl.hidden = !msg; }
+  async function api(url, body) {
+    const r = await fetch(url, {method: "POST", credentials: "same-origin",
+      headers: {"Content-Type": "application/json", "X-CSRF-Token": csrf},
+      body: JSON.stringify(body)});
+    const data = await r.json().catch(() => ({}));
+    if (!r.ok) {
+      const e = data.error || {};
+      throw new Error((e.param ? e.param + ": " : "") + (e.message || r.statusText));
+    }
+    return data;
+  }
+  function finish(msg) {
+    if (pending) {
+      for (const s of sides) {
+        const p = pending.out[s];
+        if (p && p.classList.contains("pending")) { p.classList.remove("pending"); if (msg) { p.classList.add("error"); p.textContent += msg; } }
+      }
+    }
+    pending = null;
+    sendBtn.disabled = false;
+  }
+  function listen() {
+    if (source) source.close();
+    source = new EventSource(`/api/playground/sessions/${session}/events?after=${lastId}`);
+    const data = (ev) => { lastId = Math.max(lastId, Number(ev.lastEventId) || 0); return JSON.parse(ev.data); };
+    source.addEventListener("session", (ev) => {
+      const d = data(ev);
+      statusEl.textContent = `Loaded on ${d.device} in ${d.load_seconds}s (load ${d.loads}); answering…`;
+    });
+    source.addEventListener("token", (ev) => handle("token", data(ev)));
+    source.addEventListener("answer", (ev) => handle("answer", data(ev)));
+    for (const name of ["prompt", "state", "log", "progress"]) source.addEventListener(name, data);
+    source.addEventListener("end", () => {
+      source.close(); source = null; session = null;
+      if (pending && pending.id) { const again = pending.body; pending.retry ? finish(" (the session ended before answering)") : send(again, true); }
+      else if (!pending) statusEl.textContent = "The session ended (idle); the next prompt loads the model again.";
+    });
+  }
+  function handle(type, d) {
+    if (!pending) return;
+    if (!pending.id) { pending.early.push([type, d]); return; }  // before the POST answered
+    if (d.request_id !== pending.id || !pending.out[d.side]) return;
+    if (type === "token") { pending.out[d.side].textContent += d.text; return; }
+    {
+      const el = pending.out[d.side];
+      el.classList.remove("pending");
+      if (d.error) { el.classList.add("error"); el.textContent = d.error; history[d.side].pop(); }
+      else {
+        el.textContent = d.text;
+        history[d.side].push({role: "assistant", content: d.text});
+        const u = d.usage || {};
+        document.getElementById("pg-stats-" + d.side).textContent =
+          `${u.completion_tokens} tokens (${d.finish_reason}) · first token ${d.first_token_seconds}s · ${d.tokens_per_second} tokens/s`;
+      }
+      pending.left.delete(d.side);
+      if (pending.left.size === 0) { statusEl.textContent = "Ready: the model stays loaded for the next prompt."; finish(); }
+    }
+  }
+  async function send(body, retry) {
+    try {
+      const s = await api("/api/playground/sessions", {model});
+      if (s.id !== session) { session = s.id; lastId = 0; listen(); }
+      statusEl.textContent = s.status === "ready" ? "Answering…" : (s.status === "queued" ? "Waiting for a GPU…" : "Loading the model…");
+      const r = await api(`/api/playground/sessions/${session}/prompts`, body);
+      pending.id = r.request_id; pending.body = body; pending.retry = !!retry;
+      for (const [type, d] of pending.early.splice(0)) handle(type, d);
+    } catch (e) {
+      showError(e.message);
+      for (const s of sides) history[s].pop();
+      finish(" (not sent)");
+    }
+  }
+  form.addEventListener("submit", (ev) => {
+    ev.preventDefault();
+    if (pending) return;
+    const f = new FormData(form);
+    const text = String(f.get("prompt") || "").trim();
+    if (!text) return;
+    showError("");
+    const out = {};
+    for (const s of sides) {
+      history[s].push({role: "user", content: text});
+      bubble(s, "user", text);
+      out[s] = bubble(s, "assistant pending", "");
+    }
+    pending = {id: null, out, left: new Set(sides), early: []};
+    sendBtn.disabled = true;
+    form.elements.prompt.value = "";
+    const num = (k) => (f.get(k) === "" ? null : Number(f.get(k)));
+    send({messages_by_side: Object.fromEntries(sides.map((s) => [s, history[s].slice()])),
+          system: String(f.get("system") || ""), temperature: num("temperature"),
+          top_p: num("top_p"), max_tokens: num("max_tokens")}, false);
+  });
+  document.getElementById("pg-clear").addEventListener("click", () => {
+    if (pending) return;
+    for (const s of sides) { history[s].length = 0; document.getElementById("pg-log-" + s).textContent = ""; document.getElementById("pg-stats-" + s).textContent = ""; }
+  });
+})();

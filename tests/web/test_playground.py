@@ -1,0 +1,266 @@
+"""The playground end to end on the CPU: a real upload, the demo model's import and a 6-step
+stories260K run through the real worker loop, then a real ``playground`` worker (its own claim
+loop in a thread) serving sessions to the web app on a real uvicorn: the page API, its SSE, and
+``/v1/chat/completions`` through the official ``openai`` client.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from app.settings import Settings
+from app.store import events, queue, repo
+from app.store.db import reset_engines
+from app.store.schema import JobState
+from tests.conftest import SHARED_DATA, STORIES
+from tests.web.conftest import ADMIN_PASSWORD, ADMIN_USER, served, signed_in, upload_and_import
+
+pytestmark = pytest.mark.skipif(not (STORIES / "stories260K.bin").exists(),
+                                reason=f"no test data at {SHARED_DATA}")
+
+IDLE = 3.0  # seconds a session waits for a prompt before it ends
+PROMPT = [{"role": "user", "content": "Who are you?"}]
+GREEDY = {"temperature": 0, "max_tokens": 16}
+
+
+@pytest.fixture(scope="module")
+def studio(tmp_path_factory):
+    from app.studio import accounts
+    from app.web.main import create_app
+    from worker.loop import Worker
+
+    d = tmp_path_factory.mktemp("playground")
+    settings = Settings(data_dir=d / "data", seed_dir=SHARED_DATA, max_upload_mb=8,
+                        admin_user=ADMIN_USER, admin_password=ADMIN_PASSWORD,
+                        heartbeat_seconds=0.5, playground_idle_seconds=IDLE)
+    app = create_app(settings)
+    with signed_in(app) as client:
+        w = Worker(settings, worker_id="w-train", kinds=["import_model", "train"],
+                   poll_interval=0.05)
+        w.start()
+        dataset = upload_and_import(client, w, SHARED_DATA / "sft" / "identity_alpaca.json")
+        r = client.post("/api/runs", json={
+            "model": "stories260K", "dataset": dataset, "max_steps": 6, "save_steps": 3,
+            "per_device_train_batch_size": 2, "gradient_accumulation_steps": 1,
+            "learning_rate": 1e-2, "r": 8, "lora_alpha": 16, "warmup_ratio": 0.0,
+            "max_seq_length": 128, "chat_template": "chatml"})
+        assert r.status_code == 201, r.text
+        run_id = r.json()["id"]
+        w.serve(once=True)
+        run, job = repo.run_with_job(w.engine, run_id)
+        assert job.state == JobState.SUCCEEDED, job.error
+        play = Worker(settings, worker_id="w-play", kinds=["playground"], poll_interval=0.05)
+        play.engine = w.engine
+        th = threading.Thread(target=play.serve, daemon=True)
+        th.start()
+        stack = contextlib.ExitStack()
+        base = stack.enter_context(served(app))
+        admin = accounts.authenticate(w.engine, ADMIN_USER, ADMIN_PASSWORD)
+        key = accounts.create_api_key(w.engine, admin, "tests")[1]
+        http = httpx.Client(base_url=base, timeout=60, headers={"Authorization": f"Bearer {key}"})
+        yield {"client": client, "engine": w.engine, "run": run, "base": base, "key": key,
+               "http": http, "model": f"stories260K:ft:{run.id}"}
+        http.close()
+        stack.close()
+        play.shutdown.set()
+        th.join(timeout=30)
+        w.stop()
+    reset_engines()
+
+
+def _answers(engine, session: int, rid: str, sides: list[str], timeout: float = 60.0
+             ) -> tuple[dict[str, dict], dict[str, str], float | None]:
+    """(answer per side, the streamed token text per side, seconds to the first token event)."""
+    t0, first = time.monotonic(), None
+    answers: dict[str, dict] = {}
+    streamed = {s: "" for s in sides}
+    after = 0
+    while len(answers) < len(sides):
+        assert time.monotonic() - t0 < timeout, f"no answer in {timeout}s: {answers}"
+        for ev in events.since(engine, session, after, types=["token", "answer"]):
+            after = ev.id
+            if ev.data.get("request_id") != rid:
+                continue
+            if ev.type == "token":
+                first = first if first is not None else time.monotonic() - t0
+                streamed[ev.data["side"]] += ev.data["text"]
+            else:
+                answers[ev.data["side"]] = ev.data
+        time.sleep(0.02)
+    return answers, streamed, first
+
+
+def _ask(studio, messages=PROMPT, **params):
+    """Open (or reuse) the admin's session on the run's model and send ``messages``."""
+    http = studio["http"]
+    r = http.post("/api/playground/sessions", json={"model": studio["model"]})
+    assert r.status_code in (200, 201), r.text
+    s = r.json()
+    r = http.post(f"/api/playground/sessions/{s['id']}/prompts",
+                  json={"messages": messages, **GREEDY, **params})
+    assert r.status_code == 202, r.text
+    return s, r.json()
+
+
+def test_fine_tuned_and_base_stream_different_tokens_and_the_model_stays_loaded(studio):
+    engine = studio["engine"]
+    s, sent = _ask(studio)
+    assert s["sides"] == ["fine_tuned", "base"] and s["template_name"] == "chatml"
+    assert s["estimate_gib"] and s["estimate_gib"] > 0
+    answers, streamed, _ = _answers(engine, s["id"], sent["request_id"], s["sides"])
+    for side in s["sides"]:
+        a = answers[side]
+        assert a["text"] and streamed[side] == a["text"]  # the tokens add up to the answer
+        assert a["usage"]["completion_tokens"] > 0 and a["usage"]["prompt_tokens"] > 5
+        assert a["loads"] == 1
+    assert answers["fine_tuned"]["text"] != answers["base"]["text"]
+    studio["greedy"] = {side: answers[side]["text"] for side in s["sides"]}
+
+    # a second prompt: same session, no second load, first token within 2 s
+    again, sent2 = _ask(studio, PROMPT + [{"role": "assistant", "content": "I am a bot."},
+                                          {"role": "user", "content": "hi"}])
+    assert again["id"] == s["id"] and again["reused"] is True and again["status"] == "ready"
+    answers2, _, first = _answers(engine, s["id"], sent2["request_id"], s["sides"])
+    assert first is not None and first < 2.0, first
+    assert all(a["loads"] == 1 for a in answers2.values())
+    loaded = [e for e in events.since(engine, s["id"], types=["session"])]
+    assert len(loaded) == 1 and loaded[0].data["loads"] == 1
+    assert queue.get_job(engine, s["id"]).state == JobState.RUNNING
+
+
+def test_session_events_stream_over_sse(studio):
+    s, sent = _ask(studio)
+    seen: dict[str, str] = {}
+    done: set[str] = set()
+    url = f"/api/playground/sessions/{s['id']}/events?after={sent['after'] - 1}"
+    with studio["http"].stream("GET", url, timeout=60) as r:
+        assert r.status_code == 200
+        kind = None
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                kind = line[7:]
+            elif line.startswith("data: ") and kind in ("token", "answer", "prompt"):
+                d = json.loads(line[6:])
+                assert d["request_id"] == sent["request_id"]
+                if kind == "token":
+                    seen[d["side"]] = seen.get(d["side"], "") + d["text"]
+                elif kind == "answer":
+                    done.add(d["side"])
+                    assert seen[d["side"]] == d["text"]
+                if done == {"fine_tuned", "base"}:
+                    break
+    assert done == {"fine_tuned", "base"}
+
+
+def test_openai_client_streaming_and_not(studio):
+    import openai
+
+    c = openai.OpenAI(base_url=studio["base"] + "/v1", api_key=studio["key"], max_retries=0)
+    assert any(m.id == studio["model"] for m in c.models.list().data)
+    out = c.chat.completions.create(model=studio["model"], messages=PROMPT, **GREEDY)
+    assert out.object == "chat.completion" and out.model == studio["model"]
+    text = out.choices[0].message.content
+    assert text == studio["greedy"]["fine_tuned"]  # greedy: the page's fine-tuned answer
+    assert out.choices[0].finish_reason in ("stop", "length")
+    assert out.usage.completion_tokens > 0
+    assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
+    chunks = list(c.chat.completions.create(model=studio["model"], messages=PROMPT, stream=True,
+                                            stream_options={"include_usage": True}, **GREEDY))
+    assert all(ch.object == "chat.completion.chunk" for ch in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == text
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] \
+        == out.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens \
+        == out.usage.completion_tokens
+    # the base model by its own id: its own session, the base side's greedy answer
+    base = c.chat.completions.create(model="stories260K", messages=PROMPT, **GREEDY)
+    assert base.choices[0].message.content == studio["greedy"]["base"]
+
+    for bad, param in (({"temperature": -1}, "temperature"), ({"max_tokens": 0}, "max_tokens"),
+                       ({"top_p": 0}, "top_p"), ({"messages": []}, "messages")):
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(**{"model": studio["model"], "messages": PROMPT, **bad})
+        assert e.value.body["param"] == param and param in e.value.body["message"] or \
+            e.value.body["param"] == param
+    with pytest.raises(openai.NotFoundError) as e:
+        c.chat.completions.create(model="stories260K:ft:ftjob-0000000000000000",
+                                  messages=PROMPT)
+    assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
+
+
+def test_another_user_gets_404(studio):
+    http = studio["http"]
+    s, _ = _ask(studio)
+    r = http.post("/api/users", json={"name": "bea", "password": "bea-password-1",
+                                      "role": "member"})
+    assert r.status_code == 201, r.text
+    tok = httpx.post(studio["base"] + "/api/login/access-token",
+                     data={"username": "bea", "password": "bea-password-1"}).json()
+    bea = httpx.Client(base_url=studio["base"], timeout=30,
+                       headers={"Authorization": f"Bearer {tok['access_token']}"})
+    with bea:
+        for method, url in (("GET", f"/api/playground/sessions/{s['id']}"),
+                            ("POST", f"/api/playground/sessions/{s['id']}/prompts"),
+                            ("POST", f"/api/playground/sessions/{s['id']}/stop"),
+                            ("GET", f"/api/playground/sessions/{s['id']}/events")):
+            r = bea.request(method, url, json={"messages": PROMPT} if method == "POST" else None)
+            assert r.status_code == 404, (url, r.text)
+        for path in ("/api/playground/sessions", "/v1/chat/completions"):
+            r = bea.post(path, json={"model": studio["model"], "messages": PROMPT})
+            assert r.status_code == 404, r.text
+        assert r.json()["error"]["code"] == "model_not_found"
+        assert studio["run"].id not in bea.get("/playground").text
+    job = queue.get_job(studio["engine"], s["id"])  # B's attempts left it alone
+    assert job.state in (JobState.QUEUED, JobState.RUNNING) and not job.cancel_requested
+
+
+def test_bad_prompt_parameters_name_their_field(studio):
+    http = studio["http"]
+    s, _ = _ask(studio)
+    url = f"/api/playground/sessions/{s['id']}/prompts"
+    for body, field in (({"temperature": -0.5}, "temperature"), ({"max_tokens": 0}, "max_tokens"),
+                        ({"top_p": 1.5}, "top_p"), ({"messages": []}, "messages"),
+                        ({"messages": [{"role": "bot", "content": "x"}]}, "messages[0].role"),
+                        ({"messages_by_side": {"gguf": PROMPT}}, "messages_by_side")):
+        r = http.post(url, json={"messages": PROMPT, **body})
+        assert r.status_code == 422, r.text
+        assert r.json()["error"]["param"] == field, r.text
+    r = http.post("/api/playground/sessions", json={"model": "no-such-model"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+
+
+def test_the_session_ends_after_its_idle_time(studio):
+    engine, http = studio["engine"], studio["http"]
+    s, sent = _ask(studio)
+    _answers(engine, s["id"], sent["request_id"], s["sides"])
+    deadline = time.monotonic() + IDLE + 15
+    while queue.get_job(engine, s["id"]).state == JobState.RUNNING:
+        assert time.monotonic() < deadline, "the idle session did not end"
+        time.sleep(0.1)
+    job = queue.get_job(engine, s["id"])
+    assert job.state == JobState.SUCCEEDED and job.result["ended"] == "idle"
+    assert job.result["prompts"] >= 1 and job.result["loads"] == 1
+    assert http.get(f"/api/playground/sessions/{s['id']}").json()["status"] == "ended"
+    r = http.post(f"/api/playground/sessions/{s['id']}/prompts", json={"messages": PROMPT})
+    assert r.status_code == 409 and r.json()["error"]["code"] == "session_ended"
+    r = http.post("/api/playground/sessions", json={"model": studio["model"]})
+    assert r.status_code == 201 and r.json()["id"] != s["id"] and r.json()["reused"] is False
+    http.post(f"/api/playground/sessions/{r.json()['id']}/stop")
+
+
+def test_page_and_checkpoints(studio):
+    c, run = studio["client"], studio["run"]
+    page = c.get(f"/runs/{run.id}").text
+    assert f'href="/playground?model=stories260K%3Aft%3A{run.id}"' in page
+    page = c.get("/playground", params={"model": f"{studio['model']}:checkpoint-3"}).text
+    assert 'id="playground"' in page and 'data-sides="fine_tuned,base"' in page
+    assert 'id="pg-template-name">chatml<' in page and "checkpoint 3" in page
+    assert f'value="{studio["model"]}:checkpoint-6"' in page
+    r = c.get("/playground", params={"model": f"{studio['model']}:checkpoint-7"})
+    assert r.status_code == 404

@@ -1,0 +1,161 @@
+"""The ``playground`` job: one user's chat session with one model, kept loaded while it is used.
+
+Payload (written by :func:`app.studio.playground.open_session`): ``target`` (``adapter``,
+``base`` or ``gguf``), ``model`` (the public id, e.g. ``stories260K:ft:ftjob-…``), ``model_id``
+(the base model's row), ``run_id``, ``checkpoint_step`` (None: the final adapter),
+``artifact_id`` (a GGUF export's file), ``sides``, ``template_name`` / ``template`` (the run's
+own, chosen when the run was created) and ``idle_seconds``.
+
+The job loads the model once and writes a ``session`` event (``status`` ``ready``, ``loads``:
+how many times this session loaded it, ``load_seconds``, ``device``). Then it reads ``prompt``
+events the web appends to its own event stream (``request_id``, ``messages`` per side,
+``params``) and answers each side in turn, interleaved token by token: ``token`` events
+(``request_id``, ``side``, ``text``: the new text, written at most every
+:data:`FLUSH_SECONDS`) and one ``answer`` event per side (``text``, ``finish_reason``,
+``usage``, ``first_token_seconds``, ``tokens_per_second``, ``loads``, or ``error``). After
+``idle_seconds`` without a prompt the job ends (succeeded) and frees its GPU slot; cancel ends it
+at once.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from app.store import events, repo
+from worker import gpu
+from worker.context import JobContext, JobError
+
+#: Seconds between two reads of the session's new prompts while idle.
+POLL_SECONDS = 0.05
+#: Longest time text waits before it is written as a ``token`` event (seconds).
+FLUSH_SECONDS = 0.05
+
+
+def _adapter_dir(ctx: JobContext, run_id: str, step: int | None) -> str:
+    """The folder of the run's final adapter or of its checkpoint ``step``. Raises JobError."""
+    if step is not None:
+        for a in repo.list_artifacts(ctx.engine, run_id, kind="checkpoint"):
+            if (a.meta or {}).get("step") == step and Path(a.path, "adapter_config.json").is_file():
+                return a.path
+        raise JobError(f"run {run_id} has no checkpoint at step {step} on disk")
+    for a in repo.list_artifacts(ctx.engine, run_id, kind="adapter"):
+        folder = (a.meta or {}).get("folder")
+        if folder and Path(folder, "adapter_config.json").is_file():
+            return folder
+    folder = ctx.settings.data_dir / "runs" / run_id / "adapter"
+    if (folder / "adapter_config.json").is_file():
+        return str(folder)
+    raise JobError(f"run {run_id} has no adapter on disk (has its training finished?)")
+
+
+def load(ctx: JobContext, p: dict[str, Any]):
+    """The session's model (:class:`worker.engine.chat.Loaded`). Raises JobError."""
+    from worker.engine import chat
+
+    cuda = gpu.cuda_available()
+    try:
+        if p["target"] == "gguf":
+            art = repo.get_artifact(ctx.engine, p["artifact_id"])
+            return chat.load_gguf(art.path, cuda)
+        model_row = repo.get_model(ctx.engine, p["model_id"])
+        if model_row.status != "ready" or not model_row.path:
+            raise JobError(f"model {model_row.name} is not ready (status {model_row.status})")
+        adapter = _adapter_dir(ctx, p["run_id"], p.get("checkpoint_step")) \
+            if p["target"] == "adapter" else None
+        return chat.load_hf(model_row.path, adapter, cuda)
+    except repo.NotFound as e:
+        raise JobError(f"playground: {e}") from None
+    except (OSError, ValueError) as e:
+        raise JobError(f"could not load {p.get('model')}: {' '.join(str(e).split())[:300]}") \
+            from e
+
+
+def answer(ctx: JobContext, loaded, p: dict[str, Any], prompt: dict[str, Any],
+           loads: int) -> None:
+    """Answer one ``prompt`` event on every side it names, token events as text comes."""
+    from app.data.errors import DatasetError
+    from worker.engine import chat
+
+    rid = prompt.get("request_id")
+    params = chat.Params(**{k: v for k, v in (prompt.get("params") or {}).items()
+                            if k in ("temperature", "top_p", "max_tokens", "seed")})
+    streams, out = [], []
+    for side, messages in (prompt.get("messages") or {}).items():
+        if side not in p["sides"]:
+            continue
+        try:
+            text = chat.render_prompt(loaded, messages, p.get("template"))
+        except DatasetError as e:
+            out.append(("answer", {"request_id": rid, "side": side, "error": str(e),
+                                   "loads": loads}))
+            continue
+        streams.append(chat.Stream(loaded, side, chat.prompt_ids(loaded, text), params))
+    if out:
+        events.append_many(ctx.engine, ctx.job.id, out)
+    last_flush = time.monotonic()
+    while streams:
+        ctx.check()
+        for s in streams:
+            s.step()
+        now = time.monotonic()
+        finished = [s for s in streams if s.done]
+        if finished or now - last_flush >= FLUSH_SECONDS:
+            batch = [("token", {"request_id": rid, "side": s.side, "text": t})
+                     for s in streams if (t := s.take())]
+            for s in finished:
+                took = max(1e-9, now - s.started - (s.first_token_seconds or 0.0))
+                batch.append(("answer", {
+                    "request_id": rid, "side": s.side, "text": s.text,
+                    "finish_reason": s.finish_reason,
+                    "usage": {"prompt_tokens": s.prompt_tokens,
+                              "completion_tokens": s.completion_tokens,
+                              "total_tokens": s.prompt_tokens + s.completion_tokens},
+                    "first_token_seconds": s.first_token_seconds,
+                    "tokens_per_second": round(max(0, s.completion_tokens - 1) / took, 2),
+                    "loads": loads}))
+            events.append_many(ctx.engine, ctx.job.id, batch)
+            last_flush = now
+            streams = [s for s in streams if not s.done]
+
+
+def run(ctx: JobContext) -> dict[str, Any]:
+    """Serve the session in ``ctx.payload`` until it has been idle ``idle_seconds`` (see the
+    module docstring). Returns ``{"prompts", "loads", "load_seconds", "ended"}``."""
+    p = dict(ctx.payload)
+    idle = float(p.get("idle_seconds") or 300)
+    earlier = events.since(ctx.engine, ctx.job.id, 0, 100000, types=["session", "answer"])
+    answered = {e.data.get("request_id") for e in earlier if e.type == "answer"}
+    loads = 1 + sum(1 for e in earlier if e.type == "session" and e.data.get("status") == "ready")
+    ctx.progress("load", 0, 1, f"loading {p.get('model')}")
+    t0 = time.monotonic()
+    loaded = load(ctx, p)
+    load_seconds = round(time.monotonic() - t0, 3)
+    ctx.progress("load", 1, 1)
+    events.append_many(ctx.engine, ctx.job.id, [("session", {
+        "status": "ready", "loads": loads, "load_seconds": load_seconds,
+        "device": gpu.device_name(), "sides": p["sides"], "model": p.get("model"),
+        "template_name": p.get("template_name"), "idle_seconds": idle})])
+    ctx.log(f"{p.get('model')} loaded in {load_seconds:.1f}s on {gpu.device_name()}; the "
+            f"session ends after {idle:g}s without a prompt")
+    after, served = 0, 0
+    deadline = time.monotonic() + idle
+    while True:
+        ctx.check()
+        prompts = events.since(ctx.engine, ctx.job.id, after, 20, types=["prompt"])
+        if not prompts:
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(POLL_SECONDS)
+            continue
+        for ev in prompts:
+            after = ev.id
+            if ev.data.get("request_id") in answered:
+                continue
+            answer(ctx, loaded, p, ev.data, loads)
+            answered.add(ev.data.get("request_id"))
+            served += 1
+        deadline = time.monotonic() + idle
+    ctx.log(f"session idle for {idle:g}s: ended after {served} prompt{'s' if served != 1 else ''}")
+    return {"prompts": served, "loads": loads, "load_seconds": load_seconds, "ended": "idle",
+            "memory_peak": gpu.peak()}
