@@ -40,7 +40,7 @@ def studio(tmp_path_factory):
                         heartbeat_seconds=0.5, playground_idle_seconds=IDLE)
     app = create_app(settings)
     with signed_in(app) as client:
-        w = Worker(settings, worker_id="w-train", kinds=["import_model", "train"],
+        w = Worker(settings, worker_id="w-train", kinds=["import_model", "train", "export"],
                    poll_interval=0.05)
         w.start()
         dataset = upload_and_import(client, w, SHARED_DATA / "sft" / "identity_alpaca.json")
@@ -63,7 +63,7 @@ def studio(tmp_path_factory):
         admin = accounts.authenticate(w.engine, ADMIN_USER, ADMIN_PASSWORD)
         key = accounts.create_api_key(w.engine, admin, "tests")[1]
         http = httpx.Client(base_url=base, timeout=60, headers={"Authorization": f"Bearer {key}"})
-        yield {"client": client, "engine": w.engine, "run": run, "base": base, "key": key,
+        yield {"client": client, "engine": w.engine, "worker": w, "run": run, "base": base, "key": key,
                "http": http, "model": f"stories260K:ft:{run.id}"}
         http.close()
         stack.close()
@@ -264,3 +264,27 @@ def test_page_and_checkpoints(studio):
     assert f'value="{studio["model"]}:checkpoint-6"' in page
     r = c.get("/playground", params={"model": f"{studio['model']}:checkpoint-7"})
     assert r.status_code == 404
+
+
+def test_an_exported_gguf_through_llama_cpp(studio):
+    import openai
+
+    c, engine, run = studio["client"], studio["engine"], studio["run"]
+    r = c.post(f"/api/runs/{run.id}/exports", json={"format": "gguf", "quantization": "F32"})
+    assert r.status_code == 201, r.text
+    studio["worker"].serve(once=True)
+    info = c.get(f"/api/exports/{r.json()['id']}").json()
+    assert info["status"] == "succeeded", info
+    art = repo.list_artifacts(engine, run.id, kind="gguf")[0]
+    model = f"{studio['model']}:{art.id}"
+    page = c.get("/playground", params={"model": model}).text
+    assert 'data-sides="gguf"' in page and "through llama.cpp" in page
+    oc = openai.OpenAI(base_url=studio["base"] + "/v1", api_key=studio["key"], max_retries=0)
+    out = oc.chat.completions.create(model=model, messages=PROMPT, **GREEDY)
+    text = out.choices[0].message.content
+    assert text and out.usage.completion_tokens > 0
+    # the merged F32 weights in llama.cpp answer as the adapter does in transformers
+    assert text == studio["greedy"]["fine_tuned"], (text, studio["greedy"])
+    chunks = list(oc.chat.completions.create(model=model, messages=PROMPT, stream=True,
+                                             **GREEDY))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == text
