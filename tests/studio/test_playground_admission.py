@@ -4,32 +4,20 @@ cache per pane, the prefill's logits) is what admission packs by, so while it ho
 ends; a user's second request for the same model reuses the live session."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from app.settings import Settings
 from app.store import queue, repo
-from app.store.admission import Slot, need_gib
-from app.store.db import make_engine, session_scope
-from app.store.migrate import upgrade
+from app.store.admission import need_gib
+from app.store.db import session_scope
 from app.store.schema import JobState, Model, User
 from app.studio import playground as pg
+from tests.store.test_admission_queue import GPU0, engine  # noqa: F401 - a 24 GiB GPU, the db
 
-GPU0 = Slot("hostA-gpu0", "hostA", 0, 22.0, 24.0)  # a 24 GiB GPU less a 2 GiB reserve
 #: Llama-3.1-8B's shape, as a model row's ``info`` records it.
 LLAMA_8B = {"layers": 32, "hidden_size": 4096, "intermediate_size": 14336,
             "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
             "vocab": 128256, "max_position_embeddings": 131072}
-
-
-@pytest.fixture()
-def engine(tmp_path: Path):
-    u = f"sqlite:///{tmp_path / 'a.db'}"
-    upgrade(u)
-    eng = make_engine(u)
-    yield eng
-    eng.dispose()
 
 
 def test_a_session_counts_in_admission_and_is_reused(engine):
