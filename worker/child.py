@@ -66,8 +66,9 @@ class JobProcess(Worker):
             raise
 
 
-def cap_allocator(job) -> None:
-    """On a GPU: let this process allocate at most its admitted memory less the CUDA context."""
+def cap_allocator(job, device: int = 0) -> None:
+    """On a GPU: let this process allocate at most its admitted memory less the CUDA context
+    on CUDA ``device`` (a data-parallel rank: its own GPU; ``admitted_gib`` is per GPU)."""
     if job.admitted_gib is None or os.environ.get("CUDA_VISIBLE_DEVICES") == "" \
             or not gpu.cuda_available():
         return
@@ -76,7 +77,7 @@ def cap_allocator(job) -> None:
     total = gpu.total_gib()
     if total:
         frac = min(1.0, max(0.05, (job.admitted_gib - CUDA_CONTEXT_GIB) / total))
-        gpu._torch().cuda.set_per_process_memory_fraction(frac, 0)
+        gpu._torch().cuda.set_per_process_memory_fraction(frac, device)
         log.info("job %s: allocator capped at %.1f GiB (%.3f of %.1f GiB)", job.id,
                  frac * total, frac, total)
 
@@ -120,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     gpu.cuda_available()  # import torch inside the admission's start allowance, not the lease
-    cap_allocator(job)
+    if "," not in (job.gpu_slot or ""):  # a data-parallel job: each rank caps its own GPU
+        cap_allocator(job)
     try:
         w.run_job(job)
     except KeyboardInterrupt:

@@ -26,19 +26,34 @@ def cuda_available() -> bool:
         return False
 
 
+def local_index() -> int:
+    """The CUDA device this process computes on: its ``LOCAL_RANK`` in a data-parallel run
+    started by torchrun (worker/ddp.py), else 0."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        return int(os.environ.get("LOCAL_RANK", "0"))
+    return 0
+
+
+def cuda_device() -> str:
+    """``cuda:<local_index()>``: where this process loads its model."""
+    return f"cuda:{local_index()}"
+
+
 def device_name() -> str:
     """A human-readable device label, e.g. ``cuda:0 NVIDIA H200`` or ``cpu (16 cores)``."""
     if cuda_available():
         torch = _torch()
         try:
-            return f"cuda:0 {torch.cuda.get_device_name(0)}"
+            i = local_index()
+            return f"cuda:{i} {torch.cuda.get_device_name(i)}"
         except Exception:  # noqa: BLE001
-            return "cuda:0"
+            return cuda_device()
     return f"cpu ({os.cpu_count() or 1} cores, {platform.machine()})"
 
 
 def _nvml_handle(pynvml):
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip() or "0"
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")
+    visible = (listed[local_index()] if local_index() < len(listed) else listed[0]).strip() or "0"
     return (pynvml.nvmlDeviceGetHandleByIndex(int(visible)) if visible.isdigit()
             else pynvml.nvmlDeviceGetHandleByUUID(visible))
 
@@ -72,7 +87,7 @@ def memory() -> tuple[float, str]:
     if cuda_available():
         torch = _torch()
         try:
-            return torch.cuda.memory_reserved(0) / 2**30, "gpu"
+            return torch.cuda.memory_reserved(local_index()) / 2**30, "gpu"
         except Exception:  # noqa: BLE001
             used = _nvml_used_gib()
             if used is not None:
@@ -84,7 +99,7 @@ def peak_memory_gib() -> tuple[float, str]:
     """Peak GPU memory allocated by torch when CUDA is present, else current RSS."""
     if cuda_available():
         try:
-            return _torch().cuda.max_memory_allocated(0) / 2**30, "gpu"
+            return _torch().cuda.max_memory_allocated(local_index()) / 2**30, "gpu"
         except Exception:  # noqa: BLE001
             pass
     return rss_gib(), "rss"
@@ -98,7 +113,7 @@ def total_gib() -> float | None:
     if not cuda_available():
         return None
     try:
-        return _torch().cuda.get_device_properties(0).total_memory / 2**30
+        return _torch().cuda.get_device_properties(local_index()).total_memory / 2**30
     except Exception:  # noqa: BLE001
         return None
 
@@ -127,7 +142,7 @@ def reset_peak() -> None:
     _rss_peak = rss_gib()
     if cuda_available():
         try:
-            _torch().cuda.reset_peak_memory_stats(0)
+            _torch().cuda.reset_peak_memory_stats(local_index())
         except Exception:  # noqa: BLE001
             pass
 
@@ -138,7 +153,7 @@ def peak_gib() -> float:
     global _rss_peak
     if cuda_available():
         try:
-            return _torch().cuda.max_memory_allocated(0) / 2**30
+            return _torch().cuda.max_memory_allocated(local_index()) / 2**30
         except Exception:  # noqa: BLE001
             pass
     _rss_peak = max(_rss_peak, rss_gib())
@@ -153,7 +168,7 @@ def peak() -> dict[str, float | str | None]:
     value = peak_gib()
     if cuda_available():
         try:
-            reserved = _torch().cuda.max_memory_reserved(0) / 2**30
+            reserved = _torch().cuda.max_memory_reserved(local_index()) / 2**30
         except Exception:  # noqa: BLE001
             reserved = None
         nvml = _nvml_process_gib()

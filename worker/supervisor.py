@@ -9,6 +9,9 @@ their estimated memory, several at once per GPU, and runs each admitted job in i
 * Every poll, for every slot: :func:`app.store.queue.admit` claims the next admissible job (fits
   beside the jobs running there, owner within quota, fair share; :mod:`app.store.admission`) and
   a child ``python -m worker.child`` runs it with ``CUDA_VISIBLE_DEVICES`` pinned to that GPU.
+  A data-parallel job (``num_gpus`` N > 1) is admitted onto N slots of this host at once and its
+  child sees those N GPUs: it launches N ranks through torchrun (worker/ddp.py) and holds the
+  lease for all of them; when it exits, every one of its slots is free again.
   The child holds the job's lease (heartbeat, cancel, fencing) under the owner the claim wrote;
   its CUDA allocator is capped at the admitted memory, and the engine's ``vram_budget_gib`` too.
 * A child that runs out of memory fails its job alone with the estimate, the measured peak and
@@ -119,6 +122,12 @@ class Child:
     slot: Slot
     proc: subprocess.Popen
     admitted_gib: float | None = None
+    #: every slot the job holds (a data-parallel job: several; else ``[slot]``)
+    slots: list[Slot] | None = None
+
+    def slot_list(self) -> list[Slot]:
+        """The slots this child's job holds."""
+        return self.slots or [self.slot]
 
 
 class Supervisor:
@@ -169,19 +178,24 @@ class Supervisor:
 
     # ---- children ------------------------------------------------------------------------
     def spawn(self, slot: Slot, job) -> Child:
-        """Start ``python -m worker.child`` for an admitted job on ``slot``."""
+        """Start ``python -m worker.child`` for an admitted job on ``slot`` (and, for a
+        data-parallel job, on the other slots its ``gpu_slot`` lists)."""
+        from app.store.admission import slot_ids
+
+        ids = slot_ids(job) or [slot.id]
+        held = [next((s for s in self.slots if s.id == i), slot) for i in ids]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
                "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
                "CUDA_VISIBLE_DEVICES": "" if self.settings.simulated_gpus or slot.index is None
-               else str(slot.index)}
+               else ",".join(str(s.index) for s in held)}
         cmd = [sys.executable, "-m", "worker.child", "--job", str(job.id),
                "--lease-owner", job.lease_owner, "--handlers", json.dumps(HANDLERS)]
         proc = subprocess.Popen(cmd, env=env)
-        child = Child(job.id, job.lease_owner, slot, proc, job.admitted_gib)
+        child = Child(job.id, job.lease_owner, slot, proc, job.admitted_gib, held)
         with self._lock:
             self.children.append(child)
-        log.info("job %s (%s) admitted on %s with %s GiB: pid %s", job.id, job.kind, slot.id,
-                 job.admitted_gib, proc.pid)
+        log.info("job %s (%s) admitted on %s with %s GiB: pid %s", job.id, job.kind,
+                 ",".join(ids), job.admitted_gib, proc.pid)
         return child
 
     def collect(self) -> int:
@@ -205,7 +219,8 @@ class Supervisor:
             while not self.shutdown.is_set():
                 job = queue.admit(self.engine, slot,
                                   self.settings.lease_seconds + CHILD_START_SECONDS, self.kinds,
-                                  self.settings.gpu_admit_margin, self.settings.fair_share_hours)
+                                  self.settings.gpu_admit_margin, self.settings.fair_share_hours,
+                                  peers=self.slots)
                 if job is None:
                     break
                 self.spawn(slot, job)
@@ -216,7 +231,7 @@ class Supervisor:
         """Refresh the process's and the slots' worker rows (a slot names one of its jobs)."""
         workers.touch(self.engine, self.id, None)
         with self._lock:
-            on = {c.slot.id: c.job_id for c in self.children}
+            on = {s.id: c.job_id for c in self.children for s in c.slot_list()}
         for slot in self.slots:
             workers.touch(self.engine, slot.id, on.get(slot.id))
 
@@ -229,7 +244,8 @@ class Supervisor:
         with self._lock:
             running: dict[str, list[tuple[int, float | None]]] = {}
             for c in self.children:
-                running.setdefault(c.slot.id, []).append((c.job_id, c.admitted_gib))
+                for s in c.slot_list():
+                    running.setdefault(s.id, []).append((c.job_id, c.admitted_gib))
         rows = self.sampler.sample(running)
         samples_store.record(self.engine, rows)
         return len(rows)

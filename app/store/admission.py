@@ -7,7 +7,11 @@ whole slot: it runs alone). It is admitted onto a slot when
 
 * its owner is within their quotas (jobs running at once, GiB admitted at once, GPU-hours in the
   last 24 h; ``users.quota_*``, None = no limit), and
-* its need fits beside the ``admitted_gib`` of the jobs already running on that slot.
+* its need fits beside the ``admitted_gib`` of the jobs already running on that slot;
+* a data-parallel run (its spec's ``num_gpus`` N > 1) needs N slots of one host at once: the
+  offered slot and the N-1 others of its host with the most free memory, each with room for
+  its need (the estimate is per GPU); its ``gpu_slot`` lists them, comma-separated
+  (:func:`slot_ids`), ``gpu_index`` is the first's.
 
 **Admission order** (the order waiting jobs are offered to a slot; the first admissible one is
 taken, so a small job may start beside a running one while a big one waits for room):
@@ -21,7 +25,7 @@ taken, so a small job may start beside a running one while a big one waits for r
 
 Everything here reads; :func:`app.store.queue.admit` calls :func:`snapshot` and :func:`pick` in
 its claim transaction (under ``BEGIN IMMEDIATE`` / a Postgres advisory lock) and writes the
-reservation. GPU time = (finished or now) - started, per job on a GPU (one GPU a job).
+reservation. GPU time = ((finished or now) - started) x the job's GPUs, per job on a GPU.
 """
 from __future__ import annotations
 
@@ -31,7 +35,7 @@ from dataclasses import dataclass, field
 from sqlalchemy import or_
 from sqlmodel import Session, select
 
-from app.store.schema import Job, JobState, User, Worker
+from app.store.schema import Job, JobState, Run, User, Worker
 from app.studio.estimate import CUDA_CONTEXT_GIB
 
 #: GPU-seconds a running job counts for fair share however young it is (10 minutes).
@@ -78,10 +82,13 @@ class Snapshot:
     running: list[Job]
     owners: dict[str | None, Owner]
     slots: list[Slot] = field(default_factory=list)
+    #: waiting job id -> GPUs it needs at once (its run spec's ``num_gpus``; absent = 1)
+    gpus: dict[int, int] = field(default_factory=dict)
 
     def held(self, slot_id: str) -> tuple[float, int]:
-        """(GiB admitted, jobs) running on slot ``slot_id``."""
-        jobs = [j for j in self.running if j.gpu_slot == slot_id]
+        """(GiB admitted, jobs) running on slot ``slot_id`` (a data-parallel job holds its
+        ``admitted_gib`` on each of its slots)."""
+        jobs = [j for j in self.running if slot_id in slot_ids(j)]
         return sum(j.admitted_gib or 0.0 for j in jobs), len(jobs)
 
     def free(self, slot: Slot) -> float | None:
@@ -89,6 +96,12 @@ class Snapshot:
         if slot.capacity_gib is None:
             return None
         return slot.capacity_gib - self.held(slot.id)[0]
+
+
+def slot_ids(job: Job) -> list[str]:
+    """The slot ids a job holds: ``gpu_slot`` is one id, or several comma-separated for a
+    data-parallel job (``num_gpus`` > 1); [] when it holds none."""
+    return [p for p in (job.gpu_slot or "").split(",") if p]
 
 
 def need_gib(estimate_gib: float | None, margin: float, capacity_gib: float | None) -> float | None:
@@ -100,11 +113,12 @@ def need_gib(estimate_gib: float | None, margin: float, capacity_gib: float | No
 
 
 def gpu_seconds(job: Job, start: float, end: float) -> float:
-    """Seconds of ``job`` on a GPU inside ``[start, end]`` (0 unless it ran on a GPU)."""
+    """GPU-seconds of ``job`` inside ``[start, end]``: its seconds there x the GPUs it held (0
+    unless it ran on a GPU)."""
     if job.gpu_index is None or job.started_at is None:
         return 0.0
     stop = job.finished_at if job.finished_at is not None else end
-    return max(0.0, min(stop, end) - max(job.started_at, start))
+    return max(0.0, min(stop, end) - max(job.started_at, start)) * max(1, len(slot_ids(job)))
 
 
 def snapshot(s: Session, now: float, kinds: Collection[str], margin: float,
@@ -139,7 +153,15 @@ def snapshot(s: Session, now: float, kinds: Collection[str], margin: float,
         if j.state == JobState.RUNNING:
             sec = max(sec, START_CHARGE_SECONDS)
         o.recent_seconds += sec
-    return Snapshot(now, margin, waiting, running, owners)
+    run_ids = [j.run_id for j in waiting if j.run_id]
+    gpus = {}
+    if run_ids:
+        specs = dict(s.exec(select(Run.id, Run.spec).where(Run.id.in_(run_ids))).all())
+        for j in waiting:
+            n = (specs.get(j.run_id) or {}).get("num_gpus", 1) if j.kind == "train" else 1
+            if isinstance(n, int) and n > 1:
+                gpus[j.id] = n
+    return Snapshot(now, margin, waiting, running, owners, gpus=gpus)
 
 
 def order(snap: Snapshot) -> list[Job]:
@@ -184,13 +206,38 @@ def fits(snap: Snapshot, slot: Slot, need: float | None) -> bool:
     return need is not None and need <= snap.free(slot) + 1e-9
 
 
-def pick(snap: Snapshot, slot: Slot) -> tuple[Job, float | None] | None:
+def group_for(snap: Snapshot, slot: Slot, peers: Collection[Slot], n: int,
+              need: float | None) -> list[Slot] | None:
+    """``slot`` and the ``n - 1`` other GPU slots of its host among ``peers`` with the most free
+    memory, when each has room for ``need`` GiB now; None when there are not enough (a CPU slot
+    never joins a group)."""
+    if n <= 1:
+        return [slot] if fits(snap, slot, need) else None
+    if slot.capacity_gib is None or not fits(snap, slot, need):
+        return None
+    others = [p for p in peers if p.id != slot.id and p.host == slot.host
+              and p.capacity_gib is not None and fits(snap, p, need)]
+    if len(others) < n - 1:
+        return None
+    others.sort(key=lambda p: (-(snap.free(p) or 0.0), p.id))
+    return [slot, *others[:n - 1]]
+
+
+def pick(snap: Snapshot, slot: Slot, peers: Collection[Slot] = ()
+         ) -> tuple[Job, float | None, list[Slot]] | None:
     """The first job in admission order whose owner is within quota and that fits on ``slot``
-    now, with the GiB it is admitted with; None when none."""
+    now (a data-parallel job: on ``slot`` and enough of ``peers``, see :func:`group_for`), with
+    the GiB it is admitted with on each GPU and its slots; None when none. A job's quota counts
+    its memory on every GPU it takes."""
     for job in order(snap):
+        n = snap.gpus.get(job.id, 1)
         need = need_gib(job.estimate_gib, snap.margin, slot.capacity_gib)
-        if quota_reason(snap.owners[job.owner], need) is None and fits(snap, slot, need):
-            return job, need
+        total = None if need is None else need * n
+        if quota_reason(snap.owners[job.owner], total) is not None:
+            continue
+        group = group_for(snap, slot, peers, n, need)
+        if group is not None:
+            return job, need, group
     return None
 
 

@@ -123,7 +123,8 @@ ADMISSION_LOCK = 0x57480015
 
 
 def admit(engine: Engine, slot: admission.Slot, lease_seconds: float, kinds: Collection[str],
-          margin: float, fair_share_hours: float) -> Job | None:
+          margin: float, fair_share_hours: float,
+          peers: Collection[admission.Slot] = ()) -> Job | None:
     """Claim for GPU ``slot`` the first queued job of ``kinds`` in admission order that fits
     beside the jobs running there and whose owner is within quota (:mod:`app.store.admission`),
     or return None. ``margin`` and ``fair_share_hours`` are the settings'
@@ -134,30 +135,33 @@ def admit(engine: Engine, slot: admission.Slot, lease_seconds: float, kinds: Col
     AND state = 'queued'`` that makes it ``running`` with the reservation ``gpu_slot``,
     ``gpu_index`` and ``admitted_gib`` (GiB) and a lease of ``lease_seconds`` seconds owned by
     ``<slot id>:<job id>-<random>`` (the job's own process heartbeats under it; see
-    :func:`reap`'s ``restarted_prefix``).
+    :func:`reap`'s ``restarted_prefix``). ``peers``: the other slots of the supervisor, which a
+    data-parallel job (``num_gpus`` > 1) takes together with ``slot``; its ``gpu_slot`` lists
+    them all, comma-separated (:func:`app.store.admission.slot_ids`), ``admitted_gib`` is per GPU.
     """
     with session_scope(engine, immediate=True) as s:
         if not is_sqlite(engine):
             s.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": ADMISSION_LOCK})
         t = now()
         snap = admission.snapshot(s, t, kinds, margin, fair_share_hours)
-        choice = admission.pick(snap, slot)
+        choice = admission.pick(snap, slot, peers)
         if choice is None:
             return None
-        job, need = choice
+        job, need, group = choice
         owner = f"{slot.id}:{job.id}-{secrets.token_hex(3)}"
         row = s.execute(
             text("UPDATE jobs SET state = 'running', lease_owner = :w, lease_expires_at = :exp, "
                  "attempts = attempts + 1, started_at = COALESCE(started_at, :now), "
                  "gpu_slot = :slot, gpu_index = :idx, admitted_gib = :gib "
                  "WHERE id = :id AND state = 'queued' AND cancel_requested = :f RETURNING id"),
-            {"w": owner, "exp": t + lease_seconds, "now": t, "slot": slot.id, "idx": slot.index,
+            {"w": owner, "exp": t + lease_seconds, "now": t,
+             "slot": ",".join(g.id for g in group), "idx": slot.index,
              "gib": need, "id": job.id, "f": False}).first()
         if row is None:
             return None
         s.refresh(job)
         _state_event(s, job.id, JobState.RUNNING, worker=owner, attempt=job.attempts,
-                     gpu=slot.id, admitted_gib=need)
+                     gpu=job.gpu_slot, admitted_gib=need)
         return job
 
 

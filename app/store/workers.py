@@ -73,3 +73,14 @@ def largest_capacity_gib(engine: Engine, stale_seconds: float,
         if best is None or cap > best[1]:
             best = (w.gpu_total_gib, cap)
     return best
+
+
+def most_gpus_on_one_host(engine: Engine, stale_seconds: float) -> int:
+    """The most live GPU slots (supervisor rows with a ``gpu_capacity_gib``, simulated GPUs
+    included) that one host has: how many GPUs one data-parallel run may use. 0 when no live
+    worker reports a GPU slot."""
+    per_host: dict[str, int] = {}
+    for w in live(engine, stale_seconds):
+        if w.gpu_capacity_gib is not None:
+            per_host[w.host] = per_host.get(w.host, 0) + 1
+    return max(per_host.values(), default=0)

@@ -65,7 +65,8 @@ def _jobs(engine: Engine, actor: Actor) -> dict[str, list[dict[str, Any]]]:
             row = {"visible": False, "job_id": None, "run_id": None, "run_name": None,
                    "kind": None, "owner": None, "admitted_gib": admitted,
                    "estimate_gib": None, "started_at": None}
-        out.setdefault(j.gpu_slot, []).append(row)
+        for slot_id in admission.slot_ids(j):  # a data-parallel job is on each of its GPUs
+            out.setdefault(slot_id, []).append(row)
     return out
 
 

@@ -134,7 +134,7 @@ def queue_view(engine: Engine, settings: Settings, actor: User,
         view = GpuView(slot.id, slot.host, slot.index, labels.get(slot.id, ""), slot.total_gib,
                        slot.capacity_gib, round(snap.held(slot.id)[0], 2))
         holds[slot.id] = []
-        for job in (j for j in snap.running if j.gpu_slot == slot.id):
+        for job in (j for j in snap.running if slot.id in admission.slot_ids(j)):
             eta = _eta(engine, job, t)
             holds[slot.id].append((job.admitted_gib or 0.0, t + eta if eta is not None else None))
             view.running.append(slot_of(job, job.admitted_gib, eta_seconds=eta))

@@ -143,6 +143,29 @@ def check_qlora_device(engine: Engine, settings: Settings, spec) -> None:
                       "to train LoRA in full precision, or start a worker on a GPU.")
 
 
+def check_num_gpus(engine: Engine, settings: Settings, spec) -> None:
+    """Raises StudioError(invalid, ``num_gpus``) when a data-parallel run asks for more GPUs
+    than the live host with the most GPU slots has (a CPU-only box: none, so only 1), or
+    (``gradient_accumulation_steps``) when the accumulation steps do not split evenly over the
+    GPUs: each GPU runs ``gradient_accumulation_steps / num_gpus`` micro-batches of a step, so
+    the effective batch stays the 1-GPU run's."""
+    n = getattr(spec, "num_gpus", 1)
+    if n <= 1:
+        return
+    most = workers_store.most_gpus_on_one_host(engine, settings.worker_stale_seconds)
+    if n > most:
+        have = (f"the live host with the most GPUs has {most}" if most else
+                "no live worker has a GPU (a CPU-only box trains on one process)")
+        raise invalid("num_gpus", f"num_gpus {n} is more than this box has: {have}. "
+                      f"Set num_gpus to at most {max(most, 1)}.")
+    if spec.gradient_accumulation_steps % n:
+        raise invalid("gradient_accumulation_steps",
+                      f"gradient_accumulation_steps ({spec.gradient_accumulation_steps}) must be "
+                      f"a multiple of num_gpus ({n}): each GPU runs gradient_accumulation_steps "
+                      "/ num_gpus micro-batches of every step, so the effective batch stays "
+                      "that of a 1-GPU run")
+
+
 def resolved_template(spec, model: Model):
     """``spec`` with ``chat_template`` set to the resolved source and ``chat_template_name`` to
     its name (see :func:`app.data.chat_template.choose_template`).
@@ -170,8 +193,9 @@ def create_sft_run(engine: Engine, settings: Settings, actor: User, spec: TrainS
             dataset, a chat template that does not parse or render a sample conversation, a
             max_seq_length past the model's context or too short for its template,
             held-out evaluation settings that cannot work (:mod:`app.studio.evaluation`),
-            QLoRA when every live worker runs without CUDA, a run whose estimated GPU memory
-            exceeds the largest live GPU (code ``too_big_for_gpus``).
+            QLoRA when every live worker runs without CUDA, more GPUs than a live host has
+            (:func:`check_num_gpus`), a run whose estimated GPU memory (per GPU) exceeds the
+            largest live GPU (code ``too_big_for_gpus``).
     """
     name = run_name(name)
     model = usable_model(engine, actor, spec)
@@ -189,6 +213,7 @@ def create_sft_run(engine: Engine, settings: Settings, actor: User, spec: TrainS
     if mapping and not spec.column_mapping:  # preview == training: the dataset's own mapping
         spec = spec.model_copy(update={"column_mapping": mapping})
     check_qlora_device(engine, settings, spec)
+    check_num_gpus(engine, settings, spec)
     estimate_gib = calibration.for_new_run(engine, settings, model, spec, "sft")
     run, job = repo.create_run(engine, spec, name=name, owner=actor.id, estimate_gib=estimate_gib)
     audit.record(engine, actor.id, "run.created", "run", run.id, kind="sft", model=model.name,

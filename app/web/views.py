@@ -173,7 +173,9 @@ def estimate_view(engine, settings, user, run_kind: str, params) -> dict[str, An
     if run_kind == "grpo":  # the estimate does not depend on the rewards; a valid group size does
         raw["rewards"] = [{"name": "format"}]
     out: dict[str, Any] = {"estimate": None, "estimate_problem": None, "largest_gpu_gib":
-                           workers_store.largest_gpu_gib(engine, settings.worker_stale_seconds)}
+                           workers_store.largest_gpu_gib(engine, settings.worker_stale_seconds),
+                           "gpus_on_host": workers_store.most_gpus_on_one_host(
+                               engine, settings.worker_stale_seconds)}
     try:
         model = access.model(engine, user, raw["model"])
         spec = parse_spec(cls, raw)

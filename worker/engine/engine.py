@@ -89,7 +89,7 @@ def load_model(model_dir: str, load_in_4bit: bool, device: str | torch.device,
     cfg = AutoConfig.from_pretrained(model_dir)
     preq = getattr(cfg, "quantization_config", None)
     if preq and device.type == "cuda":
-        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, device_map={"": 0})
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, device_map={"": device.index or 0})
     stage = "cpu" if load_in_4bit else device
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, device_map={"": stage}
                                                  if device.type == "cuda" else None)

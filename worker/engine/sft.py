@@ -59,7 +59,7 @@ def load_model(model_dir: str, load_in_4bit: bool, cuda: bool):
             raise RuntimeError("QLoRA (load_in_4bit) needs the bitsandbytes package")
         from worker.engine import engine
 
-        return engine.load_model(model_dir, load_in_4bit, "cuda")
+        return engine.load_model(model_dir, load_in_4bit, gpu.cuda_device())
 
     kwargs: dict[str, Any] = {}
     if load_in_4bit:
@@ -76,7 +76,7 @@ def load_model(model_dir: str, load_in_4bit: bool, cuda: bool):
             bnb_4bit_compute_dtype=torch.bfloat16)
     if cuda:
         kwargs["dtype"] = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        kwargs["device_map"] = {"": 0}
+        kwargs["device_map"] = {"": gpu.local_index()}
     else:
         kwargs["dtype"] = torch.float32
     model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
@@ -111,7 +111,8 @@ def add_lora(model, spec, on_log: Callable[[str], None] | None = None) -> Any:
         from worker.engine import engine
 
         try:
-            return engine.prepare(model, spec, load_in_4bit=spec.load_in_4bit, device="cuda",
+            return engine.prepare(model, spec, load_in_4bit=spec.load_in_4bit,
+                                  device=gpu.cuda_device(),
                                   vram_budget_gib=spec.vram_budget_gib, on_log=on_log)
         except ValueError as e:
             raise RuntimeError(f"LoRA target_modules {spec.target_modules} do not match this "
@@ -150,8 +151,30 @@ def sft_config(spec, output_dir: str, cuda: bool, optim: str, **overrides: Any):
         dataloader_num_workers=0, dataloader_pin_memory=cuda, average_tokens_across_devices=True,
         remove_unused_columns=True,
     )
+    kw.update(ddp_arguments(spec.gradient_accumulation_steps, cuda))
     kw.update(overrides)
     return SFTConfig(**kw)
+
+
+def ddp_arguments(accumulation_steps: int, cuda: bool) -> dict[str, Any]:
+    """TrainingArguments of a data-parallel rank (worker/ddp.py; {} in a 1-process run): each
+    of the ``WORLD_SIZE`` ranks runs ``accumulation_steps / WORLD_SIZE`` micro-batches of every
+    optimizer step, so the effective batch is the 1-process run's; accelerate hands rank r the
+    micro-batches r, r + WORLD_SIZE, ... of the same seeded order, and the loss is divided by
+    the label tokens of the whole step on all ranks (``average_tokens_across_devices``), so the
+    all-reduced gradient is the 1-process run's. NCCL on GPUs, gloo on the CPU."""
+    from worker.ddp import world_size
+
+    world = world_size()
+    if world <= 1:
+        return {}
+    if accumulation_steps % world:
+        raise RuntimeError(f"gradient_accumulation_steps ({accumulation_steps}) must be a "
+                           f"multiple of num_gpus ({world})")
+    return dict(gradient_accumulation_steps=accumulation_steps // world,
+                ddp_backend="nccl" if cuda else "gloo", ddp_find_unused_parameters=False,
+                gradient_checkpointing_kwargs={"use_reentrant": False},
+                average_tokens_across_devices=True)
 
 
 def make_trainer(model, tokenizer, train_dataset, args, callbacks=(), eval_dataset=None):

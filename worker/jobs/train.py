@@ -20,7 +20,7 @@ import time
 from typing import Any
 
 from app.store.specs import TrainSpec
-from worker import checkpoints, gpu
+from worker import checkpoints, ddp, gpu
 from worker.context import JobContext, JobError
 from worker.jobs import common
 from worker.jobs.card import model_card
@@ -30,6 +30,9 @@ from worker.progress import rounded
 def run(ctx: JobContext) -> dict[str, Any]:
     """Train a LoRA adapter for the run in ``ctx.payload`` (see the module docstring)."""
     run_id, spec = common.job_spec(ctx, TrainSpec, "train")
+    if ddp.wants_launch(spec):  # num_gpus > 1: this process runs the ranks (worker/ddp.py)
+        return ddp.launch(ctx, run_id, spec)
+    main = ddp.is_main(ctx)  # a rank > 0 of a data-parallel run writes no record
     gpu.reset_peak()  # the result's memory_peak is this job's
     model_row, ds_row = common.job_inputs(ctx, spec)
 
@@ -81,29 +84,31 @@ def run(ctx: JobContext) -> dict[str, Any]:
                           **({"gradient_checkpointing": False} if sft.use_engine(cuda) else {}),
                           **eval_arguments(spec, resuming=any(ckpt_dir.glob("checkpoint-*"))))
     trainable = common.log_lora(ctx, spec, model)
-    callback = sft.progress_callback(ctx.metric, ctx.stop_reason,
+    stop = getattr(ctx, "step_stop_reason", ctx.stop_reason)  # a rank: agreed after each step
+    callback = sft.progress_callback(ctx.metric, stop,
                                      on_stop=lambda r: ctx.log(f"stopping training ({r})"))
     reporter, eval_cbs = eval_callbacks(spec, ctx.metric) if held.eval_dataset is not None \
         else (None, [])
     saved = checkpoints.recorder(ctx, run_id, model_row)
     trainer = sft.make_trainer(model, tokenizer, held.train_dataset, args,
-                               [callback, saved, *eval_cbs],
+                               [callback, *([saved] if main else []), *eval_cbs],
                                eval_dataset=held.eval_dataset)
 
-    common.write_config(ctx, run_id, run_dir, {
-        "run_id": run_id, "job_id": ctx.job.id,
-        "spec": {**spec.model_dump(mode="json"), "optim": optim},
-        "requested_optim": spec.optim,
-        "model": common.model_config_entry(model_row),
-        "dataset": {"id": ds_row.id, "filename": ds_row.filename,
-                    "format": ds_row.format, "rows_used": enc.rows, "tokens": enc.tokens,
-                    "trained_tokens": enc.trained_tokens, "truncated_rows": enc.truncated},
-        "held_out": held.info,
-        "chat_template": {"name": chosen.name, "template": chosen.source},
-        "device": gpu.device_name(),
-        "trainable_parameters": trainable,
-        "training_arguments": common.training_arguments(args),
-    })
+    if main:
+        common.write_config(ctx, run_id, run_dir, {
+            "run_id": run_id, "job_id": ctx.job.id,
+            "spec": {**spec.model_dump(mode="json"), "optim": optim},
+            "requested_optim": spec.optim,
+            "model": common.model_config_entry(model_row),
+            "dataset": {"id": ds_row.id, "filename": ds_row.filename,
+                        "format": ds_row.format, "rows_used": enc.rows, "tokens": enc.tokens,
+                        "trained_tokens": enc.trained_tokens, "truncated_rows": enc.truncated},
+            "held_out": held.info,
+            "chat_template": {"name": chosen.name, "template": chosen.source},
+            "device": gpu.device_name(),
+            "trainable_parameters": trainable,
+            "training_arguments": common.training_arguments(args),
+        })
 
     # ---- train (resume from the newest checkpoint of an earlier attempt) ------------------
     last = common.last_checkpoint(ctx, ckpt_dir)
@@ -112,6 +117,8 @@ def run(ctx: JobContext) -> dict[str, Any]:
         out = trainer.train(resume_from_checkpoint=last)
     ctx.check()  # cancelled / shutdown (checkpoint already saved) / lease lost
     runtime = time.monotonic() - t0
+    if not main:
+        return {}
 
     # ---- adapter ------------------------------------------------------------------------
     losses = callback.losses
