@@ -73,8 +73,13 @@ def template_text(stem: str) -> str:
     return (TEMPLATES / f"{stem}.jinja").read_text()
 
 
-def tiny_model(arch: str, vocab_size: int, bos_id, eos_id, tied: bool = True, seed: int = 0):
-    """A random-init tiny ``Qwen2``/``Llama``/``Gemma2`` causal LM (fp32, eval mode)."""
+def tiny_model(arch: str, vocab_size: int, bos_id, eos_id, tied: bool = True, seed: int = 0,
+               pad_id: int | None = None):
+    """A random-init tiny ``Qwen2``/``Llama``/``Gemma2`` causal LM (fp32, eval mode).
+
+    ``pad_id``: ``pad_token_id`` (its embedding row starts at zero). Give Gemma 2 the tokenizer's
+    ``<pad>``: its config defaults to 0, real Gemma's ``<pad>`` but GPT-2's ``!``, whose zero row
+    (tied, so also its output row) leaves ``!`` a logit of 0 that training cannot raise."""
     import torch
     import transformers
 
@@ -83,6 +88,8 @@ def tiny_model(arch: str, vocab_size: int, bos_id, eos_id, tied: bool = True, se
                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=256, bos_token_id=bos_id, eos_token_id=eos_id,
                   tie_word_embeddings=tied)
+    if pad_id is not None:
+        common["pad_token_id"] = pad_id
     extra = {"gemma2": dict(head_dim=8, sliding_window=64, query_pre_attn_scalar=8)}.get(arch, {})
     names = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
              "llama": ("LlamaConfig", "LlamaForCausalLM"),

@@ -3,7 +3,12 @@ real chat templates) trained through the worker's SFT path (app.data encoding, P
 CPU trainer) at a high learning rate until they answer and end the turn; then exported merged
 (the base's dtype) and as GGUF (F32), and generation stops at the end-of-turn token in
 transformers and in llama.cpp. Metadata: end-of-turn as eos/eot, specials typed control, BOS
-as training encoded it, provenance as general.base_model.*. An untied Gemma 2 GGUF is refused."""
+as training encoded it, provenance as general.base_model.*. An untied Gemma 2 GGUF is refused.
+
+Gemma 2's F32 GGUF passes the same 1e-3 logit tolerance as the others because training, the
+verification's reference and the merged reload run its attention eager (worker.hf_attention):
+with transformers' default sdpa, which drops the attention soft-cap that llama.cpp applies, the
+F32 GGUF was 3.4e-2 x |top logit| away from PEFT's base + adapter; with eager 4.7e-5."""
 from __future__ import annotations
 
 import json
@@ -16,9 +21,8 @@ from worker.export.quantize import llama_cpp_available
 
 NO_LLAMA = llama_cpp_available()
 CASES = {"qwen2": ("qwen", "Qwen-Qwen2.5-7B-Instruct"),
-         "llama": ("llama3", "meta-llama-Llama-3.2-3B-Instruct")}
-# Gemma 2 is not trained here yet: 60 steps at this rate leave it repeating ("Hello there there"),
-# and its F32 GGUF logits differ from PEFT's by 7.5e-3 x |top| (tolerance 1e-3; greedy equal).
+         "llama": ("llama3", "meta-llama-Llama-3.2-3B-Instruct"),
+         "gemma2": ("gemma", "google-gemma-2-2b-it")}
 ANSWER = "Hello there!"
 BASE = {"name": "tiny", "source": "hf", "source_ref": "acme/tiny-chat@abc123"}
 
@@ -31,10 +35,11 @@ def _train(root, arch, steps=30):
     from worker.engine import data as edata
     from worker.engine import sft
 
-    family, stem = CASES.get(arch) or ("gemma", "google-gemma-2-2b-it")
+    family, stem = CASES[arch]
     template = template_text(stem)
     tok = chat_tokenizer(family, template)
-    base = tiny_model(arch, len(tok), tok.bos_token_id, tok.eos_token_id, tied=True)
+    pad = tok.convert_tokens_to_ids("<pad>") if family == "gemma" else None
+    base = tiny_model(arch, len(tok), tok.bos_token_id, tok.eos_token_id, tied=True, pad_id=pad)
     with torch.no_grad():  # std 0.5, not 0.02: logits of a 32-wide model can then separate
         base.get_input_embeddings().weight.mul_(25.0)
     save_base(base, tok, root / "base")

@@ -17,8 +17,10 @@ ARCHS = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32)),
     "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(head_dim=16)),
+    # eager: transformers' sdpa drops Gemma 2's attention soft-cap, llama.cpp applies it
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(head_dim=16, sliding_window=64,
-                                                         query_pre_attn_scalar=16)),
+                                                         query_pre_attn_scalar=16,
+                                                         attn_implementation="eager")),
 }
 
 

@@ -79,6 +79,9 @@ def load_model(model_dir: str, load_in_4bit: bool, cuda: bool):
         kwargs["device_map"] = {"": gpu.local_index()}
     else:
         kwargs["dtype"] = torch.float32
+    from worker.hf_attention import attn_kwargs
+
+    kwargs.update(attn_kwargs(model_dir))  # Gemma 2: sdpa would drop its attention soft-cap
     model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
     if load_in_4bit:
         from peft import prepare_model_for_kbit_training

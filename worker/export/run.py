@@ -106,14 +106,18 @@ def load_tokenizer(info: RunInfo):
 
 
 def load_trained_model(info: RunInfo, dtype=None):
-    """Base (NF4 round-tripped when the run was QLoRA) + adapter, unmerged, in eval mode."""
+    """Base (NF4 round-tripped when the run was QLoRA) + adapter, unmerged, in eval mode; a
+    Gemma 2 with eager attention (:mod:`worker.hf_attention`: sdpa drops its soft-cap)."""
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    from worker.hf_attention import attn_kwargs
+
     from .merged import dequantized_base_
 
-    base = AutoModelForCausalLM.from_pretrained(info.base_dir, dtype=dtype or torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(info.base_dir, dtype=dtype or torch.float32,
+                                                **attn_kwargs(info.base_dir))
     if info.load_in_4bit:
         dequantized_base_(base)
     model = PeftModel.from_pretrained(base, info.adapter_dir)

@@ -260,7 +260,10 @@ def verify_merged(folder: str | Path, refs: list[dict], end_ids: list[int], tok)
     """Reload the merged folder with transformers and compare with ``refs``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype="auto").eval()
+    from worker.hf_attention import attn_kwargs
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype="auto",
+                                                 **attn_kwargs(folder)).eval()
     precision = str(next(model.parameters()).dtype).removeprefix("torch.")
     mtok = AutoTokenizer.from_pretrained(folder)
     fails, checks, ties, hits, total, err = [], [], [], 0, 0, 0.0

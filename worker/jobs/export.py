@@ -87,7 +87,10 @@ def export_run(run_dir: str | Path, spec, out_dir: str | Path,
 
         res = export_adapter(info, out / "adapter", progress)
         files.append(out / "adapter")
-        base = AutoModelForCausalLM.from_pretrained(info.base_dir, dtype=torch.float32)
+        from worker.hf_attention import attn_kwargs
+
+        base = AutoModelForCausalLM.from_pretrained(info.base_dir, dtype=torch.float32,
+                                                    **attn_kwargs(info.base_dir))
         if info.load_in_4bit:
             from worker.export.merged import dequantized_base_
             dequantized_base_(base)
