@@ -118,9 +118,11 @@ def launch(ctx: JobContext, run_id: str, spec) -> dict[str, Any]:
             f"(torchrun, {backend}): each rank runs {spec.gradient_accumulation_steps // n} "
             f"of the {spec.gradient_accumulation_steps} micro-batches of every step")
     log_file = (comm / "torchrun.log").open("wb")
+    # its own session: a terminal's Ctrl-C reaches the job process, which stops the ranks
+    # after a step (with a checkpoint); torchrun itself would kill them mid-step
     proc = subprocess.Popen(command(n, ctx.job.id, ctx.worker_id, comm), env=env,
                             stdout=log_file, stderr=subprocess.STDOUT,
-                            preexec_fn=_prctl_pdeathsig)
+                            preexec_fn=_prctl_pdeathsig, start_new_session=True)
     stop_at: float | None = None
     try:
         while proc.poll() is None:

@@ -96,6 +96,18 @@ class RankContext(JobContext):
         return agreed
 
 
+def allow_indexed_cpu_locations() -> None:
+    """Let ``torch.load`` map storages to ``cpu:<n>``: transformers loads a checkpoint's
+    optimizer state with ``map_location=args.device`` whenever there are several ranks, and a
+    gloo (CPU) rank's device is ``cpu:0``, which torch does not know as a location."""
+    import torch.serialization as ser
+
+    def restore(obj, location: str):
+        return obj.cpu() if location.startswith("cpu:") else None
+
+    ser.register_package(5, lambda obj: None, restore)
+
+
 def _atomic_json(path: Path, data: dict[str, Any]) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(data, default=str), encoding="utf-8")
@@ -126,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if gpu.cuda_available():
         gpu._torch().cuda.set_device(local)
+    else:
+        allow_indexed_cpu_locations()
     settings = Settings()
     engine = get_engine(settings.resolved_database_url)
     job = queue.get_job(engine, args.job)

@@ -158,6 +158,23 @@ def queue_view(engine: Engine, settings: Settings, actor: User,
         elif largest_cap is not None and need is not None and need > largest_cap + 1e-9:
             reason = (f"too big for every GPU: needs {need:.1f} GiB, the largest admits "
                       f"{largest_cap:.1f} GiB")
+        elif snap.gpus.get(job.id, 1) > 1:  # data-parallel: N GPUs of one host at once
+            n, room = snap.gpus[job.id], {}
+            for sl in slots:
+                if sl.capacity_gib is not None and need is not None \
+                        and need <= free_now[sl.id] + 1e-9:
+                    room.setdefault(sl.host, []).append(sl)
+            group = next((g[:n] for g in room.values() if len(g) >= n), None)
+            if group is not None:
+                reason, start = "starts at the next admission", 0.0
+                for sl in group:
+                    free_now[sl.id] -= need
+                placed += 1
+            else:
+                most = max((len(g) for g in room.values()), default=0)
+                reason = (f"needs {n} GPUs of one host with {need or 0.0:.1f} GiB free on each "
+                          f"at once; {most} GPU{'s' if most != 1 else ''} of one host "
+                          f"{'have' if most != 1 else 'has'} room now")
         else:
             fit = next((sl for sl in slots if sl.capacity_gib is not None
                         and need <= free_now[sl.id] + 1e-9), None)

@@ -77,3 +77,21 @@ def test_the_studio_refuses_more_gpus_than_a_live_host_has(engine) -> None:
         check_num_gpus(engine, settings, spec.model_copy(update={"gradient_accumulation_steps": 3}))
     assert e.value.field == "gradient_accumulation_steps" and "multiple of num_gpus" \
         in e.value.message
+
+
+def test_the_queue_page_says_why_a_two_gpu_job_waits(engine) -> None:
+    from app.store.schema import User
+    from app.studio.queue_view import queue_view
+
+    for i in range(2):
+        workers.register(engine, f"a-gpu{i}", "hostA", 1, f"cuda:{i} sim", 24.0, i, 20.0)
+    a0 = Slot("a-gpu0", "hostA", 0, 20.0, 24.0)
+    small, big = job(engine, 1, 9.5), job(engine, 2, 14.5)
+    admit(engine, a0, [a0])  # the small job takes 10 GiB of gpu0
+    admin = User(id="u-admin", name="root", password_hash="x", role="admin")
+    view = queue_view(engine, Settings(gpu_admit_margin=MARGIN, worker_stale_seconds=60), admin,
+                      kinds=("train",))
+    assert [(w.job_id, w.reason) for w in view.waiting] == [
+        (big.id, "needs 2 GPUs of one host with 15.0 GiB free on each at once; 1 GPU of one "
+                 "host has room now")]
+    assert [len(g.running) for g in view.gpus] == [1, 0] and small.id
