@@ -48,6 +48,7 @@ HANDLERS: dict[str, str] = {
     "import_model": "worker.jobs.import_model:run",
     "train": "worker.jobs.train:run",
     "grpo": "worker.jobs.grpo:run",
+    "evaluate": "worker.jobs.checkpoint_eval:run",
     "export": "worker.jobs.export:run",
     "validate_dataset": "worker.jobs.validate_dataset:run",
     "playground": "worker.jobs.playground:run",

@@ -107,8 +107,12 @@ def held_out_text(spec: dict[str, Any], filenames: dict[str, str] | None = None)
 def run_evaluation(engine: Engine, run: Run, job: Job | None) -> dict[str, Any] | None:
     """What the run page's Evaluation card shows: ``held_out`` (where from), ``eval_steps``,
     ``result`` (the result's ``eval`` once the run ended: rows held out, best checkpoint, early
-    stop), ``generation`` (rows + summary of the generation eval) and ``best`` (the best
-    evaluation event, once training ended). None when the run has no held-out set."""
+    stop), ``generation`` (rows + summary of the generation eval), ``rewards`` (a GRPO run's
+    before/after reward eval), ``best`` (the best evaluation event, once training ended) and
+    ``checkpoints`` (their on-demand evals: :func:`app.studio.checkpoint_eval.checkpoint_evals`).
+    None when the run has no held-out set."""
+    from app.studio.checkpoint_eval import checkpoint_evals
+
     spec = run.spec or {}
     if not (spec.get("validation_file") or spec.get("validation_split_percentage")):
         return None
@@ -132,7 +136,8 @@ def run_evaluation(engine: Engine, run: Run, job: Job | None) -> dict[str, Any] 
             "load_best_model_at_end": bool(spec.get("load_best_model_at_end")),
             "early_stopping_patience": spec.get("early_stopping_patience"),
             "result": result.get("eval"), "generation": result.get("generation_eval"),
-            "best": best}
+            "rewards": result.get("reward_eval"), "best": best,
+            "checkpoints": checkpoint_evals(engine, run)}
 
 
 def latest_training_metric(engine: Engine, job_id: int) -> dict[str, Any] | None:

@@ -21,7 +21,8 @@ from app.studio import access
 if TYPE_CHECKING:
     from app.store.schema import User
 
-KIND_LABELS = {"train": "training", "grpo": "GRPO training", "export": "export",
+KIND_LABELS = {"train": "training", "grpo": "GRPO training", "evaluate": "checkpoint evaluation",
+               "export": "export",
                "import_model": "model import", "validate_dataset": "dataset validation",
                "playground": "playground session"}
 

@@ -31,7 +31,7 @@ from app.studio import access
 if TYPE_CHECKING:
     from app.store.schema import User
 
-GPU_KINDS = ("train", "grpo")
+GPU_KINDS = ("train", "grpo", "evaluate")
 
 
 @dataclass

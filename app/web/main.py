@@ -102,6 +102,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     from app.web.routes import playground as playground_routes
 
     auth.install(app)
+    from app.web.api import evaluations as api_evaluations
+    from app.web.routes import evaluations as evaluation_routes
+
+    app.include_router(api_evaluations.router)
+    app.include_router(evaluation_routes.router)
     for mod in (account, pages, datasets, models, runs, grpo, artifacts, exports, api_runs,
                 catalog, api_exports, openai_files, openai_jobs, openai_models, queue_routes,
                 gpu_routes, openai_chat, playground_routes):

@@ -28,7 +28,7 @@ PUBLIC = {"/login", "/logout", "/setup", "/healthz", "/api/login/access-token", 
 #: Path parameter -> the key of A's object in the ``objs`` fixture.
 PARAMS = {"run_id": "run", "job_id": "run", "dataset_id": "dataset", "file_id": "dataset",
           "model_id": "model", "export_id": "export", "artifact_id": "artifact",
-          "key_id": "key", "user_id": "user_a"}
+          "key_id": "key", "user_id": "user_a", "step": "step", "eval_id": "evaluation"}
 #: Routes whose object is not "A's" in the ownership sense (admin-only user management: B is a
 #: member and gets 403 there; A's own account pages take no id).
 ADMIN_ONLY = {"/admin/users/{user_id}", "/admin", "/admin/users", "/api/users",
@@ -104,6 +104,9 @@ def objs(app, server, engine, settings, tmp_path):
     path.write_text(json.dumps({"spec": {}}))
     art = repo.add_artifact(engine, Artifact(run_id=run, job_id=job.id, kind="config",
                                              name="config.json", path=str(path), bytes=12))
+    evaluation = queue.enqueue(engine, "evaluate", {"spec_version": 1, "run_id": run,
+                                                    "checkpoint_step": 2, "samples": 1},
+                               run_id=run, owner=users["alice"]["id"]).id
     r = a.post("/api/keys", json={"name": "laptop"})
     assert r.status_code == 201, r.text
     key = r.json()["id"]
@@ -113,6 +116,7 @@ def objs(app, server, engine, settings, tmp_path):
     yield {"session": session, "a": a, "b": b, "admin": admin, "anon": httpx.Client(base_url=server, timeout=60),
            "run": run, "job": job.id, "dataset": dataset, "model": model, "model_name": model_name, "export": str(export),
            "artifact": art.id, "key": key, "user_a": users["alice"]["id"],
+           "step": 2, "evaluation": evaluation,
            "names": [run, dataset, model, art.id, key]}
     for c in (a, b, admin):
         c.close()
@@ -176,7 +180,8 @@ def test_member_b_gets_404_on_every_route_naming_a_s_objects(app, objs):
             for key in set(PARAMS.values()) | {"model_name"}:
                 if not str(objs[key]).isdigit():
                     text = text.replace(str(objs[key]), str(fake[key]))
-            if "{export_id}" in route.path:  # a small int id: compare with digits blanked
+            if "{export_id}" in route.path or "{eval_id}" in route.path:  # small int ids:
+                # compare with digits blanked
                 text, other = re.sub(r"\d+", "N", text), re.sub(r"\d+", "N", other)
             assert text == other, f"B {method} {route.path}: {r.text} vs {missing.text}"
             checked += 1

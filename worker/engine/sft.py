@@ -46,15 +46,16 @@ def use_engine(cuda: bool) -> bool:
     return bool(cuda) and os.environ.get("WHETSTONE_ENGINE", "1") != "0"
 
 
-def load_model(model_dir: str, load_in_4bit: bool, cuda: bool):
+def load_model(model_dir: str, load_in_4bit: bool, cuda: bool, engine: bool | None = None):
     """The base causal LM (fp32 on CPU, bf16/fp16 on CUDA, NF4 with ``load_in_4bit``).
 
-    On CUDA the engine loads it (dense weights are quantised to NF4 in :func:`add_lora`).
+    On CUDA the engine loads it (dense weights are quantised to NF4 in :func:`add_lora`), unless
+    ``engine`` is False (a plain transformers model, e.g. for a PEFT adapter loaded from disk).
     """
     import torch
     from transformers import AutoModelForCausalLM
 
-    if use_engine(cuda):
+    if use_engine(cuda) if engine is None else (engine and cuda):
         if load_in_4bit and not has_bitsandbytes():
             raise RuntimeError("QLoRA (load_in_4bit) needs the bitsandbytes package")
         from worker.engine import engine

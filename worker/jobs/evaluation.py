@@ -104,16 +104,7 @@ def finish(ctx: JobContext, run_id: str, run_dir: Path, spec, held: HeldOut, rep
                 f"evaluation(s); stopped at step {trainer.state.global_step}")
     n = spec.generation_eval_samples
     if n:
-        from worker.engine.evaluation import generation_eval
-
-        ctx.progress("generation_eval", 0, 1, f"greedy answers on {n} held-out prompts")
-        gen = generation_eval(trainer.model, tokenizer, held.eval_dataset, held.row_numbers, n,
-                              MAX_NEW_TOKENS, check=ctx.check, on_log=ctx.log)
-        ctx.progress("generation_eval", 1, 1)
-        s = gen["summary"]
-        ctx.log(f"generation eval on {s['samples']} held-out prompts: exact match "
-                f"{s['base_exact_match']} (base) -> {s['fine_tuned_exact_match']} (fine-tuned), "
-                f"token F1 {s['base_token_f1']} -> {s['fine_tuned_token_f1']}")
+        gen = generation_table(ctx, trainer.model, tokenizer, held, n)
         path = run_dir / "eval.json"
         from worker.jobs.common import add_artifact, atomic_write
 
@@ -122,3 +113,21 @@ def finish(ctx: JobContext, run_id: str, run_dir: Path, spec, held: HeldOut, rep
             add_artifact(ctx, run_id, "eval", path)
         out["generation_eval"] = gen
     return out
+
+
+def generation_table(ctx: JobContext, model, tokenizer, held: HeldOut, n: int,
+                     tuned: str = "fine-tuned") -> dict[str, Any]:
+    """The generation eval of ``model`` (its adapter vs the adapter disabled) on up to ``n`` of
+    the held-out rows (:func:`worker.engine.evaluation.generation_eval`), with progress events
+    and a log line naming ``tuned``."""
+    from worker.engine.evaluation import generation_eval
+
+    ctx.progress("generation_eval", 0, 1, f"greedy answers on {n} held-out prompts")
+    gen = generation_eval(model, tokenizer, held.eval_dataset, held.row_numbers, n,
+                          MAX_NEW_TOKENS, check=ctx.check, on_log=ctx.log)
+    ctx.progress("generation_eval", 1, 1)
+    s = gen["summary"]
+    ctx.log(f"generation eval on {s['samples']} held-out prompts: exact match "
+            f"{s['base_exact_match']} (base) -> {s['fine_tuned_exact_match']} ({tuned}), "
+            f"token F1 {s['base_token_f1']} -> {s['fine_tuned_token_f1']}")
+    return gen

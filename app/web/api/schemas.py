@@ -196,3 +196,36 @@ async def json_object(request: Request, what: str = "a JSON object") -> dict[str
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be {what}")
     return body
+
+
+class CheckpointEvalOut(BaseModel):
+    """One on-demand eval of a run's checkpoint (``app.studio.checkpoint_eval``): the table is
+    ``generation_eval`` (SFT) or ``reward_eval`` (GRPO) once ``status`` is succeeded."""
+
+    id: int
+    object: str = "checkpoint_eval"
+    run_id: str | None
+    checkpoint_step: int | None
+    samples: int | None
+    status: str
+    error: str | None
+    created_at: float
+    finished_at: float | None
+    held_out: dict[str, Any] | None = None
+    generation_eval: dict[str, Any] | None = None
+    reward_eval: dict[str, Any] | None = None
+
+
+class RunEvaluationsOut(BaseModel):
+    """Everything evaluated of a run: ``held_out`` (where the held-out set comes from),
+    ``end_of_run`` (``eval``, ``generation_eval``, ``reward_eval`` of the training job),
+    ``checkpoints`` on disk (``step``, ``can_evaluate``, ``reason``) and ``evals`` of them."""
+
+    run_id: str
+    kind: str
+    held_out: str | None
+    end_of_run: dict[str, Any]
+    checkpoints: list[dict[str, Any]]
+    evals: list[CheckpointEvalOut]
+    active: bool
+    default_samples: int

@@ -1,0 +1,193 @@
+"""On-demand generation eval of a run's checkpoints (SFT and GRPO): queueing one, refusing one
+that cannot run, and what the run page and ``/api`` show of them.
+
+An eval is a queue job of kind ``evaluate`` attached to its run (``run_id``), owned by the run's
+owner, with the run's held-out set and the checkpoint's adapter (:mod:`worker.jobs.
+checkpoint_eval`); it runs on a GPU slot like training, admitted by its estimated memory
+(:func:`estimate_gib`). Its result (and a JSON artifact ``checkpoint_eval``) is the checkpoint's
+table: ``generation_eval`` for SFT, ``reward_eval`` for GRPO, the same tables the end of a run
+makes.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy.engine import Engine
+
+from app.store import queue, repo
+from app.store.schema import Job, JobState, Run
+from app.store.specs import ALL_LINEAR
+from app.studio import access, audit
+from app.studio.errors import StudioError, invalid, not_found
+
+if TYPE_CHECKING:
+    from app.store.schema import User
+
+#: The job kind.
+KIND = "evaluate"
+#: Held-out prompts an eval answers when the run's spec asks for none (and the most allowed).
+DEFAULT_SAMPLES, MAX_SAMPLES = 8, 100
+#: New tokens of an SFT eval's greedy answer at most (worker.jobs.evaluation.MAX_NEW_TOKENS).
+SFT_NEW_TOKENS = 256
+#: Allocator slack of a generation job besides weights, adapter, KV cache and logits (GiB).
+GENERATION_SLACK_GIB = 0.25
+
+
+def has_held_out(spec: dict[str, Any]) -> bool:
+    """Whether a run's spec names a held-out set (``validation_file`` or a percentage)."""
+    return bool(spec.get("validation_file") or spec.get("validation_split_percentage"))
+
+
+def default_samples(run: Run) -> int:
+    """How many held-out prompts an eval of ``run``'s checkpoints answers by default: the
+    spec's own count (``generation_eval_samples`` / ``reward_eval_samples``), else
+    :data:`DEFAULT_SAMPLES`; at most :data:`MAX_SAMPLES`."""
+    spec = run.spec or {}
+    n = spec.get("reward_eval_samples" if run.kind == "grpo" else "generation_eval_samples")
+    return min(MAX_SAMPLES, int(n or DEFAULT_SAMPLES))
+
+
+def checkpoint_steps(engine: Engine, run_id: str) -> list[int]:
+    """The steps of the run's checkpoints on disk that hold an adapter, newest first."""
+    from app.studio.exports import checkpoint_steps as on_disk
+
+    return on_disk(engine, run_id)
+
+
+def eval_jobs(engine: Engine, run_id: str) -> list[Job]:
+    """The run's ``evaluate`` jobs, newest first."""
+    return repo.list_run_jobs(engine, run_id, KIND)
+
+
+def estimate_gib(engine: Engine, run: Run) -> float | None:
+    """The eval job's estimated GPU allocator peak (GiB): the base weights (bf16, or NF4 with
+    ``load_in_4bit``), the fp32 adapter, one sequence's KV cache and fp32 logits (prompt +
+    new tokens: ``max_seq_length`` + 256 for SFT, ``max_prompt_length`` +
+    ``max_completion_length`` for GRPO) and a fixed slack; None when the model's shape is
+    unknown (the job is then admitted alone on a GPU)."""
+    from app.studio import estimate as est
+
+    try:
+        model = repo.get_model(engine, run.model_id)
+    except repo.NotFound:
+        return None
+    shape = est.model_shape(model.info, model.path)
+    if shape is None:
+        return None
+    spec = run.spec or {}
+    if run.kind == "grpo":
+        seq = int(spec.get("max_prompt_length", 256)) + int(spec.get("max_completion_length", 256))
+    else:
+        seq = int(spec.get("max_seq_length", 1024)) + SFT_NEW_TOKENS
+    weights = est.weight_bytes(shape, bool(spec.get("load_in_4bit")))
+    targets = list(spec.get("target_modules") or ALL_LINEAR)
+    adapter = est.lora_params(shape, int(spec.get("r", 16)), targets) * 4
+    kv = seq * shape.layers * 2 * shape.kv_heads * shape.head_dim * 2
+    logits = seq * shape.vocab * 4
+    return round((weights + adapter + kv + logits) / est.GIB + GENERATION_SLACK_GIB, 4)
+
+
+def refusal(engine: Engine, run: Run, step: int, steps: list[int] | None = None,
+            jobs: list[Job] | None = None) -> StudioError | None:
+    """Why checkpoint ``step`` of ``run`` cannot be evaluated now (None: it can): the run has
+    no held-out set (conflict), no such checkpoint on disk (not_found, field
+    ``checkpoint_step``), or an eval of it is already queued or running (conflict).
+    ``steps`` / ``jobs``: the run's checkpoint steps and eval jobs, when already read."""
+    if not has_held_out(run.spec or {}):
+        return StudioError("conflict", f"run {run.id} has no held-out set to evaluate on: it was "
+                           "created without validation_file or validation_split_percentage")
+    steps = checkpoint_steps(engine, run.id) if steps is None else steps
+    if step not in steps:
+        have = ", ".join(str(s) for s in steps) or "none"
+        return StudioError("not_found", f"run {run.id} has no checkpoint at step {step} on disk "
+                           f"(checkpoints on disk: {have})", "checkpoint_step")
+    for job in eval_jobs(engine, run.id) if jobs is None else jobs:
+        if job.state in (JobState.QUEUED, JobState.RUNNING) \
+                and (job.payload or {}).get("checkpoint_step") == step:
+            return StudioError("conflict", f"checkpoint-{step} of run {run.id} is already being "
+                               f"evaluated (job {job.id}, {job.state})")
+    return None
+
+
+def queue_eval(engine: Engine, actor: User, run_id: str, step: Any,
+               samples: Any = None) -> Job:
+    """Queue the generation eval of checkpoint ``step`` of run ``run_id`` on up to ``samples``
+    held-out prompts (default :func:`default_samples`).
+
+    Raises StudioError: not_found (unknown or another user's run; no such checkpoint),
+    conflict (no held-out set; that checkpoint's eval already queued or running), invalid
+    (``checkpoint_step`` or ``samples`` not a whole number in range)."""
+    run = access.run(engine, actor, run_id)
+    try:
+        step = int(step)
+    except (TypeError, ValueError):
+        raise invalid("checkpoint_step", "must be a whole number (a checkpoint's step)") from None
+    if samples in (None, ""):
+        n = default_samples(run)
+    else:
+        try:
+            n = int(samples)
+        except (TypeError, ValueError):
+            n = 0
+        if not 1 <= n <= MAX_SAMPLES:
+            raise invalid("samples", f"must be a whole number from 1 to {MAX_SAMPLES}")
+    problem = refusal(engine, run, step)
+    if problem is not None:
+        raise problem
+    job = queue.enqueue(engine, KIND, {"spec_version": 1, "run_id": run.id,
+                                       "checkpoint_step": step, "samples": n},
+                        run_id=run.id, owner=run.owner, max_attempts=2,
+                        estimate_gib=estimate_gib(engine, run))
+    audit.record(engine, actor.id, "run.checkpoint_eval", "run", run.id, step=step, job=job.id)
+    return job
+
+
+def eval_job(engine: Engine, actor: User, eval_id: int) -> Job:
+    """The ``evaluate`` job ``eval_id`` if ``actor`` may see its run. Raises StudioError
+    not_found."""
+    try:
+        return access.job(engine, actor, eval_id, kind=KIND)
+    except StudioError:
+        raise not_found("evaluation", eval_id) from None
+
+
+def eval_info(job: Job) -> dict[str, Any]:
+    """One checkpoint eval as the run page and ``/api`` show it: ``id``, ``checkpoint_step``,
+    ``samples``, ``status``, ``error``, timestamps, ``held_out`` and the table
+    (``generation_eval`` or ``reward_eval``; None until it succeeded)."""
+    payload, result = job.payload or {}, job.result or {}
+    return {"id": job.id, "run_id": job.run_id, "checkpoint_step": payload.get("checkpoint_step"),
+            "samples": payload.get("samples"), "status": job.state, "error": job.error,
+            "created_at": job.created_at, "finished_at": job.finished_at,
+            "held_out": result.get("held_out"),
+            "generation_eval": result.get("generation_eval"),
+            "reward_eval": result.get("reward_eval")}
+
+
+def checkpoint_evals(engine: Engine, run: Run) -> dict[str, Any]:
+    """The checkpoints part of a run's evaluation: ``checkpoints`` (each on-disk step with
+    ``can_evaluate`` and the reason it cannot, newest first), ``evals`` (every eval job,
+    newest first: :func:`eval_info`) and ``active`` (whether one is queued or running)."""
+    jobs, steps = eval_jobs(engine, run.id), checkpoint_steps(engine, run.id)
+    rows = []
+    for step in steps:
+        problem = refusal(engine, run, step, steps, jobs)
+        rows.append({"step": step, "can_evaluate": problem is None,
+                     "reason": None if problem is None else problem.message})
+    return {"checkpoints": rows, "evals": [eval_info(j) for j in jobs],
+            "active": any(j.state in (JobState.QUEUED, JobState.RUNNING) for j in jobs),
+            "default_samples": default_samples(run)}
+
+
+def run_evaluations(engine: Engine, actor: User, run_id: str) -> dict[str, Any]:
+    """Everything evaluated of a run (``GET /api/runs/{id}/evaluations``): ``held_out`` (where
+    from), ``end_of_run`` (the training job's ``eval``, ``generation_eval`` and
+    ``reward_eval`` result entries) and the checkpoints (:func:`checkpoint_evals`).
+    Raises StudioError not_found."""
+    from app.studio.evaluation import held_out_text
+
+    run, job = access.run_with_job(engine, actor, run_id)
+    result = (job.result or {}) if job is not None else {}
+    return {"run_id": run.id, "kind": run.kind, "held_out": held_out_text(run.spec or {}),
+            "end_of_run": {k: result.get(k) for k in ("eval", "generation_eval", "reward_eval")},
+            **checkpoint_evals(engine, run)}

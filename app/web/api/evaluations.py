@@ -1,0 +1,41 @@
+"""Native JSON API for evaluations: what a run's evaluation produced (the end of the run and
+each checkpoint's on-demand eval), queueing a checkpoint's eval, reading one.
+
+``POST /api/runs/{run_id}/checkpoints/{step}/evaluations`` (optional body ``{"samples": n}``)
+queues an ``evaluate`` job (202, the eval); ``GET /api/evaluations/{id}`` answers its status and,
+once it succeeded, its table; ``GET /api/runs/{run_id}/evaluations`` lists everything. The rules
+are in :mod:`app.studio.checkpoint_eval`.
+"""
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+
+from app.studio import checkpoint_eval as evals_uc
+from app.web.api.schemas import CheckpointEvalOut, RunEvaluationsOut, json_object
+from app.web.deps import CurrentUser, EngineDep
+
+router = APIRouter(prefix="/api", tags=["evaluations"])
+
+
+@router.get("/runs/{run_id}/evaluations", response_model=RunEvaluationsOut)
+def run_evaluations(run_id: str, engine: EngineDep, user: CurrentUser):
+    """The run's held-out set, its end-of-run eval and every checkpoint eval (newest first)."""
+    return evals_uc.run_evaluations(engine, user, run_id)
+
+
+@router.post("/runs/{run_id}/checkpoints/{step}/evaluations", status_code=202,
+             response_model=CheckpointEvalOut)
+async def evaluate_checkpoint(run_id: str, step: int, request: Request, engine: EngineDep,
+                              user: CurrentUser):
+    """Queue the generation eval of checkpoint ``step`` (404: no such run or checkpoint;
+    409: no held-out set, or that checkpoint's eval is already queued or running)."""
+    body = await json_object(request, 'a JSON object: {"samples": n} or {}') \
+        if await request.body() else {}
+    job = evals_uc.queue_eval(engine, user, run_id, step, body.get("samples"))
+    return evals_uc.eval_info(job)
+
+
+@router.get("/evaluations/{eval_id}", response_model=CheckpointEvalOut)
+def get_evaluation(eval_id: int, engine: EngineDep, user: CurrentUser):
+    """One checkpoint eval: status, error and (once succeeded) its table."""
+    return evals_uc.eval_info(evals_uc.eval_job(engine, user, eval_id))

@@ -1,0 +1,290 @@
+"""The GRPO before/after reward eval and on-demand checkpoint evals, end to end on the CPU: real
+uploads over HTTP, GRPO (GSM8K rows, the worked example's numeric_match reward) and SFT runs
+created through /api with a held-out split, the real ``grpo``, ``train`` and ``evaluate`` job
+functions on stories260K (in-process worker loop), then what /api and the run page show.
+
+The stored numbers are checked against the things they claim to be: each reward recomputed by
+the real reward function from the stored completion, the completions against greedy decoding of
+the checkpoint loaded independently with transformers + PEFT, the final step's checkpoint eval
+against the end-of-run table (the same weights).
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from app.settings import Settings
+from app.store import queue, repo
+from app.store.db import reset_engines
+from app.store.schema import JobState
+from tests.conftest import SHARED_DATA, STORIES
+from tests.web.conftest import ADMIN_PASSWORD, ADMIN_USER, run_validations, signed_in
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not (STORIES / "stories260K.bin").exists(),
+                                 reason=f"no test data at {SHARED_DATA}")]
+
+GSM8K = SHARED_DATA / "grpo" / "gsm8k" / "test.jsonl"
+IDENTITY = SHARED_DATA / "sft" / "identity_alpaca.json"
+GRPO = {"model": "stories260K", "validation_split_percentage": 10, "reward_eval_samples": 3,
+        "max_steps": 4, "save_steps": 2, "num_generations": 2, "per_device_train_batch_size": 4,
+        "max_completion_length": 8, "max_prompt_length": 48, "learning_rate": 5e-3, "r": 8,
+        "lora_alpha": 16, "seed": 1, "beta": 0.0,
+        "rewards": [{"name": "numeric_match"}, {"name": "text_similarity", "weight": 0.5}]}
+SFT = {"model": "stories260K", "validation_split_percentage": 10, "generation_eval_samples": 2,
+       "max_steps": 4, "save_steps": 2, "per_device_train_batch_size": 4,
+       "gradient_accumulation_steps": 1, "max_seq_length": 256, "learning_rate": 1e-2, "r": 8,
+       "lora_alpha": 16, "warmup_ratio": 0.0, "chat_template": "chatml"}
+
+
+@pytest.fixture(scope="module")
+def studio(tmp_path_factory):
+    from app.web.main import create_app
+    from worker.loop import Worker
+
+    d = tmp_path_factory.mktemp("ckeval")
+    settings = Settings(data_dir=d / "data", seed_dir=SHARED_DATA, max_upload_mb=8,
+                        admin_user=ADMIN_USER, admin_password=ADMIN_PASSWORD,
+                        heartbeat_seconds=0.5)
+    gsm = d / "gsm8k40.jsonl"
+    gsm.write_text("".join(GSM8K.read_text().splitlines(keepends=True)[:40]))
+    app = create_app(settings)
+    with signed_in(app) as client:
+        w = Worker(settings, worker_id="w-ckeval", poll_interval=0.05)
+        w.start()
+        ids = {}
+        for path in (gsm, IDENTITY):
+            with path.open("rb") as fh:
+                r = client.post("/v1/files", files={"file": (path.name, fh)},
+                                data={"purpose": "fine-tune"})
+            assert r.status_code == 200, r.text
+            ids[path.name] = r.json()["id"]
+        r = client.post("/api/users", json={"name": "bob", "password": "bob-password-1",
+                                            "role": "member"})
+        assert r.status_code == 201, r.text
+        run_validations(app)
+        for _ in range(5):  # the demo model's import
+            if repo.get_model(w.engine, "stories260K").status == "ready":
+                break
+            w.serve(once=True)
+        with signed_in(app, "bob", "bob-password-1") as bob:
+            yield {"client": client, "bob": bob, "worker": w, "engine": w.engine, "ids": ids,
+                   "gsm": gsm, "app": app}
+        w.stop()
+    reset_engines()
+
+
+def _serve(studio, job_id: int):
+    studio["worker"].serve(once=True)
+    job = queue.get_job(studio["engine"], job_id)
+    assert job.state == JobState.SUCCEEDED, job.error
+    return job
+
+
+def _train(studio, path: str, spec: dict):
+    r = studio["client"].post(path, json=spec)
+    assert r.status_code == 201, r.text
+    run = repo.get_run(studio["engine"], r.json()["id"])
+    return run, _serve(studio, run.job_id)
+
+
+def _evaluate(studio, run_id: str, step: int, **body):
+    r = studio["client"].post(f"/api/runs/{run_id}/checkpoints/{step}/evaluations", json=body)
+    assert r.status_code == 202, r.text
+    assert r.json()["status"] == "queued" and r.json()["checkpoint_step"] == step
+    _serve(studio, r.json()["id"])
+    r = studio["client"].get(f"/api/evaluations/{r.json()['id']}")
+    assert r.status_code == 200 and r.json()["status"] == "succeeded", r.text
+    return r.json()
+
+
+def _held_prompts(studio, run):
+    """The held-out prompts rebuilt here: the file, the split (same seed rule as SFT)."""
+    from app.data.encode import load_tokenizer_bundle
+    from worker.engine.evaluation import split_held_out
+    from worker.engine.grpo import build_prompts
+
+    model = repo.get_model(studio["engine"], run.model_id)
+    prompts = build_prompts(str(studio["gsm"]), load_tokenizer_bundle(model.path),
+                            run.spec["chat_template"], None, None, None)
+    held = split_held_out(prompts.rows, 10, run.spec["seed"])[1]
+    return [prompts.dataset[i]["prompt"] for i in held], [i + 1 for i in held]
+
+
+def _check_rewards(table, rows_by_number, weights):
+    """Every stored reward is the real reward function's value on the stored completion."""
+    from worker.rewards.base import Sample
+    from worker.rewards.builtin import make_builtin
+
+    fns = {name: make_builtin(name, {}, "answer") for name in weights}
+    for row in table["rows"]:
+        item = rows_by_number[row["row"]]
+        for side in ("base", "fine_tuned"):
+            s = Sample(0, "", row[side], row[f"{side}_tokens"], item)
+            got = {name: f.fn(s) for name, f in fns.items()}
+            assert row[f"{side}_rewards"] == pytest.approx(got, abs=1e-12), (row, side)
+            assert row[f"{side}_reward"] == pytest.approx(
+                sum(weights[n] * v for n, v in got.items()), abs=1e-6)
+    s = table["summary"]
+    for side in ("base", "fine_tuned"):
+        for f in s["functions"]:
+            vals = [r[f"{side}_rewards"][f["name"]] for r in table["rows"]]
+            assert f[side] == pytest.approx(sum(vals) / len(vals), abs=1e-4)
+        assert s[f"{side}_reward"] == pytest.approx(
+            sum(r[f"{side}_reward"] for r in table["rows"]) / len(table["rows"]), abs=1e-4)
+        correct = [r[f"{side}_rewards"]["numeric_match"] == 1.0 for r in table["rows"]]
+        acc = next(a for a in s["accuracy"] if a["function"] == "numeric_match")
+        assert acc[side] == pytest.approx(sum(correct) / len(correct), abs=1e-4)
+    assert [a["function"] for a in s["accuracy"]] == ["numeric_match"]
+
+
+def _greedy(model_dir: str, adapter, prompts: list[str], max_prompt: int, new: int) -> list[str]:
+    """Greedy completions of the base (+ adapter) loaded here with transformers + PEFT."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, str(adapter))
+    model.eval()
+    out = []
+    for p in prompts:
+        ids = tok(text=p, add_special_tokens=False)["input_ids"][-max_prompt:]
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            y = model.generate(input_ids=x, attention_mask=torch.ones_like(x), do_sample=False,
+                               max_new_tokens=new, pad_token_id=tok.eos_token_id)[0, len(ids):]
+        y = y.tolist()
+        if tok.eos_token_id in y:
+            y = y[:y.index(tok.eos_token_id) + 1]
+        out.append(tok.decode(y, skip_special_tokens=True))
+    return out
+
+
+def test_grpo_reward_eval_and_checkpoint_evals(studio) -> None:
+    from app.studio import checkpoint_eval
+    from app.store.queue import CPU_KINDS
+    from worker.engine.grpo import clip_start
+    from worker.loop import HANDLERS
+
+    c, engine = studio["client"], studio["engine"]
+    run, job = _train(studio, "/api/runs/grpo", {**GRPO, "dataset": studio["ids"]["gsm8k40.jsonl"]})
+    ev, table = job.result["eval"], job.result["reward_eval"]
+    # the held-out prompts: 10% of 40 chosen by the seeded shuffle, shown with their rows
+    prompts, numbers = _held_prompts(studio, run)
+    assert ev["source"] == "validation_split_percentage" and ev["seed"] == 1
+    assert ev["rows"] == 4 and ev["training_rows"] == 36 and ev["row_numbers"] == numbers
+    assert table["summary"]["samples"] == 3
+    assert [r["row"] for r in table["rows"]] == numbers[:3]
+    assert [r["prompt"] for r in table["rows"]] == [clip_start(p, 600) for p in prompts[:3]]
+    rows = {i + 1: json.loads(line) for i, line in enumerate(studio["gsm"].read_text().splitlines())}
+    assert [r["reference"] for r in table["rows"]] == [rows[n]["answer"] for n in numbers[:3]]
+    _check_rewards(table, rows, {"numeric_match": 1.0, "text_similarity": 0.5})
+    # before = the base model; after = the trained adapter: both are greedy decoding
+    model_dir = repo.get_model(engine, run.model_id).path
+    run_dir = studio["worker"].settings.data_dir / "runs" / run.id
+    assert [r["base"] for r in table["rows"]] == _greedy(model_dir, None, prompts[:3], 48, 8)
+    assert [r["fine_tuned"] for r in table["rows"]] == _greedy(model_dir, run_dir / "adapter",
+                                                               prompts[:3], 48, 8)
+    assert any(r["base"] != r["fine_tuned"] for r in table["rows"])  # training changed them
+    stored = json.loads((run_dir / "eval.json").read_text())
+    assert stored["reward_eval"] == table
+
+    # on demand: checkpoint-2 is what greedy decoding of checkpoint-2 gives; checkpoint-4 is
+    # the final weights, so its table is the end-of-run one
+    assert checkpoint_eval.checkpoint_steps(engine, run.id) == [4, 2]
+    two = _evaluate(studio, run.id, 2)
+    t2 = two["reward_eval"]
+    assert [r["fine_tuned"] for r in t2["rows"]] == _greedy(
+        model_dir, run_dir / "checkpoints" / "checkpoint-2", prompts[:3], 48, 8)
+    assert [r["base"] for r in t2["rows"]] == [r["base"] for r in table["rows"]]
+    _check_rewards(t2, rows, {"numeric_match": 1.0, "text_similarity": 0.5})
+    four = _evaluate(studio, run.id, 4, samples=3)
+    assert four["reward_eval"] == table
+    assert two["held_out"]["row_numbers"] == numbers
+    # the eval is a GPU-lane job admitted by its estimated memory
+    evjob = queue.get_job(engine, two["id"])
+    assert evjob.kind == "evaluate" and "evaluate" in HANDLERS and "evaluate" not in CPU_KINDS
+    assert evjob.run_id == run.id and 0 < evjob.estimate_gib < 0.5
+    arts = [a for a in repo.list_artifacts(engine, run.id, "checkpoint_eval")]
+    assert sorted(a.meta["step"] for a in arts) == [2, 4]
+    assert json.loads(open(arts[0].path).read())["reward_eval"] in (t2, table)
+
+    # /api lists everything; the run page shows the tables and a button per checkpoint
+    r = c.get(f"/api/runs/{run.id}/evaluations")
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["held_out"] == "10% of the dataset, shuffled with seed 1"
+    assert body["end_of_run"]["reward_eval"] == table
+    assert [e["checkpoint_step"] for e in body["evals"]] == [4, 2]
+    assert [ck["step"] for ck in body["checkpoints"]] == [4, 2] and not body["active"]
+    page = c.get(f"/runs/{run.id}").text
+    assert 'id="reward-eval"' in page and 'id="evaluate-2"' in page and 'id="evaluate-4"' in page
+    assert f'id="checkpoint-eval-table-{two["id"]}"' in page
+    assert "10% of the dataset, shuffled with seed 1" in page and "Eval loss every" not in page
+    assert "Accuracy (<code class=\"small\">numeric_match</code>)" in page
+    studio["grpo_run"] = run.id
+
+
+def test_refusals_and_ownership(studio) -> None:
+    c, bob, engine = studio["client"], studio["bob"], studio["engine"]
+    if "grpo_run" not in studio:
+        pytest.skip("needs the GRPO run")
+    run_id = studio["grpo_run"]
+    r = c.post(f"/api/runs/{run_id}/checkpoints/3/evaluations", json={})
+    assert r.status_code == 404
+    assert r.json()["error"]["message"] == (f"run {run_id} has no checkpoint at step 3 on disk "
+                                  "(checkpoints on disk: 4, 2)")
+    r = c.post(f"/api/runs/{run_id}/checkpoints/2/evaluations", json={"samples": 0})
+    assert r.status_code == 422 and "from 1 to 100" in r.text
+    queued = c.post(f"/api/runs/{run_id}/checkpoints/2/evaluations")  # no body: the default
+    assert queued.status_code == 202 and queued.json()["samples"] == 3
+    r = c.post(f"/api/runs/{run_id}/checkpoints/2/evaluations", json={})
+    assert r.status_code == 409
+    assert r.json()["error"]["message"] == (f"checkpoint-{2} of run {run_id} is already being evaluated "
+                                  f"(job {queued.json()['id']}, queued)")
+    # the page says so instead of a button, and keeps polling while it is queued
+    page = c.get(f"/runs/{run_id}").text
+    assert 'id="evaluate-2"' not in page and "is already being evaluated" in page
+    assert 'hx-trigger="every 3s"' in page
+    r = c.post(f"/runs/{run_id}/checkpoints/2/evaluate", headers={"HX-Request": "true",
+                                                                   "HX-Target": "evaluation"})
+    assert r.status_code == 409 and 'id="eval-error"' in r.text and "already being" in r.text
+    # another user: every eval route answers 404, as for a run that does not exist
+    for method, url in (("get", f"/api/runs/{run_id}/evaluations"),
+                        ("post", f"/api/runs/{run_id}/checkpoints/2/evaluations"),
+                        ("get", f"/api/evaluations/{queued.json()['id']}")):
+        r = getattr(bob, method)(url)
+        assert r.status_code == 404, (url, r.text)
+    r = bob.post(f"/runs/{run_id}/checkpoints/2/evaluate")
+    assert r.status_code == 404
+    queue.cancel(engine, queued.json()["id"])
+    assert c.get(f"/api/evaluations/{queued.json()['id']}").json()["status"] == "cancelled"
+
+
+def test_sft_checkpoint_eval_and_no_held_out(studio) -> None:
+    c, engine = studio["client"], studio["engine"]
+    run, job = _train(studio, "/api/runs", {**SFT, "dataset": studio["ids"]["identity_alpaca.json"]})
+    gen = job.result["generation_eval"]
+    assert gen["summary"]["samples"] == 2
+    # checkpoint-4 holds the final weights: its on-demand table is the end-of-run one
+    four = _evaluate(studio, run.id, 4)
+    assert four["generation_eval"] == gen and four["samples"] == 2
+    assert four["held_out"]["row_numbers"] == job.result["eval"]["row_numbers"]
+    page = c.get(f"/runs/{run.id}").text
+    assert f'id="checkpoint-eval-table-{four["id"]}"' in page and 'id="evaluate-2"' in page
+    # a run without a held-out set has nothing to evaluate on (refused before anything else)
+    spec = {k: v for k, v in SFT.items() if k not in ("validation_split_percentage",
+                                                       "generation_eval_samples")}
+    r = c.post("/api/runs", json={**spec, "dataset": studio["ids"]["identity_alpaca.json"]})
+    assert r.status_code == 201, r.text
+    bare = r.json()["id"]
+    r = c.post(f"/api/runs/{bare}/checkpoints/2/evaluations", json={})
+    assert r.status_code == 409
+    assert r.json()["error"]["message"] == (f"run {bare} has no held-out set to evaluate on: it "
+                                            "was created without validation_file or "
+                                            "validation_split_percentage")
+    queue.cancel(engine, repo.get_run(engine, bare).job_id)
