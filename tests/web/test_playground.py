@@ -19,6 +19,7 @@ from app.store.db import reset_engines
 from app.store.schema import JobState
 from tests.conftest import SHARED_DATA, STORIES
 from tests.web.conftest import ADMIN_PASSWORD, ADMIN_USER, served, signed_in, upload_and_import
+from tests.web.test_web_browser import CHROMIUM, browser_page
 
 pytestmark = pytest.mark.skipif(not (STORIES / "stories260K.bin").exists(),
                                 reason=f"no test data at {SHARED_DATA}")
@@ -107,6 +108,15 @@ def _ask(studio, messages=PROMPT, **params):
     return s, r.json()
 
 
+def _greedy(studio) -> dict[str, str]:
+    """The greedy answers to PROMPT per side (the first test records them; else asked now)."""
+    if "greedy" not in studio:
+        s, sent = _ask(studio)
+        answers = _answers(studio["engine"], s["id"], sent["request_id"], s["sides"])[0]
+        studio["greedy"] = {side: a["text"] for side, a in answers.items()}
+    return studio["greedy"]
+
+
 def test_fine_tuned_and_base_stream_different_tokens_and_the_model_stays_loaded(studio):
     engine = studio["engine"]
     s, sent = _ask(studio)
@@ -165,7 +175,7 @@ def test_openai_client_streaming_and_not(studio):
     out = c.chat.completions.create(model=studio["model"], messages=PROMPT, **GREEDY)
     assert out.object == "chat.completion" and out.model == studio["model"]
     text = out.choices[0].message.content
-    assert text == studio["greedy"]["fine_tuned"]  # greedy: the page's fine-tuned answer
+    assert text == _greedy(studio)["fine_tuned"]  # greedy: the page's fine-tuned answer
     assert out.choices[0].finish_reason in ("stop", "length")
     assert out.usage.completion_tokens > 0
     assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
@@ -180,7 +190,7 @@ def test_openai_client_streaming_and_not(studio):
         == out.usage.completion_tokens
     # the base model by its own id: its own session, the base side's greedy answer
     base = c.chat.completions.create(model="stories260K", messages=PROMPT, **GREEDY)
-    assert base.choices[0].message.content == studio["greedy"]["base"]
+    assert base.choices[0].message.content == _greedy(studio)["base"]
 
     for bad, param in (({"temperature": -1}, "temperature"), ({"max_tokens": 0}, "max_tokens"),
                        ({"top_p": 0}, "top_p"), ({"messages": []}, "messages")):
@@ -284,7 +294,31 @@ def test_an_exported_gguf_through_llama_cpp(studio):
     text = out.choices[0].message.content
     assert text and out.usage.completion_tokens > 0
     # the merged F32 weights in llama.cpp answer as the adapter does in transformers
-    assert text == studio["greedy"]["fine_tuned"], (text, studio["greedy"])
+    assert text == _greedy(studio)["fine_tuned"], (text, _greedy(studio))
     chunks = list(oc.chat.completions.create(model=model, messages=PROMPT, stream=True,
                                              **GREEDY))
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == text
+
+
+@pytest.mark.browser
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed")
+def test_the_page_opened_from_a_run_fills_both_panes(studio):
+    from playwright.sync_api import expect
+
+    run, greedy = studio["run"], _greedy(studio)
+    with browser_page(studio["base"]) as pg:
+        pg.goto(f"{studio['base']}/runs/{run.id}")
+        pg.click("#open-playground")
+        pg.wait_for_selector("#playground")
+        expect(pg.locator("#pg-template-name")).to_have_text("chatml")
+        pg.fill("input[name=temperature]", "0")
+        pg.fill("input[name=max_tokens]", str(GREEDY["max_tokens"]))
+        pg.fill("#pg-prompt", PROMPT[0]["content"])
+        pg.click("#pg-send")
+        for side in ("fine_tuned", "base"):
+            done = pg.locator(f"#pg-log-{side} .pg-msg.assistant:not(.pending)")
+            expect(done).to_have_count(1, timeout=60_000)
+            assert done.text_content() == greedy[side]  # the greedy answers
+            expect(pg.locator(f"#pg-stats-{side}")).to_contain_text("tokens/s")
+        expect(pg.locator("#pg-log-base .pg-msg.user")).to_have_text(PROMPT[0]["content"])
+        expect(pg.locator("#pg-send")).to_be_enabled()

@@ -5,6 +5,7 @@ port and a temporary data dir; skipped when chromium or Playwright is missing.
 """
 from __future__ import annotations
 
+import contextlib
 import re
 import shutil
 
@@ -21,24 +22,32 @@ pytestmark = [pytest.mark.browser,
               pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed")]
 
 
-@pytest.fixture
-def page(server):
+@contextlib.contextmanager
+def browser_page(base: str):
+    """A headless Chromium page signed in as the admin on the studio at ``base`` (its
+    ``.base``); no page error may have occurred when the block ends."""
     sync_api = pytest.importorskip("playwright.sync_api")
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
         pg = browser.new_page()
         pg.set_default_timeout(20_000)
-        pg.base = server
+        pg.base = base
         errors: list[str] = []
         pg.on("pageerror", lambda e: errors.append(str(e)))
-        pg.goto(f"{server}/datasets")  # signed out: the sign-in page, then back here
+        pg.goto(f"{base}/datasets")  # signed out: the sign-in page, then back here
         pg.fill("input[name=username]", ADMIN_USER)
         pg.fill("input[name=password]", ADMIN_PASSWORD)
         pg.click("form[action='/login'] button[type=submit]")
-        pg.wait_for_url(f"{server}/datasets")
+        pg.wait_for_url(f"{base}/datasets")
         yield pg
         browser.close()
         assert not errors, errors
+
+
+@pytest.fixture
+def page(server):
+    with browser_page(server) as pg:
+        yield pg
 
 
 def test_validation_errors_are_visible_in_the_browser(page, client, app):

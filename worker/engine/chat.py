@@ -153,7 +153,7 @@ class Stream:
             self._it = iter(loaded.model.create_completion(
                 prompt=ids, max_tokens=self._budget, temperature=params.temperature,
                 top_p=params.top_p, stream=True, stop=list(END_MARKERS),
-                seed=params.seed if params.seed is not None else -1))
+                seed=params.seed))
         else:
             self._ids, self._past, self._logits = ids, None, None
             import torch
@@ -184,7 +184,6 @@ class Stream:
             choice = chunk["choices"][0]
             self._mark_first()
             self.text += choice.get("text") or ""
-            self.generated.append(0)
             if choice.get("finish_reason"):
                 self.done, self.finish_reason = True, choice["finish_reason"]
             return
@@ -247,5 +246,9 @@ class Stream:
 
     @property
     def completion_tokens(self) -> int:
-        """Tokens generated (llama.cpp: streamed chunks, one token each)."""
+        """Tokens generated (llama.cpp: the answer's text tokenized again, as its stream
+        carries text, not ids)."""
+        if self.loaded.kind == "gguf":
+            return len(self.loaded.model.tokenize(self.text.encode("utf-8"), add_bos=False,
+                                                  special=False)) if self.text else 0
         return len(self.generated)
