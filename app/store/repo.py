@@ -12,7 +12,7 @@ from sqlmodel import or_, select
 
 from app.store import events
 from app.store.db import session_scope
-from app.store.schema import Artifact, Dataset, Job, JobState, Model, Run
+from app.store.schema import Artifact, Dataset, Job, JobEvent, JobState, Model, Run
 from app.store.specs import TrainSpec
 
 
@@ -70,8 +70,17 @@ def delete_dataset(engine: Engine, dataset_id: str) -> Dataset:
         used = s.exec(select(Run.id).where(Run.dataset_id == dataset_id).limit(1)).first()
         if used is not None:
             raise InUse(f"dataset {dataset_id!r} is used by fine-tuning job {used!r}")
+        for run, state in s.exec(select(Run, Job.state).join(Job, Job.run_id == Run.id)
+                                 .where(Job.state.in_(ACTIVE))).all():
+            if (run.spec or {}).get("validation_file") == dataset_id:
+                raise InUse(f"dataset {dataset_id!r} is the validation_file of fine-tuning job "
+                            f"{run.id!r}, whose job is {state}")
         s.delete(ds)
         return ds
+
+
+#: Job states in which a job uses its run's files and inputs.
+ACTIVE = (JobState.QUEUED, JobState.RUNNING)
 
 
 class InUse(ValueError):
@@ -186,6 +195,99 @@ def create_run(engine: Engine, spec: TrainSpec, *, kind: str = "sft", name: str 
         s.add(run)
         events.append(s, job.id, "state", {"state": JobState.QUEUED})
         return run, job
+
+
+def resume_run(engine: Engine, run_id: str, from_step: int, reason: str) -> tuple[Run, Job]:
+    """Queue a new training job for a run whose job was cancelled or failed, in one transaction:
+    same kind, payload, owner, priority and memory estimate; the run's ``job_id`` names it.
+
+    The new job starts with the earlier job's events up to the checkpoint it resumes from
+    (``from_step``): its log, sample and progress events and the metric events with ``step <=
+    from_step`` (the steps after it are trained again), then a ``queued`` state event saying
+    ``reason``. The earlier job stays as the record of its attempt (its GPU time, its end).
+
+    Raises NotFound (no run, or it has no job) and InUse (its job is not cancelled or failed).
+    """
+    with session_scope(engine, immediate=True) as s:
+        run = s.get(Run, run_id)
+        old = s.get(Job, run.job_id) if run is not None and run.job_id is not None else None
+        if old is None:
+            raise NotFound(f"no fine-tuning job with id {run_id!r}")
+        if old.state not in (JobState.CANCELLED, JobState.FAILED):
+            raise InUse(f"fine-tuning job {run_id} is {old.state}")
+        job = Job(kind=old.kind, payload=old.payload, priority=old.priority, run_id=run.id,
+                  owner=old.owner, max_attempts=old.max_attempts, estimate_gib=old.estimate_gib)
+        s.add(job)
+        s.flush()
+        for ev in s.exec(select(JobEvent).where(JobEvent.job_id == old.id,
+                                                JobEvent.type != "state")
+                         .order_by(JobEvent.id)).all():
+            step = ev.data.get("step") if ev.type == "metric" else None
+            if not isinstance(step, (int, float)) or step <= from_step:
+                s.add(JobEvent(job_id=job.id, ts=ev.ts, type=ev.type, data=ev.data))
+        events.append(s, job.id, "state", {"state": JobState.QUEUED, "reason": reason})
+        run.job_id = job.id
+        s.add(run)
+        return run, job
+
+
+def delete_run(engine: Engine, run_id: str) -> tuple[Run, list[Artifact], list[Job]]:
+    """Delete a run whose jobs have all ended, in one transaction: the run row, its artifact
+    rows, its export jobs and every event of its jobs. Its training jobs stay (without their
+    run) as the record of the GPU time they used (quotas count it). Returns (run, its artifacts,
+    its export jobs) so the caller can delete their files.
+
+    Raises NotFound, and InUse naming the job (training, export, ...) still queued or running.
+    """
+    with session_scope(engine, immediate=True) as s:
+        run = s.get(Run, run_id)
+        if run is None:
+            raise NotFound(f"no fine-tuning job with id {run_id!r}")
+        jobs = list(s.exec(select(Job).where(Job.run_id == run_id)).all())
+        busy = next((j for j in jobs if j.state in ACTIVE), None)
+        if busy is not None:
+            what = {"train": "its training job", "grpo": "its training job",
+                    "export": f"export {busy.id}"}.get(busy.kind, f"its {busy.kind} job {busy.id}")
+            raise InUse(f"fine-tuning job {run_id!r} is in use: {what} is {busy.state}")
+        arts = list(s.exec(select(Artifact).where(Artifact.run_id == run_id)).all())
+        for a in arts:
+            s.delete(a)
+        _delete_events(s, [j.id for j in jobs])
+        exports = [j for j in jobs if j.kind == "export"]
+        for j in jobs:
+            if j.kind == "export":
+                s.delete(j)
+            else:
+                j.run_id = None
+                s.add(j)
+        s.delete(run)
+        return run, arts, exports
+
+
+def delete_export(engine: Engine, job_id: int) -> tuple[Job, list[Artifact]]:
+    """Delete an export job that has ended, its events and its artifact rows, in one
+    transaction; returns (job, artifacts) so the caller can delete the files. Raises NotFound
+    and InUse (it is queued or running: being built)."""
+    with session_scope(engine, immediate=True) as s:
+        job = s.get(Job, job_id)
+        if job is None or job.kind != "export":
+            raise NotFound(f"no export with id {job_id}")
+        if job.state in ACTIVE:
+            raise InUse(f"export {job_id} is being built ({job.state}); cancel it or wait "
+                        "until it ends")
+        arts = list(s.exec(select(Artifact).where(Artifact.job_id == job_id)).all())
+        for a in arts:
+            s.delete(a)
+        _delete_events(s, [job_id])
+        s.delete(job)
+        return job, arts
+
+
+def _delete_events(session, job_ids: list[int]) -> None:
+    from sqlalchemy import delete
+
+    if job_ids:
+        session.execute(delete(JobEvent).where(JobEvent.job_id.in_(job_ids)))
 
 
 def get_run(engine: Engine, run_id: str) -> Run:

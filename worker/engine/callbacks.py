@@ -30,8 +30,9 @@ def stopping_callback() -> type:
     transformers).
 
     ``StoppingCallback(stop_reason, on_stop)``: ``stop_reason()`` returns ``cancelled`` |
-    ``lost`` | ``shutdown`` | None, checked after every step; on ``shutdown`` the trainer also
-    saves a checkpoint before it stops (so a requeued job resumes). ``on_stop(reason)`` is told
+    ``lost`` | ``shutdown`` | None, checked after every step; on ``shutdown`` and ``cancelled``
+    the trainer also saves a checkpoint before it stops (so a requeued job resumes, and a
+    cancelled run can be resumed from the step where it stopped). ``on_stop(reason)`` is told
     once. :meth:`step_timing` gives (seconds per step, ETA seconds) since training began.
     """
     from transformers import TrainerCallback
@@ -53,7 +54,9 @@ def stopping_callback() -> type:
             if reason and not self.stopped:
                 self.stopped = reason
                 control.should_training_stop = True
-                control.should_save = reason == "shutdown"
+                # shutdown: the requeued job resumes; cancelled: the run can be resumed (or
+                # exported) from the step where it stopped
+                control.should_save = reason in ("shutdown", "cancelled")
                 if self._on_stop:
                     self._on_stop(reason)
             return control

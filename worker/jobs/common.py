@@ -241,6 +241,31 @@ def last_checkpoint(ctx: JobContext, ckpt_dir: Path) -> str | None:
     return str(last) if last else None
 
 
+def with_earlier_losses(ctx: JobContext, start_step: int, losses: list[tuple[int, float]],
+                        training_loss: float, global_step: int
+                        ) -> tuple[list[tuple[int, float]], float]:
+    """(every logged ``(step, loss)`` of the run, its mean training loss) for a job that
+    resumed at ``start_step``: the job carries the earlier attempt's metric events up to its
+    checkpoint (:func:`app.store.repo.resume_run`; a requeued job its own), and transformers'
+    ``training_loss`` averages only this attempt's step losses over all ``global_step`` steps.
+    Each earlier logged loss counts for the steps since the one logged before it (exact with
+    ``logging_steps=1``). Unchanged for a fresh start."""
+    from app.store import events
+
+    if start_step <= 0 or global_step <= 0:
+        return losses, training_loss
+    earlier: dict[int, float] = {}
+    for ev in events.since(ctx.engine, ctx.job.id, 0, 1_000_000, types=["metric"]):
+        step, loss = ev.data.get("step"), ev.data.get("loss")
+        if isinstance(step, int) and 0 < step <= start_step and isinstance(loss, (int, float)):
+            earlier[step] = float(loss)
+    total, done = 0.0, 0
+    for step in sorted(earlier):
+        total, done = total + earlier[step] * (step - done), step
+    return (sorted(earlier.items()) + list(losses),
+            (training_loss * global_step + total) / global_step)
+
+
 def save_adapter(ctx: JobContext, run_id: str, run_dir: Path, trainer, tokenizer,
                  template: str | None, model_row: Model, card: str) -> tuple[Path, Path]:
     """Save the final adapter (+ tokenizer, chat template, the model card ``card`` as README.md)

@@ -121,14 +121,15 @@ def run(ctx: JobContext) -> dict[str, Any]:
         return {}
 
     # ---- adapter ------------------------------------------------------------------------
-    losses = callback.losses
+    losses, train_loss = common.with_earlier_losses(ctx, callback.start_step, callback.losses,
+                                                    out.training_loss, trainer.state.global_step)
     card = model_card(model_row, run_id, common.run_name(ctx, run_id), "sft",
                       spec.model_dump(mode="json"),
                       {"filename": ds_row.filename, "rows": enc.rows, "format": ds_row.format},
                       chosen.name, {"steps": trainer.state.global_step,
                                     "first_loss": losses[0][1] if losses else None,
                                     "final_loss": losses[-1][1] if losses else None,
-                                    "train_loss": out.training_loss},
+                                    "train_loss": train_loss},
                       common.versions())
     adapter_dir, zip_path = common.save_adapter(ctx, run_id, run_dir, trainer, tokenizer,
                                                  chosen.source, model_row, card)
@@ -137,7 +138,7 @@ def run(ctx: JobContext) -> dict[str, Any]:
     result = {
         "final_loss": losses[-1][1] if losses else None,
         "first_loss": losses[0][1] if losses else None,
-        "train_loss": out.training_loss, "steps": state.global_step,
+        "train_loss": train_loss, "steps": state.global_step,
         "train_runtime": round(runtime, 3), "tokens": int(state.num_input_tokens_seen or 0),
         "trained_tokens_per_epoch": enc.trained_tokens, "rows": enc.rows,
         "adapter_dir": str(adapter_dir), "adapter_zip": str(zip_path),

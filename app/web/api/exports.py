@@ -3,7 +3,8 @@ events.
 
 ``POST /api/runs/{run_id}/exports`` with ``{"format", "quantization": str | [str], "dtype"?}``
 queues an ``export`` job and answers ``{"id", "status"}`` (201); ``GET /api/exports/{id}``
-returns ``status``, ``error``, ``progress``, ``verification`` and ``files``.
+returns ``status``, ``error``, ``progress``, ``verification`` and ``files``;
+``DELETE /api/exports/{id}`` deletes an export that has ended, with its files.
 """
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ from fastapi import APIRouter, Request
 from sse_starlette.sse import EventSourceResponse
 
 from app.studio import exports as exports_uc
+from app.studio import removal
 from app.web.api.schemas import ExportList, ExportOut, ExportQueued, json_object
 from app.web.auth import still_signed_in
-from app.web.deps import CurrentUser, EngineDep
+from app.web.deps import CurrentUser, EngineDep, SettingsDep
 from app.web.sse import job_event_stream, start_after, while_signed_in
 
 router = APIRouter(prefix="/api", tags=["exports"])
@@ -34,6 +36,14 @@ def list_exports(run_id: str, engine: EngineDep, user: CurrentUser):
 @router.get("/exports/{export_id}", response_model=ExportOut)
 def get_export(export_id: int, engine: EngineDep, user: CurrentUser):
     return exports_uc.export_info(engine, exports_uc.export_job(engine, user, export_id))
+
+
+@router.delete("/exports/{export_id}", response_model=ExportOut)
+def delete_export(export_id: int, engine: EngineDep, settings: SettingsDep, user: CurrentUser):
+    """Delete an export and its files; answers it as it was (409 while it is being built)."""
+    info = exports_uc.export_info(engine, exports_uc.export_job(engine, user, export_id))
+    removal.delete_export(engine, settings, user, export_id)
+    return info
 
 
 @router.get("/exports/{export_id}/events")

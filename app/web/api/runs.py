@@ -1,4 +1,4 @@
-"""Native JSON API for runs: list, read, create (SFT and GRPO), cancel."""
+"""Native JSON API for runs: list, read, create (SFT and GRPO), cancel, resume, delete."""
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
@@ -7,6 +7,8 @@ from starlette.concurrency import run_in_threadpool
 from app.store.specs import GrpoSpec, TrainSpec
 from app.studio import access
 from app.studio import grpo as grpo_runs
+from app.studio import removal
+from app.studio import resume as resume_uc
 from app.studio import runs as runs_uc
 from app.web.api.schemas import RunList, RunOut, json_object, run_out
 from app.web.deps import CurrentUser, EngineDep, SettingsDep
@@ -52,3 +54,21 @@ async def create_grpo_run(request: Request, engine: EngineDep, settings: Setting
 def cancel_run(run_id: str, engine: EngineDep, user: CurrentUser):
     """Ask the run's job to stop; answers the run."""
     return run_out(engine, runs_uc.cancel_run(engine, user, run_id))
+
+
+@router.post("/runs/{run_id}/resume", response_model=RunOut)
+def resume_run(run_id: str, engine: EngineDep, user: CurrentUser):
+    """Queue a cancelled or failed run again: its new job resumes from the newest checkpoint
+    (409 with the reason when it cannot: still active, succeeded, no checkpoint)."""
+    run, _ = resume_uc.resume_run(engine, user, run_id)
+    return run_out(engine, run, full=True)
+
+
+@router.delete("/runs/{run_id}", response_model=RunOut)
+def delete_run(run_id: str, engine: EngineDep, settings: SettingsDep, user: CurrentUser):
+    """Delete a run, its exports and their files; answers the deleted run (409 with the
+    reason while one of its jobs is queued or running)."""
+    run = access.run(engine, user, run_id)
+    out = run_out(engine, run)
+    removal.delete_run(engine, settings, user, run_id)
+    return out

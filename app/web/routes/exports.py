@@ -1,5 +1,5 @@
 """The run page's Exports card (form + list, refreshed while an export is active) and the zip
-download of an export's files. The rules are in :mod:`app.studio.exports`."""
+download of an export's files, deleting one. The rules are in :mod:`app.studio.exports`."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,6 +10,7 @@ from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 
 from app.studio import exports as exports_uc
+from app.studio import removal
 from app.studio.errors import StudioError
 from app.web.deps import CurrentUser, EngineDep, SettingsDep, is_htmx
 from app.web.render import render
@@ -40,6 +41,23 @@ async def exports_submit(request: Request, run_id: str, engine: EngineDep, user:
     status = 422 if error is not None and is_htmx(request) else 200
     return render(request, "_exports.html", exports_view(engine, user, run_id, error, values),
                   block="exports", status_code=status)
+
+
+@router.post("/exports/{export_id}/delete")
+def export_delete(request: Request, export_id: int, engine: EngineDep, settings: SettingsDep,
+                  user: CurrentUser):
+    """Delete an export and its files (the card asks first); the run's Exports card again, with
+    the reason (409) while the export is being built."""
+    run_id = exports_uc.export_job(engine, user, export_id).run_id
+    error = None
+    try:
+        removal.delete_export(engine, settings, user, export_id)
+    except StudioError as exc:
+        if exc.kind != "conflict":
+            raise
+        error = exc.message
+    return render(request, "_exports.html", exports_view(engine, user, run_id, error),
+                  block="exports", status_code=409 if error else 200)
 
 
 @router.get("/exports/{export_id}/download.zip")

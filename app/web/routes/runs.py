@@ -1,4 +1,4 @@
-"""Runs: the new-run form, the live run page (SSE), cancel."""
+"""Runs: the new-run form, the live run page (SSE), cancel, resume, delete."""
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
@@ -9,6 +9,8 @@ from app.data.chat_template import DEFAULT_TEMPLATES
 from app.store.specs import ALL_LINEAR, SCHEDULERS, TrainSpec
 from app.studio import access
 from app.studio import datasets as datasets_uc
+from app.studio import removal
+from app.studio import resume as resume_uc
 from app.studio import runs as runs_uc
 from app.studio.errors import StudioError
 from app.web.deps import CurrentUser, EngineDep, SettingsDep, is_htmx
@@ -173,6 +175,34 @@ def cancel_run(request: Request, run_id: str, engine: EngineDep, user: CurrentUs
     if is_htmx(request):
         return render(request, "run.html", run_view(engine, user, run_id), block="controls")
     return RedirectResponse(f"/runs/{run_id}", status_code=303)
+
+
+@router.post("/runs/{run_id}/resume")
+def resume_run(request: Request, run_id: str, engine: EngineDep, user: CurrentUser):
+    """Resume a cancelled or failed run from its newest checkpoint; back to its page (whose
+    live view follows the new job)."""
+    resume_uc.resume_run(engine, user, run_id)
+    if is_htmx(request):
+        return Response(status_code=200, headers={"HX-Redirect": f"/runs/{run_id}"})
+    return RedirectResponse(f"/runs/{run_id}", status_code=303)
+
+
+@router.post("/runs/{run_id}/delete")
+def delete_run(request: Request, run_id: str, engine: EngineDep, settings: SettingsDep,
+               user: CurrentUser):
+    """Delete the run and its files (the page asks first); back to the dashboard. While one of
+    its jobs is active: the run page's controls with the reason (409)."""
+    try:
+        removal.delete_run(engine, settings, user, run_id)
+    except StudioError as exc:
+        if exc.kind != "conflict":
+            raise
+        return render(request, "run.html", {**run_view(engine, user, run_id),
+                                            "controls_error": exc.message},
+                      block="controls", status_code=409)
+    if is_htmx(request):
+        return Response(status_code=200, headers={"HX-Redirect": "/"})
+    return RedirectResponse("/", status_code=303)
 
 
 @router.get("/runs/{run_id}/events")

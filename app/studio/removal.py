@@ -1,0 +1,90 @@
+"""Deleting runs and exports with their files (datasets and models: ``app.studio.datasets`` and
+``app.studio.models``). A delete is refused, with the reason, while a job uses the object: a
+run whose training, export or other job is queued or running; an export being built.
+
+Rows go first (one transaction, :func:`app.store.repo.delete_run` /
+:func:`app.store.repo.delete_export`), then the files, only those under the data dir.
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from sqlalchemy.engine import Engine
+
+from app.settings import Settings
+from app.store import repo
+from app.store.schema import Run
+from app.studio import access, audit
+from app.studio.datasets import is_under
+from app.studio.errors import StudioError
+from app.studio.exports import export_job
+
+if TYPE_CHECKING:
+    from app.store.schema import Job, User
+
+
+def _remove(path: str | Path | None, root: Path) -> None:
+    """Delete a file or folder if it lies under ``root`` (never outside the data dir)."""
+    if not path or not is_under(path, root):
+        return
+    p = Path(path)
+    if p.is_dir():
+        shutil.rmtree(p, ignore_errors=True)
+    else:
+        p.unlink(missing_ok=True)
+
+
+def _export_folder(settings: Settings, job: Job) -> Path:
+    """Where the worker writes an export's files (``worker.jobs.export``)."""
+    key = str((job.payload or {}).get("export_id") or f"export-{job.id}")
+    return settings.data_dir / "exports" / key
+
+
+def delete_run(engine: Engine, settings: Settings, actor: User, run_id: str) -> Run:
+    """Delete a run, its exports and their files (the run folder: checkpoints, adapter,
+    config.json; each export's folder). Its datasets and model stay (and may then be deleted).
+
+    Raises:
+        StudioError: not_found (unknown or another user's run); conflict (code ``run_in_use``)
+            while one of its jobs is queued or running (training, an export being built, ...).
+    """
+    run = access.run(engine, actor, run_id)
+    try:
+        run, arts, exports = repo.delete_run(engine, run.id)
+    except repo.InUse as exc:
+        raise StudioError("conflict", f"{exc}; cancel it or wait until it ends, then delete "
+                                      "the run", None, "run_in_use") from None
+    except repo.NotFound:
+        raise StudioError("not_found", f"no fine-tuning job with id {run_id!r}") from None
+    _remove(run.output_dir or settings.data_dir / "runs" / run.id, settings.data_dir / "runs")
+    for job in exports:
+        _remove(_export_folder(settings, job), settings.data_dir / "exports")
+    for a in arts:
+        _remove(a.path, settings.data_dir)
+    audit.record(engine, actor.id, "run.deleted", "run", run.id, name=run.name,
+                 exports=[j.id for j in exports])
+    return run
+
+
+def delete_export(engine: Engine, settings: Settings, actor: User, export_id: int) -> Job:
+    """Delete an export and its files.
+
+    Raises:
+        StudioError: not_found (unknown, or of another user's run); conflict (code
+            ``export_in_use``) while it is being built (queued or running).
+    """
+    job = export_job(engine, actor, export_id)
+    try:
+        job, arts = repo.delete_export(engine, job.id)
+    except repo.InUse as exc:
+        raise StudioError("conflict", str(exc), None, "export_in_use") from None
+    except repo.NotFound:
+        raise StudioError("not_found", f"no export with id {export_id}", "id") from None
+    _remove(_export_folder(settings, job), settings.data_dir / "exports")
+    for a in arts:
+        _remove(a.path, settings.data_dir)
+    audit.record(engine, actor.id, "export.deleted", "export", job.id, run=job.run_id,
+                 format=(job.payload or {}).get("format"))
+    return job

@@ -1,0 +1,74 @@
+"""Resuming a cancelled or failed run from its newest checkpoint.
+
+The run keeps its id, spec and folder; a new training job is queued for it
+(:func:`app.store.repo.resume_run`) and the worker's training job resumes from the newest
+complete ``checkpoint-<step>`` of the run folder, exactly as a job requeued after a worker's
+death does: the trainer restores the adapter, optimizer, LR scheduler, RNG states and its
+position in the data. A training job saves a checkpoint at the step where it is cancelled, so
+a cancelled run loses no step.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from sqlalchemy.engine import Engine
+
+from app.store import repo
+from app.store.schema import Job, JobState, Run
+from app.studio import access, audit
+from app.studio.errors import StudioError
+from app.studio.exports import checkpoint_steps
+
+if TYPE_CHECKING:
+    from app.store.schema import User
+
+
+def resumable(engine: Engine, run: Run, job: Job | None) -> tuple[int | None, str | None]:
+    """(the checkpoint step a resume starts from, None) when the run can be resumed now, else
+    (None, the reason it cannot, for a user)."""
+    if job is None:
+        return None, f"run {run.id} has no training job"
+    if job.state in (JobState.QUEUED, JobState.RUNNING):
+        return None, (f"run {run.id} is {job.state}: its job is still active; resume a run "
+                      "once it is cancelled or has failed")
+    if job.state == JobState.SUCCEEDED:
+        return None, f"run {run.id} already succeeded; there is nothing left to train"
+    steps = checkpoint_steps(engine, run.id)
+    if not steps:
+        return None, (f"run {run.id} was {job.state} before it saved a checkpoint (one is "
+                      f"saved every save_steps = {(run.spec or {}).get('save_steps', '?')} "
+                      "steps); clone it to start again")
+    return steps[0], None
+
+
+def resume_run(engine: Engine, actor: User, run_id: str) -> tuple[Run, Job]:
+    """Queue a cancelled or failed run again; its new job resumes from the run's newest
+    checkpoint (the learning-rate schedule, optimizer state, data order and RNG continue).
+
+    Returns (run, the new job).
+
+    Raises:
+        StudioError: not_found (unknown or another user's run); conflict (code
+            ``not_resumable``) when its job is queued or running, it succeeded, it saved no
+            checkpoint, or its validation_file was deleted since.
+    """
+    run, job = access.run_with_job(engine, actor, run_id)
+    step, why = resumable(engine, run, job)
+    if why is not None:
+        raise StudioError("conflict", why, None, "not_resumable")
+    val = (run.spec or {}).get("validation_file")
+    if val:
+        try:
+            repo.get_dataset(engine, val)
+        except repo.NotFound:
+            raise StudioError("conflict", f"run {run.id} evaluates on validation_file {val}, "
+                                          "which was deleted; it cannot resume", "validation_file",
+                              "not_resumable") from None
+    try:
+        run, new = repo.resume_run(engine, run.id, step,
+                                   f"resumed from checkpoint-{step} (job {job.id} {job.state})")
+    except repo.InUse as exc:  # another request resumed it first
+        raise StudioError("conflict", str(exc), None, "not_resumable") from None
+    audit.record(engine, actor.id, "run.resumed", "run", run.id, job=new.id, previous_job=job.id,
+                 checkpoint_step=step)
+    return run, new
