@@ -29,8 +29,9 @@ _INT = {"r", "lora_alpha", "max_steps", "per_device_train_batch_size", "num_gene
         "gradient_accumulation_steps", "seed", "max_prompt_length", "max_completion_length",
         "num_iterations"}
 _TEXT = ("prompt_column", "answer_column", "system_prompt", "chat_template", "loss_type",
-         "scale_rewards", "lr_scheduler_type")
-_NUM = _INT | {"learning_rate", "beta", "epsilon", "temperature", "top_p", "lora_dropout"}
+         "scale_rewards", "lr_scheduler_type", "validation_file")
+_NUM = _INT | {"learning_rate", "beta", "epsilon", "temperature", "top_p", "lora_dropout",
+               "validation_split_percentage", "reward_eval_samples"}
 CUSTOM_EXAMPLE = ("def reward(prompt: str, completion: str, item: dict) -> float:\n"
                   "    # item holds the dataset row, e.g. item['answer']\n"
                   "    return 1.0 if item['answer'].split('####')[-1].strip() in completion "
