@@ -52,7 +52,12 @@
     });
     source.addEventListener("token", (ev) => handle("token", data(ev)));
     source.addEventListener("answer", (ev) => handle("answer", data(ev)));
-    for (const name of ["prompt", "state", "log", "progress"]) source.addEventListener(name, data);
+    for (const name of ["prompt", "log", "progress"]) source.addEventListener(name, data);
+    source.addEventListener("state", (ev) => {
+      const d = data(ev);
+      if (d.state === "failed") showError("The session failed: " + (d.error || d.reason || "see the queue page"));
+      else if (d.state === "queued" && d.reason) statusEl.textContent = "Waiting for a GPU again: " + d.reason;
+    });
     source.addEventListener("end", () => {
       source.close(); source = null; session = null;
       if (pending && pending.id) { const again = pending.body; pending.retry ? finish(" (the session ended before answering)") : send(again, true); }

@@ -261,7 +261,13 @@ def test_the_session_ends_after_its_idle_time(studio):
     assert r.status_code == 409 and r.json()["error"]["code"] == "session_ended"
     r = http.post("/api/playground/sessions", json={"model": studio["model"]})
     assert r.status_code == 201 and r.json()["id"] != s["id"] and r.json()["reused"] is False
-    http.post(f"/api/playground/sessions/{r.json()['id']}/stop")
+    # stopped: it ends at once (queued) or at the worker's next check (running)
+    assert http.post(f"/api/playground/sessions/{r.json()['id']}/stop").status_code == 200
+    deadline = time.monotonic() + 15
+    while queue.get_job(engine, r.json()["id"]).state not in JobState.FINAL:
+        assert time.monotonic() < deadline, "the stopped session did not end"
+        time.sleep(0.1)
+    assert queue.get_job(engine, r.json()["id"]).state == JobState.CANCELLED
 
 
 def test_page_and_checkpoints(studio):
