@@ -126,6 +126,7 @@ def test_fine_tuned_and_base_stream_different_tokens_and_the_model_stays_loaded(
     for side in s["sides"]:
         a = answers[side]
         assert a["text"] and streamed[side] == a["text"]  # the tokens add up to the answer
+        assert "<|im" not in streamed[side]  # chatml's end of turn is cut, never streamed
         assert a["usage"]["completion_tokens"] > 0 and a["usage"]["prompt_tokens"] > 5
         assert a["loads"] == 1
     assert answers["fine_tuned"]["text"] != answers["base"]["text"]
@@ -328,3 +329,10 @@ def test_the_page_opened_from_a_run_fills_both_panes(studio):
             expect(pg.locator(f"#pg-stats-{side}")).to_contain_text("tokens/s")
         expect(pg.locator("#pg-log-base .pg-msg.user")).to_have_text(PROMPT[0]["content"])
         expect(pg.locator("#pg-send")).to_be_enabled()
+
+
+def test_a_possible_end_of_turn_is_held_back_until_it_is_known():
+    from worker.engine.chat import _held_back
+
+    assert [_held_back(t) for t in ("Hello", "Hello <", "Hello <|im", "Hello <|im_end", "a</")] \
+        == [0, 1, 4, 8, 2]
