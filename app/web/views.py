@@ -88,6 +88,39 @@ def run_view(engine, user, run_id: str) -> dict[str, Any]:
             **exports_view(engine, user, run.id)}
 
 
+def form_fields(template: str) -> set[str]:
+    """The field names a form template shows: its ``name="..."`` inputs and the fields it
+    renders through the ``field``/``opt_number`` macros."""
+    import re
+
+    from app.web.render import env
+
+    src = env.loader.get_source(env, template)[0]
+    return set(re.findall(r'name="(\w+)"', src)) | set(
+        re.findall(r"(?:field|opt_number)\('(\w+)'", src))
+
+
+def kept_fields(values: dict[str, Any], spec_cls, template: str) -> dict[str, Any]:
+    """Spec fields of a run form's ``values`` that ``template`` does not show and that differ
+    from their default (a clone's ``weight_decay``, ``optim``, ...): the form carries them as
+    hidden inputs, so that a cloned run keeps every setting of the run it copies."""
+    shown = form_fields(template)
+    out = {}
+    for k, f in spec_cls.model_fields.items():
+        v = values.get(k)
+        if k in shown or v is None or isinstance(v, (list, dict)):
+            continue
+        if v != f.get_default(call_default_factory=True):
+            out[k] = v
+    return out
+
+
+def clone_values(clone, defaults: dict[str, Any]) -> dict[str, Any]:
+    """A run form's values from :class:`app.studio.clone.Clone`: its spec over the form's
+    ``defaults`` (every spec field; the form shows some, the rest go as hidden inputs)."""
+    return {**defaults, **clone.spec, "name": clone.name}
+
+
 def dataset_label(ds) -> str:
     """A dataset as a picker lists it, so that two files of one name can be told apart:
     ``train.jsonl — GRPO prompts, 7,473 rows, 2026-12-01 14:03 · …9a3f1c``."""

@@ -13,6 +13,7 @@ from starlette.concurrency import run_in_threadpool
 
 from app.store.specs import (ALL_LINEAR, CUSTOM_REWARD_SIGNATURE, GRPO_LOSS_TYPES, REWARD_DESCRIPTIONS,
                              REWARD_NAMES, SCALE_REWARDS, SCHEDULERS, GrpoSpec)
+from app.studio import clone as clone_uc
 from app.studio import datasets as datasets_uc
 from app.studio.errors import StudioError
 from app.studio.grpo import create_grpo_run, custom_rewards_allowed
@@ -67,7 +68,9 @@ def _form_ctx(request, values, errors=None, general=None) -> dict[str, Any]:
             "schedulers": SCHEDULERS, "loss_types": GRPO_LOSS_TYPES, "scales": SCALE_REWARDS,
             "builtins": BUILTIN_FORM, "descriptions": REWARD_DESCRIPTIONS,
             "signature": CUSTOM_REWARD_SIGNATURE,
-            "custom_allowed": custom_rewards_allowed(user)}
+            "custom_allowed": custom_rewards_allowed(user),
+            "kept": views.kept_fields(values, GrpoSpec, "run_grpo_new.html"),
+            "clone_of": values.get("clone_of")}
 
 
 def spec_from_form(form) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -82,6 +85,10 @@ def spec_from_form(form) -> tuple[dict[str, Any], dict[str, Any]]:
     for key in ("model", "dataset", *_TEXT, *_NUM):
         if values.get(key) not in ("", None) and key in GrpoSpec.model_fields:
             raw[key] = values[key]
+    for key in set(GrpoSpec.model_fields) - set(raw) - {"rewards", "target_modules"}:
+        v = form.get(key)  # a clone's settings the form does not show (hidden inputs)
+        if v is not None and str(v).strip():
+            values[key] = raw[key] = str(v).strip()
     values["load_in_4bit"] = raw["load_in_4bit"] = form.get("load_in_4bit") in ("true", "on", "1")
     values["target_modules"] = raw["target_modules"] = [str(m) for m in form.getlist("target_modules")]
     values["rewards_on"] = [str(n) for n in form.getlist("rewards")]
@@ -114,11 +121,44 @@ def _int(v):
         return v
 
 
+def clone_values(clone) -> dict[str, Any]:
+    """The GRPO form's values from a cloned run's settings (:mod:`app.studio.clone`): its spec,
+    its rewards as the form's checkboxes, weights and reward parameters."""
+    values = views.clone_values(clone, _defaults())
+    rewards = values.pop("rewards", None) or []
+    values["rewards_on"] = [r["name"] for r in rewards]
+    values["weights"] = {**values["weights"], **{r["name"]: r.get("weight", 1.0) for r in rewards}}
+    for r in rewards:
+        p = r.get("params") or {}
+        if r["name"] == "regex_match":
+            values.update(regex_pattern=p.get("pattern", ""), regex_column=p.get("column", ""))
+        elif r["name"] == "exact_match":
+            values["exact_column"] = p.get("column", "")
+        elif r["name"] == "text_similarity":
+            values["similarity_column"] = p.get("column", "")
+        elif r["name"] == "length_penalty" and p.get("target_tokens"):
+            values["target_tokens"] = p["target_tokens"]
+        elif r["name"] == "custom":
+            values["custom_source"] = p.get("source", "")
+    for key in ("prompt_column", "answer_column", "system_prompt", "chat_template"):
+        values[key] = values.get(key) or ""
+    return {**values, "clone_of": clone.run_id}
+
+
 @router.get("/runs/new/grpo")
-def new_grpo_run(request: Request, user: CurrentUser, dataset: str | None = None,
-                 model: str | None = None):
-    values = _defaults()
-    values.update(dataset=dataset or "", model=model or "")
+def new_grpo_run(request: Request, engine: EngineDep, user: CurrentUser,
+                 dataset: str | None = None, model: str | None = None,
+                 clone: str | None = None):
+    """The GRPO form, pre-filled from the query, or with ``clone`` from a GRPO run's settings
+    (an SFT run's open the SFT form)."""
+    if clone:
+        c = clone_uc.clone_run(engine, user, clone)
+        if c.kind != "grpo":
+            return RedirectResponse(c.form_url, status_code=303)
+        values = clone_values(c)
+    else:
+        values = _defaults()
+        values.update(dataset=dataset or "", model=model or "")
     return render(request, "run_grpo_new.html", _form_ctx(request, values), block="grpo_form")
 
 

@@ -8,6 +8,7 @@ from sse_starlette.sse import EventSourceResponse
 from app.data.chat_template import DEFAULT_TEMPLATES
 from app.store.specs import ALL_LINEAR, SCHEDULERS, TrainSpec
 from app.studio import access
+from app.studio import clone as clone_uc
 from app.studio import datasets as datasets_uc
 from app.studio import removal
 from app.studio import resume as resume_uc
@@ -48,7 +49,9 @@ def _form_ctx(engine, user, values: dict, errors: dict | None = None,
             "models": models, "datasets": datasets, "dataset_label": dataset_label,
             "all_modules": ALL_LINEAR,
             "schedulers": SCHEDULERS,
-            "tmpl": tmpl or template_ctx(engine, user, values.get("model"))}
+            "tmpl": tmpl or template_ctx(engine, user, values.get("model")),
+            "kept": views.kept_fields(values, TrainSpec, "run_new.html"),
+            "clone_of": values.get("clone_of")}
 
 
 def _model_or_none(engine, user, model_ref: str | None):
@@ -61,9 +64,12 @@ def _model_or_none(engine, user, model_ref: str | None):
 @router.get("/runs/new")
 def new_run(request: Request, engine: EngineDep, user: CurrentUser, dataset: str | None = None,
             model: str | None = None, chat_template: str | None = None,
-            max_seq_length: str | None = None):
+            max_seq_length: str | None = None, clone: str | None = None):
     """The run form, pre-filled from the query (e.g. the dataset page's "Train on this dataset":
-    dataset, model, chat_template name and max_seq_length)."""
+    dataset, model, chat_template name and max_seq_length), or with ``clone`` from a run's
+    settings (a GRPO run's open the GRPO form)."""
+    if clone:
+        return _clone_form(request, engine, user, clone_uc.clone_run(engine, user, clone))
     values = _defaults()
     values["dataset"] = dataset or ""
     values["model"] = model or ""
@@ -75,6 +81,15 @@ def new_run(request: Request, engine: EngineDep, user: CurrentUser, dataset: str
             _model_or_none(engine, user, values.get("model")))
     if chat_template:
         ctx["tmpl"] = template_ctx(engine, user, values.get("model"), chat_template)
+    return render(request, "run_new.html", ctx, block="run_form")
+
+
+def _clone_form(request: Request, engine, user, clone):
+    if clone.kind != "sft":
+        return RedirectResponse(clone.form_url, status_code=303)
+    values = {**views.clone_values(clone, _defaults()), "clone_of": clone.run_id}
+    ctx = _form_ctx(engine, user, values, tmpl=template_ctx(
+        engine, user, values["model"], clone.template_choice, values.get("chat_template")))
     return render(request, "run_new.html", ctx, block="run_form")
 
 
