@@ -45,6 +45,9 @@ class NullReporter:
     def progress(self, *a: Any, **k: Any) -> None:
         pass
 
+    def sample(self, *a: Any, **k: Any) -> None:
+        pass
+
     def flush(self) -> None:
         pass
 

@@ -158,7 +158,8 @@ def snapshot(s: Session, now: float, kinds: Collection[str], margin: float,
     if run_ids:
         specs = dict(s.exec(select(Run.id, Run.spec).where(Run.id.in_(run_ids))).all())
         for j in waiting:
-            n = (specs.get(j.run_id) or {}).get("num_gpus", 1) if j.kind == "train" else 1
+            n = (specs.get(j.run_id) or {}).get("num_gpus", 1) if j.kind in ("train", "grpo") \
+                else 1
             if isinstance(n, int) and n > 1:
                 gpus[j.id] = n
     return Snapshot(now, margin, waiting, running, owners, gpus=gpus)

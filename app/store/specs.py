@@ -56,6 +56,12 @@ class LoraTrainingFields(BaseModel):
     max_steps: int = Field(default=-1, ge=-1, le=10_000_000)
     per_device_train_batch_size: int = Field(default=2, ge=1, le=4096)
     gradient_accumulation_steps: int = Field(default=4, ge=1, le=4096)
+    num_gpus: int = Field(
+        default=1, ge=1, le=64, description="GPUs of one host the run trains on at once "
+        "(data-parallel through torchrun): each GPU runs per_device_train_batch_size rows "
+        "(GRPO: completions) and gradient_accumulation_steps / num_gpus micro-batches of every "
+        "optimizer step, so the effective batch, the loss and the steps are those of the 1-GPU "
+        "run")
     warmup_ratio: float = Field(default=0.03, ge=0.0, le=1.0)
     lr_scheduler_type: str = "linear"
     weight_decay: float = Field(default=0.0, ge=0.0, le=1.0)
@@ -116,11 +122,6 @@ class TrainSpec(HeldOutFields, LoraTrainingFields):
     num_train_epochs: float = Field(default=1.0, gt=0.0, le=1000.0)
     train_on_responses_only: bool = True
     packing: bool = False
-    num_gpus: int = Field(
-        default=1, ge=1, le=64, description="GPUs of one host the run trains on at once "
-        "(data-parallel through torchrun): each GPU runs per_device_train_batch_size rows and "
-        "gradient_accumulation_steps / num_gpus micro-batches of every optimizer step, so the "
-        "effective batch, the loss and the steps are those of the 1-GPU run")
     # held-out evaluation (HeldOutFields): transformers' names (eval_steps,
     # load_best_model_at_end, early stopping patience); cross-field rules in app.studio.evaluation
     eval_steps: int | None = Field(default=None, ge=1, description="evaluate the held-out "

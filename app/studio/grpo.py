@@ -17,8 +17,8 @@ from app.store.schema import Dataset, Job, Run
 from app.store.specs import GrpoSpec
 from app.studio import audit, calibration, evaluation
 from app.studio.errors import StudioError, invalid
-from app.studio.runs import (check_qlora_device, check_targets, resolved_template, run_name,
-                             usable_dataset, usable_model)
+from app.studio.runs import (check_num_gpus, check_qlora_device, check_targets,
+                             resolved_template, run_name, usable_dataset, usable_model)
 
 if TYPE_CHECKING:
     from app.store.schema import User
@@ -56,6 +56,7 @@ def create_grpo_run(engine: Engine, settings: Settings, actor: User, spec: GrpoS
     check_columns(spec, ds)
     evaluation.check_held_out(engine, actor, spec, ds.rows)
     check_qlora_device(engine, settings, spec)
+    check_num_gpus(engine, settings, spec)
     estimate_gib = calibration.for_new_run(engine, settings, model, spec, "grpo")
     run, job = repo.create_run(engine, spec, kind="grpo", name=name, owner=actor.id,
                                estimate_gib=estimate_gib)

@@ -21,6 +21,7 @@ def test_num_gpus_is_offered_and_checked_against_the_live_host(client, engine):
                                139.8, i, 137.8)
     page = client.get(f"/runs/new?model={model.id}").text
     assert 'name="num_gpus" value="1"' in page
+    assert 'name="num_gpus" value="1"' in client.get(f"/runs/new/grpo?model={model.id}").text
     frag = client.post("/runs/new/estimate", data={**FORM, "model": model.id}).text
     assert "this box has 2 GPUs on one host" in frag
     r = client.post("/api/runs", json={**body, "num_gpus": 3})

@@ -7,7 +7,9 @@ child launches two gloo ranks through torchrun (worker/ddp.py) on the real stori
   are written once (rank 0); so do those of 2 ranks resumed from the 1-process run's checkpoint;
 * a rank killed with SIGKILL fails the job with the rank and the signal, both rank processes
   are gone and both slots are free again (the next 2-GPU job is admitted onto them);
-* cancel stops both ranks within seconds and the job ends ``cancelled``.
+* cancel stops both ranks within seconds and the job ends ``cancelled``;
+* GRPO on 2 ranks: each generates its share of a step's completions and the reward statistics
+  (advantages) are over the groups of both.
 """
 from __future__ import annotations
 
@@ -217,3 +219,30 @@ def test_a_killed_rank_fails_the_job_frees_both_slots_and_cancel_stops_both_rank
     assert took < 30, took
     assert not queue.list_jobs(eng, JobState.RUNNING)
     print(f"cancelled in {took:.1f} s")
+
+
+def test_grpo_on_two_ranks_scores_whole_groups_across_them(box) -> None:
+    """Each rank generates its share of every step's completions (2 groups of 4 here: 4 a
+    rank); the advantages and reward statistics are over the groups of both ranks."""
+    import json
+
+    from app.store.specs import GrpoSpec
+
+    eng = box["engine"]
+    toy = box["dir"] / "openings.jsonl"
+    toy.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in
+                           ["Once upon a time", "One day", "There was a", "Once there was"] * 4))
+    ds = repo.add_dataset(eng, Dataset(filename="openings.jsonl", path=str(toy), format="prompt"))
+    _, job = repo.create_run(eng, GrpoSpec(
+        model="stories260K", dataset=ds.id, chat_template="none", num_generations=4,
+        per_device_train_batch_size=4, gradient_accumulation_steps=2, num_gpus=2,
+        max_completion_length=8, max_prompt_length=16, max_steps=2, save_steps=1000, seed=1,
+        rewards=[{"name": "regex_match", "params": {"pattern": r"\bLily\b"}}]), kind="grpo")
+    done = finished(box, job)
+    assert done.state == JobState.SUCCEEDED, done.error
+    assert done.gpu_slot == "sup-gpu0,sup-gpu1" and done.result["num_gpus"] == 2
+    metrics = [e.data for e in events.since(eng, job.id, 0, 10_000, types=["metric"])]
+    assert [m["step"] for m in metrics] == [1, 2]  # rank 0 alone writes
+    assert all(m["groups"] == 2 for m in metrics)  # both ranks' completions, gathered
+    samples = events.since(eng, job.id, 0, 10_000, types=["sample"])
+    assert samples and all(len(e.data["rows"]) <= 4 for e in samples)

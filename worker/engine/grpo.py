@@ -141,13 +141,26 @@ class Scorer:
         reward.__name__ = f.name
         return reward
 
-    def advantages(self) -> tuple[list[float], list[float], int]:
-        """(weighted totals, advantages, zero-variance groups) of the last scored batch."""
+    def advantages(self, accelerator=None) -> tuple[list[float], list[float], int]:
+        """(weighted totals, advantages, zero-variance groups) of the last scored batch.
+
+        On several ranks (``accelerator.num_processes`` > 1) a group's completions may be
+        generated on different ranks: the totals of every rank are gathered (in rank order, as
+        TRL slices its batch), the advantages computed over whole groups, and this rank's slice
+        of them returned; totals and the zero-variance count are those of the whole batch. The
+        reward functions' own values (``current``, ``batch``) stay this rank's."""
         per = [self.current[f.name] for f in self.functions]
         n = len(per[0])
         total = [sum(f.weight * per[k][i] for k, f in enumerate(self.functions)) for i in range(n)]
-        adv, zero = group_advantages(total, self.num_generations, self.scale)
-        return total, adv, zero
+        if accelerator is None or accelerator.num_processes <= 1:
+            adv, zero = group_advantages(total, self.num_generations, self.scale)
+            return total, adv, zero
+        from accelerate.utils import gather_object
+
+        everyone = list(gather_object(total))
+        adv, zero = group_advantages(everyone, self.num_generations, self.scale)
+        start = accelerator.process_index * n
+        return everyone, adv[start:start + n], zero
 
     def close(self) -> None:
         for f in self.functions:
@@ -216,7 +229,7 @@ def make_trainer(model, tokenizer, train_dataset, args, scorer: Scorer, max_prom
 
         def _generate_and_score_completions(self, inputs):
             out = super()._generate_and_score_completions(inputs)
-            total, adv, zero = scorer.advantages()
+            total, adv, zero = scorer.advantages(self.accelerator)
             out["advantages"] = torch.tensor(adv, dtype=out["advantages"].dtype,
                                              device=out["advantages"].device)
             groups = len(total) // scorer.num_generations
@@ -226,6 +239,10 @@ def make_trainer(model, tokenizer, train_dataset, args, scorer: Scorer, max_prom
                     "zero_std_groups": zero, "groups": groups}
             for f in scorer.functions:
                 vals = scorer.current[f.name]
+                if self.accelerator.num_processes > 1:  # every rank's completions
+                    from accelerate.utils import gather_object
+
+                    vals = list(gather_object(vals))
                 stat[f"reward/{f.name}"] = sum(vals) / len(vals)
             self.stats.append(stat)
             b = scorer.batch
@@ -234,7 +251,7 @@ def make_trainer(model, tokenizer, train_dataset, args, scorer: Scorer, max_prom
                  "tokens": b.completion_tokens[i], "group": i // scorer.num_generations,
                  "rewards": {f.name: scorer.current[f.name][i] for f in scorer.functions},
                  "reward": total[i], "advantage": adv[i]}
-                for i in range(min(SAMPLE_ROWS, len(total)))]
+                for i in range(min(SAMPLE_ROWS, len(b.prompts)))]  # this rank's (rank 0: first)
             return out
 
     trainer = WhetstoneGRPOTrainer(model=model, reward_funcs=scorer.trl_functions(), args=args,
@@ -266,6 +283,9 @@ def grpo_config(spec, output_dir: str, cuda: bool, optim: str, **overrides: Any)
         gradient_checkpointing=bool(cuda), dataloader_num_workers=0,
         dataloader_pin_memory=cuda, log_completions=False, remove_unused_columns=False,
     )
+    from worker.engine.sft import ddp_arguments
+
+    kw.update(ddp_arguments(spec.gradient_accumulation_steps, cuda))
     kw.update(overrides)
     return GRPOConfig(**kw)
 

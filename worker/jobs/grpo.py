@@ -22,7 +22,7 @@ from typing import Any
 
 from app.data.model_config import completion_too_long
 from app.store.specs import GrpoSpec
-from worker import gpu
+from worker import ddp, gpu
 from worker.context import JobContext, JobError
 from worker.jobs import common
 from worker.jobs.card import model_card
@@ -38,6 +38,9 @@ def _mean(xs: list[float]) -> float | None:
 def run(ctx: JobContext) -> dict[str, Any]:
     """Train a LoRA adapter with GRPO for the run in ``ctx.payload`` (see the module docstring)."""
     run_id, spec = common.job_spec(ctx, GrpoSpec, "grpo")
+    if ddp.wants_launch(spec):  # num_gpus > 1: this process runs the ranks (worker/ddp.py)
+        return ddp.launch(ctx, run_id, spec)
+    main = ddp.is_main(ctx)  # a rank > 0 of a data-parallel run writes no record
     gpu.reset_peak()  # the result's memory_peak is this job's
     if spec.has_custom_rewards and not common.owner_may_run_custom_rewards(ctx):
         raise JobError("this run has a custom Python reward, and custom rewards are not allowed "
@@ -85,14 +88,16 @@ def run(ctx: JobContext) -> dict[str, Any]:
     trainable = common.log_lora(ctx, spec, model, "; rewards: " + ", ".join(
         f"{f.name}×{f.weight:g}" for f in functions))
     holder: dict[str, Any] = {}
-    callback = grpo.progress_callback(ctx.metric, ctx.reporter.sample, ctx.stop_reason,
+    stop = getattr(ctx, "step_stop_reason", ctx.stop_reason)  # a rank: agreed after each step
+    callback = grpo.progress_callback(ctx.metric, ctx.reporter.sample, stop,
                                       lambda: holder["trainer"],
                                       on_stop=lambda r: ctx.log(f"stopping training ({r})"),
                                       sample_every=spec.sample_every,
                                       warn=lambda m: ctx.log(m, "warning"))
     trainer = grpo.make_trainer(model, tokenizer, held.train, args, scorer,
                                 spec.max_prompt_length,
-                                [callback, checkpoints.recorder(ctx, run_id, model_row)],
+                                [callback, *([checkpoints.recorder(ctx, run_id, model_row)]
+                                             if main else [])],
                                 on_log=ctx.log,
                                 check=ctx.check)
     holder["trainer"] = trainer
@@ -100,23 +105,24 @@ def run(ctx: JobContext) -> dict[str, Any]:
         ctx.log(f"KL to the reference policy (beta={spec.beta:g}): the base model with the "
                 f"adapter disabled" + ("" if trainer.ref_model is None else " (separate copy)"))
 
-    common.write_config(ctx, run_id, run_dir, {
-        "run_id": run_id, "job_id": ctx.job.id, "kind": "grpo",
-        "spec": {**spec.model_dump(mode="json"), "optim": optim},
-        "requested_optim": spec.optim,
-        "model": common.model_config_entry(model_row),
-        "dataset": {"id": ds_row.id, "filename": ds_row.filename,
-                    "rows_used": prompts.rows, "rows_skipped": prompts.skipped,
-                    "prompt_column": prompts.prompt_column,
-                    "answer_column": prompts.answer_column, "columns": prompts.columns},
-        "chat_template": {"name": chosen.name, "template": chosen.source},
-        "held_out": held.info,
-        "prompt_example": prompts.examples[0] if prompts.examples else None,
-        "rewards": [{"name": f.name, "weight": f.weight} for f in functions],
-        "device": gpu.device_name(),
-        "trainable_parameters": trainable,
-        "training_arguments": common.training_arguments(args),
-    })
+    if main:
+        common.write_config(ctx, run_id, run_dir, {
+            "run_id": run_id, "job_id": ctx.job.id, "kind": "grpo",
+            "spec": {**spec.model_dump(mode="json"), "optim": optim},
+            "requested_optim": spec.optim,
+            "model": common.model_config_entry(model_row),
+            "dataset": {"id": ds_row.id, "filename": ds_row.filename,
+                        "rows_used": prompts.rows, "rows_skipped": prompts.skipped,
+                        "prompt_column": prompts.prompt_column,
+                        "answer_column": prompts.answer_column, "columns": prompts.columns},
+            "chat_template": {"name": chosen.name, "template": chosen.source},
+            "held_out": held.info,
+            "prompt_example": prompts.examples[0] if prompts.examples else None,
+            "rewards": [{"name": f.name, "weight": f.weight} for f in functions],
+            "device": gpu.device_name(),
+            "trainable_parameters": trainable,
+            "training_arguments": common.training_arguments(args),
+        })
 
     # ---- train --------------------------------------------------------------------------------
     last = common.last_checkpoint(ctx, ckpt_dir)
@@ -130,6 +136,8 @@ def run(ctx: JobContext) -> dict[str, Any]:
         scorer.close()
     ctx.check()
     runtime = time.monotonic() - t0
+    if not main:
+        return {}
 
     # ---- adapter ------------------------------------------------------------------------------
     rewards = [r for _, r in callback.rewards]

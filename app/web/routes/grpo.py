@@ -28,7 +28,7 @@ router = APIRouter()
 BUILTIN_FORM = [n for n in REWARD_NAMES if n != "custom"]
 _INT = {"r", "lora_alpha", "max_steps", "per_device_train_batch_size", "num_generations",
         "gradient_accumulation_steps", "seed", "max_prompt_length", "max_completion_length",
-        "num_iterations"}
+        "num_iterations", "num_gpus"}
 _TEXT = ("prompt_column", "answer_column", "system_prompt", "chat_template", "loss_type",
          "scale_rewards", "lr_scheduler_type", "validation_file")
 _NUM = _INT | {"learning_rate", "beta", "epsilon", "temperature", "top_p", "lora_dropout",
