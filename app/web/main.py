@@ -107,6 +107,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app.include_router(api_evaluations.router)
     app.include_router(evaluation_routes.router)
+    from app.web.api import compare as api_compare
+    from app.web.routes import compare as compare_routes
+
+    app.include_router(compare_routes.router)  # before the runs router: "compare" is no run id
+    app.include_router(api_compare.router)
     for mod in (account, pages, datasets, models, runs, grpo, artifacts, exports, api_runs,
                 catalog, api_exports, openai_files, openai_jobs, openai_models, queue_routes,
                 gpu_routes, openai_chat, playground_routes):

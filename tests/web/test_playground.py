@@ -199,6 +199,10 @@ def test_openai_client_streaming_and_not(studio):
             c.chat.completions.create(**{"model": studio["model"], "messages": PROMPT, **bad})
         assert e.value.body["param"] == param and param in e.value.body["message"] or \
             e.value.body["param"] == param
+    with pytest.raises(openai.BadRequestError) as e:  # longer than stories260K's 512 tokens
+        c.chat.completions.create(model=studio["model"], messages=[
+            {"role": "user", "content": "Once upon a time " * 200}], **GREEDY)
+    assert e.value.body["param"] == "messages" and "context (512)" in e.value.body["message"]
     with pytest.raises(openai.NotFoundError) as e:
         c.chat.completions.create(model="stories260K:ft:ftjob-0000000000000000",
                                   messages=PROMPT)

@@ -85,12 +85,18 @@ def answer(ctx: JobContext, loaded, p: dict[str, Any], prompt: dict[str, Any],
         if side not in p["sides"]:
             continue
         try:
-            text = chat.render_prompt(loaded, messages, p.get("template"))
+            ids = chat.prompt_ids(loaded, chat.render_prompt(loaded, messages, p.get("template")))
         except DatasetError as e:
             out.append(("answer", {"request_id": rid, "side": side, "error": str(e),
                                    "loads": loads}))
             continue
-        streams.append(chat.Stream(loaded, side, chat.prompt_ids(loaded, text), params))
+        if len(ids) >= loaded.context:
+            out.append(("answer", {"request_id": rid, "side": side, "loads": loads,
+                                   "error": f"the conversation is {len(ids)} tokens, as long as "
+                                   f"the model's context ({loaded.context}) or longer: start a "
+                                   "new conversation"}))
+            continue
+        streams.append(chat.Stream(loaded, side, ids, params))
     if out:
         events.append_many(ctx.engine, ctx.job.id, out)
     last_flush = time.monotonic()

@@ -1,0 +1,88 @@
+"""Comparing two runs: their configuration diff, their loss and eval-loss curves and their
+evaluation results, for the compare page (``/runs/compare?a=…&b=…``) and ``/api/runs/{a}/compare?other={b}``.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy.engine import Engine
+
+from app.store import events, repo
+from app.studio import access, evaluation
+from app.studio.errors import invalid
+
+if TYPE_CHECKING:
+    from app.store.schema import Job, Run, User
+
+#: Spec keys the diff leaves out (the chat template's source is compared by its name).
+NOT_DIFFED = ("spec_version", "chat_template")
+
+
+def curves(engine: Engine, job: Job | None) -> dict[str, list[list[float]]]:
+    """``{"loss": [[step, loss], ...], "eval_loss": [[step, eval_loss], ...]}`` from a training
+    job's metric events, in step order (a step reported twice keeps its newest value)."""
+    loss: dict[int, float] = {}
+    ev_loss: dict[int, float] = {}
+    last = 0
+    while job is not None:
+        batch = events.since(engine, job.id, last, 5000, types=["metric"])
+        if not batch:
+            break
+        for ev in batch:
+            d, step = ev.data or {}, (ev.data or {}).get("step")
+            if not isinstance(step, (int, float)):
+                continue
+            if isinstance(d.get("loss"), (int, float)):
+                loss[int(step)] = float(d["loss"])
+            if isinstance(d.get("eval_loss"), (int, float)):
+                ev_loss[int(step)] = float(d["eval_loss"])
+        last = batch[-1].id
+    return {"loss": [[s, loss[s]] for s in sorted(loss)],
+            "eval_loss": [[s, ev_loss[s]] for s in sorted(ev_loss)]}
+
+
+def config_diff(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, Any]]:
+    """The spec fields whose values differ: ``[{"field", "a", "b"}, ...]`` sorted by field (a
+    field one spec lacks shows None)."""
+    keys = sorted((set(a) | set(b)) - set(NOT_DIFFED))
+    return [{"field": k, "a": a.get(k), "b": b.get(k)} for k in keys if a.get(k) != b.get(k)]
+
+
+def _side(engine: Engine, run: Run, job: Job | None) -> dict[str, Any]:
+    try:
+        model = repo.get_model(engine, run.model_id).name
+    except repo.NotFound:
+        model = run.model_id
+    try:
+        dataset = repo.get_dataset(engine, run.dataset_id).filename
+    except repo.NotFound:
+        dataset = run.dataset_id
+    result = (job.result or {}) if job is not None else {}
+    return {"id": run.id, "name": run.name, "kind": run.kind, "model": model,
+            "dataset": dataset, "state": job.state if job else None,
+            "created_at": run.created_at, "curves": curves(engine, job),
+            "result": {k: result.get(k) for k in ("steps", "first_loss", "final_loss",
+                                                  "train_loss", "train_runtime")
+                       if result.get(k) is not None},
+            "evaluation": evaluation.run_evaluation(engine, run, job)}
+
+
+def compare_runs(engine: Engine, actor: User, a: str, b: str) -> dict[str, Any]:
+    """Two of the actor's runs side by side: ``{"a": side, "b": side, "diff": [...]}``; each
+    side has the run's ``id``, ``name``, ``kind``, ``model``, ``dataset``, ``state``,
+    ``curves`` (:func:`curves`), ``result`` (steps and losses) and ``evaluation``
+    (:func:`app.studio.evaluation.run_evaluation`, None without a held-out set).
+
+    Raises:
+        StudioError: not_found (either run unknown or another user's); invalid (field ``b``)
+            when both are the same run.
+    """
+    if a == b:
+        raise invalid("b", "choose two different runs")
+    run_a, job_a = access.run_with_job(engine, actor, a)
+    run_b, job_b = access.run_with_job(engine, actor, b)
+    diff = config_diff(run_a.spec or {}, run_b.spec or {})
+    if (run_a.spec or {}).get("chat_template") != (run_b.spec or {}).get("chat_template") and \
+            not any(d["field"] == "chat_template_name" for d in diff):
+        diff.append({"field": "chat_template", "a": "(its own text)", "b": "(another text)"})
+    return {"a": _side(engine, run_a, job_a), "b": _side(engine, run_b, job_b), "diff": diff}
