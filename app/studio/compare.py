@@ -7,9 +7,10 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.engine import Engine
 
-from app.store import events, repo
+from app.store import events
 from app.studio import access, evaluation
 from app.studio.errors import invalid
+from app.studio.runs import input_names
 
 if TYPE_CHECKING:
     from app.store.schema import Job, Run, User
@@ -49,14 +50,7 @@ def config_diff(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _side(engine: Engine, run: Run, job: Job | None) -> dict[str, Any]:
-    try:
-        model = repo.get_model(engine, run.model_id).name
-    except repo.NotFound:
-        model = run.model_id
-    try:
-        dataset = repo.get_dataset(engine, run.dataset_id).filename
-    except repo.NotFound:
-        dataset = run.dataset_id
+    model, dataset = input_names(engine, run)
     result = (job.result or {}) if job is not None else {}
     return {"id": run.id, "name": run.name, "kind": run.kind, "model": model,
             "dataset": dataset, "state": job.state if job else None,

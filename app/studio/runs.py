@@ -240,3 +240,16 @@ def cancel_run(engine: Engine, actor: User, run_id: str, *, if_running: bool = F
         queue.cancel(engine, job.id)
         audit.record(engine, actor.id, "run.cancelled", "run", run.id)
     return run
+
+
+def input_names(engine: Engine, run: Run) -> tuple[str, str]:
+    """(the run's model name, its dataset's file name), each the id when its row is gone."""
+    try:
+        model_name = repo.get_model(engine, run.model_id).name
+    except repo.NotFound:
+        model_name = run.model_id
+    try:
+        dataset_name = repo.get_dataset(engine, run.dataset_id).filename
+    except repo.NotFound:
+        dataset_name = run.dataset_id
+    return model_name, dataset_name

@@ -16,6 +16,7 @@ from app.studio import access, accounts, calibration, evaluation, resume
 from app.studio import exports as exports_uc
 from app.studio import verification
 from app.studio.errors import StudioError
+from app.studio.runs import input_names
 from app.web.deps import is_htmx
 
 # What the run page lists under "Artifacts"; export files are listed under "Exports".
@@ -65,14 +66,7 @@ def run_view(engine, user, run_id: str) -> dict[str, Any]:
     state = job.state if job else "unknown"
     if state == JobState.SUCCEEDED:
         progress = 100
-    try:
-        model_name = repo.get_model(engine, run.model_id).name
-    except repo.NotFound:
-        model_name = run.model_id
-    try:
-        dataset_name = repo.get_dataset(engine, run.dataset_id).filename
-    except repo.NotFound:
-        dataset_name = run.dataset_id
+    model_name, dataset_name = input_names(engine, run)
     spec = run.spec or {}
     return {"run": run, "job": job, "state": state, "metric": m, "progress": progress,
             "error": job.error if job else None,

@@ -164,3 +164,14 @@ def upload_and_import(client, worker, path) -> str:
         worker.serve(once=True)
     assert repo.get_model(worker.engine, "stories260K").status == "ready"
     return r.json()["id"]
+
+
+def upload_sft(client, name: str = "identity_alpaca.json") -> str:
+    """Upload ../shared/data/sft/``name`` through the Datasets page as ``client``, run its
+    background validation, and return the dataset id."""
+    path = SHARED / "sft" / name
+    r = client.post("/datasets", files={"file": (path.name, path.read_bytes())},
+                    follow_redirects=False)
+    assert r.status_code == 303, r.text
+    run_validations(client.app)
+    return r.headers["location"].rsplit("/", 1)[1]

@@ -10,7 +10,7 @@ from app.store import repo
 from app.store.schema import Dataset
 from app.studio import accounts
 from tests.conftest import SHARED_DATA as SHARED
-from tests.web.conftest import ADMIN_PASSWORD, ADMIN_USER, run_validations, signed_in
+from tests.web.conftest import ADMIN_PASSWORD, ADMIN_USER, signed_in, upload_sft
 
 GSM8K = SHARED / "grpo" / "gsm8k" / "train.jsonl"
 
@@ -78,11 +78,7 @@ def _submit(client, url: str, fields: list[tuple[str, str]], **changes) -> dict:
 
 
 def test_clone_an_sft_run(app, client, engine):
-    path = SHARED / "sft" / "identity_alpaca.json"
-    r = client.post("/datasets", files={"file": (path.name, path.read_bytes())},
-                    follow_redirects=False)
-    ds = r.headers["location"].rsplit("/", 1)[1]
-    run_validations(app)
+    ds = upload_sft(client)
     body = {"model": "stories260K", "dataset": ds, "name": "first try", "r": 4, "lora_alpha": 8,
             "learning_rate": 3e-4, "max_steps": 7, "weight_decay": 0.05, "max_grad_norm": 0.5,
             "logging_steps": 2, "use_rslora": True, "target_modules": ["q_proj", "o_proj"],

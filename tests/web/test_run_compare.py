@@ -9,8 +9,7 @@ import re
 
 from app.store import events, queue, repo
 from app.studio import accounts
-from tests.conftest import SHARED_DATA as SHARED
-from tests.web.conftest import ADMIN_PASSWORD, ADMIN_USER, run_validations, signed_in
+from tests.web.conftest import ADMIN_PASSWORD, ADMIN_USER, signed_in, upload_sft
 
 
 def _trained(client, engine, ds: str, worker: str, steps: int, **spec) -> str:
@@ -38,11 +37,7 @@ def _trained(client, engine, ds: str, worker: str, steps: int, **spec) -> str:
 
 
 def test_compare_two_runs(app, client, engine):
-    path = SHARED / "sft" / "identity_alpaca.json"
-    r = client.post("/datasets", files={"file": (path.name, path.read_bytes())},
-                    follow_redirects=False)
-    ds = r.headers["location"].rsplit("/", 1)[1]
-    run_validations(app)
+    ds = upload_sft(client)
     a = _trained(client, engine, ds, "w-a", 4, learning_rate=1e-3, r=8)
     b = _trained(client, engine, ds, "w-b", 6, learning_rate=2e-3, r=16, name="wider")
 

@@ -7,8 +7,7 @@ from app.store import queue, repo
 from app.store.schema import Artifact, JobState
 from app.store.specs import TrainSpec
 from app.studio import accounts
-from tests.conftest import SHARED_DATA as SHARED
-from tests.web.conftest import ADMIN_PASSWORD, ADMIN_USER, run_validations, signed_in
+from tests.web.conftest import ADMIN_PASSWORD, ADMIN_USER, signed_in, upload_sft
 from tests.web.test_export_checkpoint import _cancel, _checkpoint, _running_run
 
 
@@ -80,13 +79,7 @@ def test_delete_run_and_export_refused_while_in_use(app, client, engine, setting
 
 
 def test_a_validation_file_in_use_is_not_deleted(client, engine):
-    ids = []
-    for name in ("identity_alpaca.json", "alpaca_en_demo.json"):
-        path = SHARED / "sft" / name
-        r = client.post("/datasets", files={"file": (name, path.read_bytes())},
-                        follow_redirects=False)
-        ids.append(r.headers["location"].rsplit("/", 1)[1])
-    run_validations(client.app)
+    ids = [upload_sft(client), upload_sft(client, "alpaca_en_demo.json")]
     model = client.get("/api/models").json()["data"][0]["id"]
     run, job = repo.create_run(engine, TrainSpec(model=model, dataset=ids[0], max_steps=10,
                                                  validation_file=ids[1]))
