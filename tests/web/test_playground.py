@@ -281,6 +281,7 @@ def test_page_and_checkpoints(studio):
     assert f'href="/playground?model=stories260K%3Aft%3A{run.id}"' in page
     page = c.get("/playground", params={"model": f"{studio['model']}:checkpoint-3"}).text
     assert 'id="playground"' in page and 'data-sides="fine_tuned,base"' in page
+    assert '<a href="/playground" class="active">Playground</a>' in page
     assert 'id="pg-template-name">chatml<' in page and "checkpoint 3" in page
     assert f'value="{studio["model"]}:checkpoint-6"' in page
     r = c.get("/playground", params={"model": f"{studio['model']}:checkpoint-7"})
