@@ -21,6 +21,9 @@ LLAMA_8B = {"layers": 32, "hidden_size": 4096, "intermediate_size": 14336,
 
 
 def test_a_session_counts_in_admission_and_is_reused(engine):
+    from worker.loop import CPU_KINDS, HANDLERS
+
+    assert "playground" in HANDLERS and "playground" not in CPU_KINDS  # a supervisor admits it
     with session_scope(engine) as s:
         user = User(name="ann", password_hash="x")
         s.add(user)
