@@ -130,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from worker import notify
+
+    notify.wait()  # a run's webhook POST, sent after the job's end was recorded
     return 0
 
 

@@ -272,4 +272,8 @@ class Worker:
             except Exception:  # noqa: BLE001
                 pass
         log.info("job %s ended: %s", job.id, outcome)
+        if outcome in ("succeeded", "failed", "cancelled"):
+            from worker import notify
+
+            notify.run_ended(self.engine, job.id)  # a run's webhook, in its own thread
         return outcome

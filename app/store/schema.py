@@ -215,6 +215,8 @@ class User(SQLModel, table=True):
     quota_gib: float | None = None  # GPU memory admitted at once (GiB)
     quota_gpu_hours: float | None = None  # GPU-hours in the last 24 hours
     share_weight: float = 1.0
+    # where the worker POSTs a run's end (succeeded, failed, cancelled); None: no notification
+    webhook_url: str | None = Field(default=None, sa_column=Column(Text))
     created_at: float = Field(default_factory=now)
     last_seen_at: float | None = None
 

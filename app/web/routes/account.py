@@ -405,3 +405,17 @@ def api_key_create(request: Request, user: CurrentUser, body: KeyIn):
 def api_key_revoke(request: Request, user: CurrentUser, key_id: str):
     accounts.revoke_api_key(_engine(request), user, key_id)
     return Response(status_code=204)
+
+
+@router.post("/account/webhook")
+def account_webhook(request: Request, user: CurrentUser,
+                    webhook_url: Annotated[str, Form()] = ""):
+    """Set or clear one's webhook URL (where run ends are POSTed as JSON)."""
+    from app.studio import notify
+
+    try:
+        notify.set_webhook(_engine(request), user, webhook_url)
+    except StudioError as exc:
+        return _account(request, user, status_for(exc), webhook_error=exc.message,
+                        webhook_value=webhook_url)
+    return _to("/account", request, webhook_ok=True)
