@@ -165,12 +165,13 @@ def test_back_shows_whole_pages_never_a_fragment_or_a_signed_out_key(page, clien
     run_validations(app)
     run = client.post("/api/runs", json={"model": "stories260K", "dataset": ds.json()["id"],
                                          "max_steps": 5}).json()
-    assert client.post(f"/api/runs/{run['id']}/cancel").status_code == 200  # its events end
     url = f"{page.base}/runs/{run['id']}"
     fragments = []
     page.on("request", lambda r: r.url == url and r.headers.get("hx-request") == "true"
             and fragments.append(r))
-    page.goto(url)
+    page.goto(url)  # queued: its cards follow the run's end (a page rendered ended does not)
+    expect(page.locator("#m-state")).to_have_text("queued")
+    assert client.post(f"/api/runs/{run['id']}/cancel").status_code == 200  # its events end
     page.wait_for_function("() => document.querySelector('#m-state').textContent === 'cancelled'")
     page.wait_for_timeout(1000)  # the end event's fragment requests have been answered
     assert fragments  # the run page swapped a fragment of its own URL
