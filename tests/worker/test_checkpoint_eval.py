@@ -28,12 +28,12 @@ pytestmark = [pytest.mark.slow,
 GSM8K = SHARED_DATA / "grpo" / "gsm8k" / "test.jsonl"
 IDENTITY = SHARED_DATA / "sft" / "identity_alpaca.json"
 GRPO = {"model": "stories260K", "validation_split_percentage": 10, "reward_eval_samples": 3,
-        "max_steps": 4, "save_steps": 2, "num_generations": 2, "per_device_train_batch_size": 4,
-        "max_completion_length": 8, "max_prompt_length": 48, "learning_rate": 5e-3, "r": 8,
+        "max_steps": 2, "save_steps": 1, "num_generations": 2, "per_device_train_batch_size": 4,
+        "max_completion_length": 8, "max_prompt_length": 48, "learning_rate": 2e-2, "r": 8,
         "lora_alpha": 16, "seed": 1, "beta": 0.0,
         "rewards": [{"name": "numeric_match"}, {"name": "text_similarity", "weight": 0.5}]}
 SFT = {"model": "stories260K", "validation_split_percentage": 10, "generation_eval_samples": 2,
-       "max_steps": 4, "save_steps": 2, "per_device_train_batch_size": 4,
+       "max_steps": 2, "save_steps": 1, "per_device_train_batch_size": 4,
        "gradient_accumulation_steps": 1, "max_seq_length": 256, "learning_rate": 1e-2, "r": 8,
        "lora_alpha": 16, "warmup_ratio": 0.0, "chat_template": "chatml"}
 
@@ -193,25 +193,25 @@ def test_grpo_reward_eval_and_checkpoint_evals(studio) -> None:
     stored = json.loads((run_dir / "eval.json").read_text())
     assert stored["reward_eval"] == table
 
-    # on demand: checkpoint-2 is what greedy decoding of checkpoint-2 gives; checkpoint-4 is
+    # on demand: checkpoint-1 is what greedy decoding of checkpoint-1 gives; checkpoint-2 is
     # the final weights, so its table is the end-of-run one
-    assert checkpoint_eval.checkpoint_steps(engine, run.id) == [4, 2]
-    two = _evaluate(studio, run.id, 2)
-    t2 = two["reward_eval"]
-    assert [r["fine_tuned"] for r in t2["rows"]] == _greedy(
-        model_dir, run_dir / "checkpoints" / "checkpoint-2", prompts[:3], 48, 8)
-    assert [r["base"] for r in t2["rows"]] == [r["base"] for r in table["rows"]]
-    _check_rewards(t2, rows, {"numeric_match": 1.0, "text_similarity": 0.5})
-    four = _evaluate(studio, run.id, 4, samples=3)
-    assert four["reward_eval"] == table
-    assert two["held_out"]["row_numbers"] == numbers
+    assert checkpoint_eval.checkpoint_steps(engine, run.id) == [2, 1]
+    one = _evaluate(studio, run.id, 1)
+    t1 = one["reward_eval"]
+    assert [r["fine_tuned"] for r in t1["rows"]] == _greedy(
+        model_dir, run_dir / "checkpoints" / "checkpoint-1", prompts[:3], 48, 8)
+    assert [r["base"] for r in t1["rows"]] == [r["base"] for r in table["rows"]]
+    _check_rewards(t1, rows, {"numeric_match": 1.0, "text_similarity": 0.5})
+    two = _evaluate(studio, run.id, 2, samples=3)
+    assert two["reward_eval"] == table
+    assert one["held_out"]["row_numbers"] == numbers
     # the eval is a GPU-lane job admitted by its estimated memory
-    evjob = queue.get_job(engine, two["id"])
+    evjob = queue.get_job(engine, one["id"])
     assert evjob.kind == "evaluate" and "evaluate" in HANDLERS and "evaluate" not in CPU_KINDS
     assert evjob.run_id == run.id and 0 < evjob.estimate_gib < 0.5
     arts = [a for a in repo.list_artifacts(engine, run.id, "checkpoint_eval")]
-    assert sorted(a.meta["step"] for a in arts) == [2, 4]
-    assert json.loads(open(arts[0].path).read())["reward_eval"] in (t2, table)
+    assert sorted(a.meta["step"] for a in arts) == [1, 2]
+    assert json.loads(open(arts[0].path).read())["reward_eval"] in (t1, table)
 
     # /api lists everything; the run page shows the tables and a button per checkpoint
     r = c.get(f"/api/runs/{run.id}/evaluations")
@@ -219,11 +219,11 @@ def test_grpo_reward_eval_and_checkpoint_evals(studio) -> None:
     body = r.json()
     assert body["held_out"] == "10% of the dataset, shuffled with seed 1"
     assert body["end_of_run"]["reward_eval"] == table
-    assert [e["checkpoint_step"] for e in body["evals"]] == [4, 2]
-    assert [ck["step"] for ck in body["checkpoints"]] == [4, 2] and not body["active"]
+    assert [e["checkpoint_step"] for e in body["evals"]] == [2, 1]
+    assert [ck["step"] for ck in body["checkpoints"]] == [2, 1] and not body["active"]
     page = c.get(f"/runs/{run.id}").text
-    assert 'id="reward-eval"' in page and 'id="evaluate-2"' in page and 'id="evaluate-4"' in page
-    assert f'id="checkpoint-eval-table-{two["id"]}"' in page
+    assert 'id="reward-eval"' in page and 'id="evaluate-1"' in page and 'id="evaluate-2"' in page
+    assert f'id="checkpoint-eval-table-{one["id"]}"' in page
     assert "10% of the dataset, shuffled with seed 1" in page and "Eval loss every" not in page
     assert "Accuracy (<code class=\"small\">numeric_match</code>)" in page
     studio["grpo_run"] = run.id
@@ -237,7 +237,7 @@ def test_refusals_and_ownership(studio) -> None:
     r = c.post(f"/api/runs/{run_id}/checkpoints/3/evaluations", json={})
     assert r.status_code == 404
     assert r.json()["error"]["message"] == (f"run {run_id} has no checkpoint at step 3 on disk "
-                                  "(checkpoints on disk: 4, 2)")
+                                  "(checkpoints on disk: 2, 1)")
     r = c.post(f"/api/runs/{run_id}/checkpoints/2/evaluations", json={"samples": 0})
     assert r.status_code == 422 and "from 1 to 100" in r.text
     queued = c.post(f"/api/runs/{run_id}/checkpoints/2/evaluations")  # no body: the default
@@ -270,12 +270,12 @@ def test_sft_checkpoint_eval_and_no_held_out(studio) -> None:
     run, job = _train(studio, "/api/runs", {**SFT, "dataset": studio["ids"]["identity_alpaca.json"]})
     gen = job.result["generation_eval"]
     assert gen["summary"]["samples"] == 2
-    # checkpoint-4 holds the final weights: its on-demand table is the end-of-run one
-    four = _evaluate(studio, run.id, 4)
-    assert four["generation_eval"] == gen and four["samples"] == 2
-    assert four["held_out"]["row_numbers"] == job.result["eval"]["row_numbers"]
+    # checkpoint-2 holds the final weights: its on-demand table is the end-of-run one
+    two = _evaluate(studio, run.id, 2)
+    assert two["generation_eval"] == gen and two["samples"] == 2
+    assert two["held_out"]["row_numbers"] == job.result["eval"]["row_numbers"]
     page = c.get(f"/runs/{run.id}").text
-    assert f'id="checkpoint-eval-table-{four["id"]}"' in page and 'id="evaluate-2"' in page
+    assert f'id="checkpoint-eval-table-{two["id"]}"' in page and 'id="evaluate-1"' in page
     # a run without a held-out set has nothing to evaluate on (refused before anything else)
     spec = {k: v for k, v in SFT.items() if k not in ("validation_split_percentage",
                                                        "generation_eval_samples")}
