@@ -28,6 +28,10 @@ def _built_export(client, engine, settings, run_id: str) -> tuple[int, object]:
 def test_delete_run_and_export_refused_while_in_use(app, client, engine, settings):
     run_id, job_id = _running_run(client, engine)
     ds_id = repo.get_run(engine, run_id).dataset_id
+    ds_page = client.get(f"/datasets/{ds_id}").text
+    assert f'hx-post="/datasets/{ds_id}/delete"' in ds_page
+    r = client.post(f"/datasets/{ds_id}/delete", headers={"HX-Request": "true"})
+    assert r.status_code == 409 and f"is used by fine-tuning job &#39;{run_id}&#39;" in r.text
     r = client.delete(f"/api/runs/{run_id}")
     assert r.status_code == 409 and r.json()["error"]["code"] == "run_in_use"
     assert "its training job is running" in r.json()["error"]["message"]
@@ -75,7 +79,13 @@ def test_delete_run_and_export_refused_while_in_use(app, client, engine, setting
     # the training job stays as the record of the GPU time it used; the export is gone
     assert queue.get_job(engine, job_id).run_id is None
     assert client.get(f"/api/exports/{second}").status_code == 404
-    assert client.delete(f"/api/datasets/{ds_id}").status_code == 200  # no run uses it now
+    # no run uses the dataset now: its page's Delete removes it and its file
+    ds_file = settings.data_dir / "uploads"
+    files = sorted(ds_file.iterdir())
+    r = client.post(f"/datasets/{ds_id}/delete", headers={"HX-Request": "true"})
+    assert r.status_code == 200 and r.headers["HX-Redirect"] == "/datasets"
+    assert len(sorted(ds_file.iterdir())) == len(files) - 1
+    assert client.get(f"/api/datasets/{ds_id}").status_code == 404
 
 
 def test_a_validation_file_in_use_is_not_deleted(client, engine):

@@ -151,6 +151,24 @@ def _stored_ctx(request: Request, ds, **extra) -> dict:
             "mapping_form": datasets_uc.mapping_form(ds), **extra}
 
 
+@router.post("/datasets/{dataset_id}/delete")
+def delete_dataset(request: Request, dataset_id: str, engine: EngineDep, settings: SettingsDep,
+                   user: CurrentUser):
+    """Delete the dataset and its file (the page asks first); on to the Datasets page. While a
+    run uses it: the reason in place of the button (409)."""
+    try:
+        datasets_uc.delete_dataset(engine, settings, user, dataset_id)
+    except StudioError as exc:
+        if exc.kind != "conflict":
+            raise
+        return render(request, "_dataset_delete.html",
+                      {"dataset": access.dataset(engine, user, dataset_id),
+                       "delete_error": exc.message}, block="dataset_delete", status_code=409)
+    if is_htmx(request):
+        return Response(status_code=200, headers={"HX-Redirect": "/datasets"})
+    return RedirectResponse("/datasets", status_code=303)
+
+
 @router.post("/datasets/{dataset_id}/columns")
 async def map_columns(request: Request, dataset_id: str, engine: EngineDep,
                       settings: SettingsDep, user: CurrentUser):
