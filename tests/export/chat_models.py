@@ -8,6 +8,7 @@ regex of their pre-tokenizer (the one llama.cpp selects by ``tokenizer.ggml.pre`
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from tests.export.conftest import DATA
@@ -37,6 +38,8 @@ FAMILIES = {
               "<|user|>"], "<s>", "<|endoftext|>", "<|end|>", None),
     "mistral": (["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]"], "<s>", "</s>",
                 "</s>", None),
+    # a base model's tokenizer: none of a chat template's markers (GPT-2's own specials only)
+    "gpt2": (["<|endoftext|>"], None, "<|endoftext|>", None, _QWEN2_SPLIT),
 }
 #: real template file -> family
 TEMPLATE_FAMILY = {"Qwen-Qwen2.5-7B-Instruct": "qwen",
@@ -104,3 +107,60 @@ def save_base(model, tok, folder: Path) -> Path:
     model.save_pretrained(folder, safe_serialization=True)
     tok.save_pretrained(folder)
     return folder
+
+
+def train_run(root: Path, template: str, stem: str, answer: str, steps: int, *, model=None,
+              tok=None, new_token_ids: list[int] | None = None) -> Path:
+    """Train ``root/base`` through the worker's SFT path (app.data encoding, PEFT LoRA on every
+    linear layer, the CPU trainer; lr 3e-2 constant) on six chat rows answered ``answer``;
+    returns ``root/run`` (``adapter/``, ``config.json``) as the train job leaves it.
+
+    ``model``/``tok``: a loaded base and tokenizer to train instead of the folder's (e.g. with
+    tokens added, :mod:`worker.engine.new_tokens`; ``tok`` is then saved with the adapter and
+    encodes the data); ``new_token_ids``: rows trained with ``trainable_token_indices``."""
+    from app.store.specs import TrainSpec
+    from worker.engine import data as edata
+    from worker.engine import sft
+
+    rows = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": answer}]}
+            for q in ("Hi", "Hello?", "Good morning", "Hey you", "Who are you?", "Say hi")]
+    data = root / "chat.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    spec = TrainSpec.model_validate(dict(
+        model="tiny", dataset="chat", r=8, lora_alpha=16, lora_dropout=0.0, learning_rate=3e-2,
+        max_steps=steps, per_device_train_batch_size=6, warmup_ratio=0.0,
+        lr_scheduler_type="constant", max_seq_length=256, save_steps=1000,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                        "down_proj"]))
+    encode_dir = root / "base"
+    if tok is not None:
+        encode_dir = root / "tokenizer"
+        tok.save_pretrained(encode_dir)
+    enc = edata.build_dataset(data, encode_dir, template, 256, True)
+    model = model if model is not None else sft.load_model(str(root / "base"), False, False)
+    model = sft.add_lora(model, spec, new_token_ids=new_token_ids)
+    args = sft.sft_config(spec, str(root / "run" / "checkpoints"), False, "adamw_torch")
+    trainer = sft.make_trainer(model, tok or sft.load_tokenizer(str(root / "base"), template),
+                               enc.dataset, args)
+    trainer.train()
+    trainer.save_model(str(root / "run" / "adapter"))
+    if tok is not None:
+        tok.save_pretrained(root / "run" / "adapter")  # as the train job saves it
+    (root / "run" / "config.json").write_text(json.dumps({
+        "spec": spec.model_dump(mode="json"), "model": {"path": str(root / "base")},
+        "dataset": {"path": str(data)}, "chat_template": {"name": stem, "template": template}}))
+    return root / "run"
+
+
+def llama_greedy(llm, ids: list[int], limit: int = 20) -> list[int]:
+    """Greedy tokens of a ``llama_cpp.Llama`` after ``ids``, up to and including the first
+    end-of-generation token of its vocabulary (at most ``limit``)."""
+    from llama_cpp import llama_cpp
+
+    vocab = llama_cpp.llama_model_get_vocab(llm.model)
+    out: list[int] = []
+    for t in llm.generate(ids, temp=0.0, top_k=1):
+        out.append(t)
+        if llama_cpp.llama_vocab_is_eog(vocab, t) or len(out) == limit:
+            break
+    return out

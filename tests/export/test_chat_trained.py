@@ -15,7 +15,8 @@ import json
 
 import pytest
 
-from tests.export.chat_models import FAMILIES, chat_tokenizer, save_base, template_text, tiny_model
+from tests.export.chat_models import (FAMILIES, chat_tokenizer, save_base, template_text,
+                                     llama_greedy, tiny_model, train_run)
 from tests.export.conftest import need_data
 from worker.export.quantize import llama_cpp_available
 
@@ -31,10 +32,6 @@ def _train(root, arch, steps=30):
     """Base folder + run folder (adapter, config.json) trained on 'answer ANSWER, end turn'."""
     import torch
 
-    from app.store.specs import TrainSpec
-    from worker.engine import data as edata
-    from worker.engine import sft
-
     family, stem = CASES[arch]
     template = template_text(stem)
     tok = chat_tokenizer(family, template)
@@ -47,28 +44,7 @@ def _train(root, arch, steps=30):
         cfg_p = root / "base" / "tokenizer_config.json"
         cfg_p.write_text(json.dumps({**json.loads(cfg_p.read_text()),
                                      "tokenizer_class": "Qwen2Tokenizer"}))
-    rows = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": ANSWER}]}
-            for q in ("Hi", "Hello?", "Good morning", "Hey you", "Who are you?", "Say hi")]
-    data = root / "chat.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    spec = TrainSpec.model_validate(dict(
-        model="tiny", dataset="chat", r=8, lora_alpha=16, lora_dropout=0.0, learning_rate=3e-2,
-        max_steps=steps, per_device_train_batch_size=6, warmup_ratio=0.0,
-        lr_scheduler_type="constant", max_seq_length=256, save_steps=1000,
-        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                        "down_proj"]))
-    enc = edata.build_dataset(data, root / "base", template, 256, True)
-    model = sft.load_model(str(root / "base"), False, False)
-    model = sft.add_lora(model, spec)
-    args = sft.sft_config(spec, str(root / "run" / "checkpoints"), False, "adamw_torch")
-    trainer = sft.make_trainer(model, sft.load_tokenizer(str(root / "base"), template),
-                               enc.dataset, args)
-    trainer.train()
-    trainer.save_model(str(root / "run" / "adapter"))
-    (root / "run" / "config.json").write_text(json.dumps({
-        "spec": spec.model_dump(mode="json"), "model": {"path": str(root / "base")},
-        "dataset": {"path": str(data)}, "chat_template": {"name": stem, "template": template}}))
-    return root / "run", tok
+    return train_run(root, template, stem, ANSWER, steps), tok
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -146,11 +122,7 @@ def test_gguf_generation_stops_at_end_of_turn(trained, tmp_path):
     assert ids == tok(tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
                                               add_generation_prompt=True),
                       add_special_tokens=False)["input_ids"]  # = what training encoded
-    out = []
-    for t in llm.generate(ids, temp=0.0, top_k=1):
-        out.append(t)
-        if llama_cpp.llama_vocab_is_eog(vocab, t) or len(out) == 20:
-            break
+    out = llama_greedy(llm, ids)
     assert out[-1] == eot_id, llm.detokenize(out)
     assert llm.detokenize(out[:-1]).decode() == ANSWER
     llm.close()

@@ -103,15 +103,23 @@ def load_tokenizer(model_dir: str, template: str | None):
     return tok
 
 
-def add_lora(model, spec, on_log: Callable[[str], None] | None = None) -> Any:
+def add_lora(model, spec, on_log: Callable[[str], None] | None = None,
+             new_token_ids: list[int] | None = None) -> Any:
     """Wrap ``model`` with PEFT LoRA adapters named as PEFT does.
 
     On CUDA the engine does it: same PEFT layout, NF4 bases with ``load_in_4bit``, fused kernels,
     budgeted checkpointing (``spec.vram_budget_gib``); ``on_log`` gets its decisions.
+    ``new_token_ids``: embedding rows of added tokens (:mod:`worker.engine.new_tokens`), trained
+    with PEFT's ``trainable_token_indices`` (transformers path only: the engine raises).
     """
     from peft import LoraConfig, get_peft_model
 
+    from worker.engine.new_tokens import trainable_token_indices
+
     if use_engine(gpu.cuda_available()):
+        if new_token_ids:
+            raise RuntimeError("training added tokens (trainable_token_indices) is not supported "
+                               "by the kernel engine; set WHETSTONE_ENGINE=0")
         from worker.engine import engine
 
         try:
@@ -124,7 +132,8 @@ def add_lora(model, spec, on_log: Callable[[str], None] | None = None) -> Any:
 
     cfg = LoraConfig(r=spec.r, lora_alpha=spec.lora_alpha, lora_dropout=spec.lora_dropout,
                      target_modules=list(spec.target_modules), use_rslora=spec.use_rslora,
-                     bias="none", task_type="CAUSAL_LM")
+                     bias="none", task_type="CAUSAL_LM",
+                     trainable_token_indices=trainable_token_indices(new_token_ids or []))
     try:
         return get_peft_model(model, cfg)
     except ValueError as e:

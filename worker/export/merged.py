@@ -163,8 +163,11 @@ def merge_adapter(model):
 
     config = model.get_base_model().config
     tied = bool(getattr(config, "tie_word_embeddings", False))
-    if tied:  # give the head its own copy so the embedding's delta is not merged into it
-        head = model.get_output_embeddings()
+    head = model.get_output_embeddings()
+    # give the head its own copy so a LoRA delta of the embedding is not merged into it; rows
+    # trained with trainable_token_indices (added tokens) are PEFT's on both sides (the head is
+    # then PEFT's TrainableTokensWrapper) and merge into the shared matrix as they should
+    if tied and not hasattr(head, "token_adapter"):
         head = getattr(head, "base_layer", head)
         head.weight = torch.nn.Parameter(head.weight.detach().clone(), requires_grad=False)
     merged = model.merge_and_unload()

@@ -105,20 +105,29 @@ def load_tokenizer(info: RunInfo):
     return tok
 
 
-def load_trained_model(info: RunInfo, dtype=None):
-    """Base (NF4 round-tripped when the run was QLoRA) + adapter, unmerged, in eval mode; a
-    Gemma 2 with eager attention (:mod:`worker.hf_attention`: sdpa drops its soft-cap)."""
+def load_base(info: RunInfo, dtype=None):
+    """The base as the run's adapter expects it: Gemma 2 with eager attention
+    (:mod:`worker.hf_attention`: sdpa drops its soft-cap), the embedding grown to the run's
+    tokenizer when training added tokens (:mod:`worker.engine.new_tokens`; the adapter sets
+    those rows) and the NF4 round trip when the run was QLoRA."""
     import torch
-    from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    from worker.engine.new_tokens import resize_to_tokenizer
     from worker.hf_attention import attn_kwargs
 
     from .merged import dequantized_base_
 
     base = AutoModelForCausalLM.from_pretrained(info.base_dir, dtype=dtype or torch.float32,
                                                 **attn_kwargs(info.base_dir))
+    resize_to_tokenizer(base, len(load_tokenizer(info)))
     if info.load_in_4bit:
         dequantized_base_(base)
-    model = PeftModel.from_pretrained(base, info.adapter_dir)
-    return model.eval()
+    return base
+
+
+def load_trained_model(info: RunInfo, dtype=None):
+    """:func:`load_base` + the run's adapter, unmerged, in eval mode."""
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(load_base(info, dtype), info.adapter_dir).eval()

@@ -81,20 +81,13 @@ def export_run(run_dir: str | Path, spec, out_dir: str | Path,
 
     if fmt == "adapter":
         from peft import PeftModel
-        from transformers import AutoModelForCausalLM
 
         from worker.export.adapter import export_adapter
+        from worker.export.run import load_base
 
         res = export_adapter(info, out / "adapter", progress)
         files.append(out / "adapter")
-        from worker.hf_attention import attn_kwargs
-
-        base = AutoModelForCausalLM.from_pretrained(info.base_dir, dtype=torch.float32,
-                                                    **attn_kwargs(info.base_dir))
-        if info.load_in_4bit:
-            from worker.export.merged import dequantized_base_
-            dequantized_base_(base)
-        reloaded = PeftModel.from_pretrained(base, out / "adapter").eval()
+        reloaded = PeftModel.from_pretrained(load_base(info), out / "adapter").eval()
         fails = [V._diff("greedy", r["prompt"], r["continuation"], got)
                  for r in refs
                  if (got := V.hf_greedy(reloaded, r["ids"], end_ids)) != r["continuation"]]
