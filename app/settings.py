@@ -31,6 +31,9 @@ class Settings(BaseSettings):
         max_upload_mb: largest accepted dataset upload (MiB).
         validate_timeout_seconds: time budget of a dataset's background validation (seconds).
         ollama_url: Ollama server used by "push to Ollama" exports.
+        llama_cpp_timeout_seconds: wall-clock limit of one llama.cpp step of an export (GGUF
+            quantising or verification, run in a child process; seconds): past it the step's
+            process is killed and that export fails naming the step.
         import_root: the only server folder under which members may register local models
             (``WHETSTONE_IMPORT_ROOT``; a HF folder or llama2.c files); empty = members register
             Hub ids only. Admins may name any path.
@@ -97,6 +100,7 @@ class Settings(BaseSettings):
     max_upload_mb: int = Field(default=512, gt=0)
     validate_timeout_seconds: float = Field(default=600.0, gt=0)
     ollama_url: str = "http://127.0.0.1:11434"
+    llama_cpp_timeout_seconds: float = Field(default=1800.0, gt=0)
     import_root: Path | None = None
     # accounts and sign-in
     admin_user: str = "admin"

@@ -33,6 +33,26 @@ def test_a_hang_is_stopped_at_the_time_limit():
     assert waits  # the job's cancel check ran while it waited
 
 
+def test_the_time_limit_is_the_setting(monkeypatch):
+    """Without an explicit timeout the limit is Settings.llama_cpp_timeout_seconds, read from
+    WHETSTONE_LLAMA_CPP_TIMEOUT_SECONDS (the export job passes its worker's setting)."""
+    from app.settings import Settings, get_settings
+
+    monkeypatch.setenv("WHETSTONE_LLAMA_CPP_TIMEOUT_SECONDS", "2")
+    get_settings.cache_clear()
+    try:
+        assert get_settings().llama_cpp_timeout_seconds == 2.0
+        t0 = time.monotonic()
+        with pytest.raises(ExportError) as e:
+            call("hang", {}, "verifying m-F16.gguf", module="tests.export.crashing_child")
+        assert 2 <= time.monotonic() - t0 < 7
+        assert "within 2 s" in str(e.value)
+    finally:
+        get_settings.cache_clear()
+    monkeypatch.delenv("WHETSTONE_LLAMA_CPP_TIMEOUT_SECONDS")
+    assert Settings().llama_cpp_timeout_seconds == 1800.0
+
+
 def test_cancel_check_stops_the_child():
     class Cancelled(Exception):
         pass

@@ -30,8 +30,6 @@ from .files import ExportError
 #: op -> "module:function"; each takes JSON-able keyword arguments and returns a JSON-able value.
 OPS = {"quantize": "worker.export.quantize:quantize",
        "verify_gguf": "worker.export.verify:verify_gguf"}
-#: Wall-clock seconds one llama.cpp step may take (``WHETSTONE_LLAMA_CPP_TIMEOUT_SECONDS``).
-TIMEOUT_S = float(os.environ.get("WHETSTONE_LLAMA_CPP_TIMEOUT_SECONDS", "1800"))
 _ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -48,13 +46,17 @@ def call(op: str, kwargs: dict, step: str, timeout: float | None = None,
     """Run ``OPS[op](**kwargs)`` in a child process and return its value.
 
     ``step`` names the work in errors (e.g. ``"verifying model-Q4_K_M.gguf"``); ``timeout``
-    seconds (default :data:`TIMEOUT_S`); ``on_wait()`` is called about every 2 s while the child
-    runs (the job's cancel check: an exception from it kills the child and propagates).
+    seconds (default: the setting ``llama_cpp_timeout_seconds``,
+    ``WHETSTONE_LLAMA_CPP_TIMEOUT_SECONDS``); ``on_wait()`` is called about every 2 s while the
+    child runs (the job's cancel check: an exception from it kills the child and propagates).
     ``module`` is the child's entry module (tests substitute one that crashes).
     Raises :class:`ExportError`: the child's own error, a crash (``killed by SIGSEGV``), a
     non-zero exit, or the time limit.
     """
-    limit = TIMEOUT_S if timeout is None else timeout
+    if timeout is None:
+        from app.settings import get_settings
+
+        timeout = get_settings().llama_cpp_timeout_seconds
     with tempfile.TemporaryDirectory(prefix="llama-child-") as tmp:
         result = Path(tmp) / "result.json"
         err_path = Path(tmp) / "stderr.txt"
@@ -75,8 +77,8 @@ def call(op: str, kwargs: dict, step: str, timeout: float | None = None,
                     except subprocess.TimeoutExpired:
                         pass
                     now = time.monotonic()
-                    if now - t0 > limit:
-                        raise ExportError(f"llama.cpp did not finish {step} within {limit:.0f} s "
+                    if now - t0 > timeout:
+                        raise ExportError(f"llama.cpp did not finish {step} within {timeout:.0f} s "
                                           "and was stopped; the worker is unaffected "
                                           "(WHETSTONE_LLAMA_CPP_TIMEOUT_SECONDS sets the limit)")
                     if on_wait and now - last >= 2.0:

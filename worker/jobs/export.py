@@ -47,11 +47,13 @@ def export_run(run_dir: str | Path, spec, out_dir: str | Path,
                base_dir: str | Path | None = None, data_path: str | Path | None = None,
                ollama_url: str | None = None, model_name: str | None = None,
                name: str = "model", run_spec: dict | None = None,
-               base: dict | None = None) -> dict:
+               base: dict | None = None, llama_timeout: float | None = None) -> dict:
     """Export one run; see the module docstring. ``run_spec`` (the run row's spec), with
     ``base_dir`` and ``data_path`` from the model and dataset rows, is what the export job
     passes; without them the run folder's config.json is read. ``base`` (the model row's
     ``name``, ``source``, ``source_ref``) names the base in the result's ``provenance``.
+    ``llama_timeout``: seconds one llama.cpp step may take (None: the setting
+    ``llama_cpp_timeout_seconds``; :func:`worker.export.llama_child.call`).
     Raises ExportError / VerificationFailed."""
     import torch
 
@@ -129,7 +131,7 @@ def export_run(run_dir: str | Path, spec, out_dir: str | Path,
                     write_gguf(state, config, tok, f16, "F16", **kw)
                 llama_call("quantize", {"f16_path": str(f16), "out_path": str(path),
                                         "qtype": q}, f"quantising {path.name}",
-                           on_wait=lambda q=q: progress(f"gguf {q}", 0.7))
+                           llama_timeout, on_wait=lambda q=q: progress(f"gguf {q}", 0.7))
             ggufs.append((q, path))
         if "F16" not in types and f16.exists():
             f16.unlink()
@@ -138,7 +140,7 @@ def export_run(run_dir: str | Path, spec, out_dir: str | Path,
             checks[f"gguf_{q}"] = llama_call(
                 "verify_gguf", {"path": str(path), "qtype": q, "refs": refs, "end_ids": end_ids,
                                 "bos_text": tok.bos_token}, f"verifying {path.name}",
-                on_wait=lambda q=q: progress(f"verify {q}", 0.75))
+                llama_timeout, on_wait=lambda q=q: progress(f"verify {q}", 0.75))
             files.append(path)
         if fmt == "ollama":
             result["ollama"] = _ollama(info, tok, ggufs[0][1], out, checks, ollama_url,
@@ -234,7 +236,8 @@ def run(ctx) -> dict:
                          else None, model_name=model_name, name=spec.run_id,
                          base_dir=model_row.path, data_path=data_path, run_spec=run_row.spec,
                          base={"name": model_row.name, "source": model_row.source,
-                               "source_ref": model_row.source_ref})
+                               "source_ref": model_row.source_ref},
+                         llama_timeout=getattr(ctx.settings, "llama_cpp_timeout_seconds", None))
     except VerificationFailed as e:
         from worker.export.verify import summarize
 
