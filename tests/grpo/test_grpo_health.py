@@ -10,6 +10,8 @@ def test_warns_once_after_patience_steps_and_again_after_a_relapse():
     assert seen[:2] == [None, None] and seen[3:] == [None, None]
     assert seen[2] is not None and "for 3 steps (up to step 3)" in seen[2]
     assert "100% of 8 groups" in seen[2] and "num_generations" in seen[2]
+    one = ZeroVarianceWatch(patience=1).observe(1, 1.0, 1.0)  # the trainer logs a mean: a float
+    assert "100% of 1 group had" in one and "1.0" not in one
     assert w.observe(6, 0.5) is None  # learning again: the streak resets
     assert [w.observe(s, 1.0) for s in (7, 8)] == [None, None]
     again = w.observe(9, 1.0)

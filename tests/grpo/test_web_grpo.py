@@ -69,6 +69,8 @@ def test_form_page_shows_rewards_and_signature(env):
         assert f'value="{name}"' in html
     assert "num_generations" in html and "scale_rewards" in html
     assert "Custom Python rewards are off" in html
+    # the switch is the per-user Allow on the Admin page (the environment variable is gone)
+    assert "on the Admin page" in html and "WHETSTONE_ALLOW_CUSTOM_REWARDS" not in html
     assert 'href="/runs/new/grpo"' in env["client"].get("/").text
 
 

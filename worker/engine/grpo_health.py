@@ -35,7 +35,10 @@ class ZeroVarianceWatch:
         if self._streak < self.patience or self._warned:
             return None
         self._warned = True
-        share = f"{frac_zero_std:.0%}" + (f" of {groups} groups" if groups else " of the groups")
+        # the trainer logs its group count averaged over logging steps (a float such as 1.0)
+        n = round(groups) if groups else 0
+        share = f"{frac_zero_std:.0%}" + (f" of {n} group{'s' if n != 1 else ''}" if n
+                                          else " of the groups")
         return (f"GRPO is not learning: for {self._streak} steps (up to step {step}) {share} had "
                 "equal rewards for every completion, so they give no advantage and no gradient. "
                 "Raise num_generations, use a softer (partial-credit) reward such as "
