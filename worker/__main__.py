@@ -75,6 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         w = Worker(Settings(), worker_id=args.worker_id, kinds=kinds,
                    poll_interval=args.poll_interval)
+    if args.supervise and (lane or kinds is None or "export" in kinds):  # it runs GGUF exports
+        from worker.export.llama_build import check_in_background
+
+        check_in_background()  # logs whether the llama.cpp build fits this CPU
     first = {"at": None}
 
     def on_signal(signum, _frame):  # noqa: ANN001

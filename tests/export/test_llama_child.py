@@ -68,7 +68,7 @@ def test_cancel_check_stops_the_child():
 
 @pytest.mark.skipif(llama_cpp_available() is not None, reason=str(llama_cpp_available()))
 def test_the_childs_error_comes_back(tmp_path):
-    assert set(OPS) == {"quantize", "verify_gguf"}
+    assert set(OPS) == {"quantize", "verify_gguf", "system_info"}
     (tmp_path / "bad.gguf").write_bytes(b"GGUF not really")
     with pytest.raises(ExportError) as e:
         call("quantize", {"f16_path": str(tmp_path / "bad.gguf"),

@@ -29,7 +29,8 @@ from .files import ExportError
 
 #: op -> "module:function"; each takes JSON-able keyword arguments and returns a JSON-able value.
 OPS = {"quantize": "worker.export.quantize:quantize",
-       "verify_gguf": "worker.export.verify:verify_gguf"}
+       "verify_gguf": "worker.export.verify:verify_gguf",
+       "system_info": "worker.export.llama_build:system_info"}
 _ROOT = Path(__file__).resolve().parents[2]
 
 
