@@ -115,3 +115,30 @@ def test_gguf_and_ollama_carry_the_new_tokens(run, tmp_path):
     assert out[-1] == end, llm.detokenize(out)
     assert ANSWER.startswith(llm.detokenize(out[:-1]).decode()) and out[:-1]
     llm.close()
+
+
+MISSING_FROM_GPT2 = {
+    "Qwen-Qwen2.5-7B-Instruct": ["<|im_start|>", "<|im_end|>"],
+    "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B": ["<｜User｜>", "<｜Assistant｜>",
+                                                 "<｜end▁of▁sentence｜>"],
+    "google-gemma-2-2b-it": ["<start_of_turn>", "<end_of_turn>"],
+    "meta-llama-Llama-3.1-8B-Instruct": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+    "meta-llama-Llama-3.2-3B-Instruct": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+    "microsoft-Phi-3.5-mini-instruct": ["<|system|>", "<|end|>", "<|user|>", "<|assistant|>"],
+    "mistralai-Mistral-Nemo-Instruct-2407": ["[INST]", "[/INST]"],
+}
+
+
+def test_template_markers_a_base_lacks():
+    """Every real template's markers: none missing from its own family's tokenizer, all of them
+    (not DeepSeek's <think>, which the model writes) missing from a base GPT-2 tokenizer."""
+    need_data()
+    from tests.export.chat_models import TEMPLATE_FAMILY
+    from worker.engine.new_tokens import missing_template_tokens
+
+    base = chat_tokenizer("gpt2")
+    assert set(MISSING_FROM_GPT2) == set(TEMPLATE_FAMILY)
+    for stem, family in TEMPLATE_FAMILY.items():
+        template = template_text(stem)
+        assert missing_template_tokens(chat_tokenizer(family), template) == [], stem
+        assert missing_template_tokens(base, template) == MISSING_FROM_GPT2[stem], stem

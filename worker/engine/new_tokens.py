@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import re
 
-#: What a chat template's marker looks like: ``<|im_start|>``, ``<start_of_turn>``, ``[INST]``.
-MARKER = re.compile(r"<\|[^|<>\s]{1,40}\|>|<[a-z][a-z0-9_]{2,40}>|\[/?[A-Z][A-Z_]{2,20}\]")
+#: What a chat template's marker looks like: ``<|im_start|>``, DeepSeek's ``<｜User｜>`` (full-width
+#: bars), ``<start_of_turn>``, ``[INST]``; not ``<think>`` (text the model writes, not a marker).
+MARKER = re.compile(r"<[|｜][^|｜<>\s]{1,40}[|｜]>|<[a-z]+(?:_[a-z0-9]+)+>|\[/?[A-Z][A-Z_]{2,20}\]")
 _SAMPLE = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"},
            {"role": "assistant", "content": "A"}, {"role": "user", "content": "V"}]
 
