@@ -30,7 +30,7 @@ from collections import defaultdict, deque
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Annotated
-from urllib.parse import parse_qs, quote, urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import PlainTextResponse, RedirectResponse, Response
@@ -43,6 +43,7 @@ from app.settings import Settings
 from app.store.schema import User
 from app.studio import accounts, first_start
 from app.studio.errors import StudioError
+from app.web import signed_out
 from app.web.errors import error_response
 
 log = logging.getLogger("whetstone.web")
@@ -295,11 +296,11 @@ class AuthMiddleware:
                 path.endswith("/events"):
             return error_response(request, 401, "sign in first: send Authorization: Bearer "
                                   "<API key or access token>", code="unauthorized")
-        target = path + (f"?{request.url.query}" if request.url.query else "")
-        login = f"/login?next={quote(target, safe='')}"
+        # htmx: an in-page message, never a navigation (it would discard a half-filled form);
+        # ``next`` is the page, never a fragment or POST endpoint (app/web/signed_out.py)
         if request.headers.get("hx-request", "").lower() == "true":
-            return Response(status_code=401, headers={"HX-Redirect": login})
-        return RedirectResponse(login, status_code=303)
+            return signed_out.htmx_response(request)
+        return RedirectResponse(signed_out.login_url(request), status_code=303)
 
     async def _csrf_problem(self, request: Request, receive: Receive,
                             expected: str | None) -> tuple[str | None, Receive]:

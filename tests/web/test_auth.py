@@ -206,7 +206,7 @@ def test_anonymous_callers_per_surface(client):
     r = client.get("/", follow_redirects=False)
     assert r.status_code == 303 and r.headers["location"] == "/login?next=%2F"
     r = client.get("/datasets", headers={"HX-Request": "true"}, follow_redirects=False)
-    assert r.status_code == 401 and r.headers["hx-redirect"] == "/login?next=%2Fdatasets"
+    assert r.status_code == 401 and r.headers["hx-retarget"] == "#session-alert"  # no redirect
     r = client.get("/v1/models")
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
     r = client.get("/api/exports/1/events")

@@ -1,0 +1,60 @@
+"""A browser whose session ended elsewhere keeps its page: htmx requests get an in-page "you were
+signed out" message (never a navigation that discards a half-filled form), and sign-in returns
+to the page, never to a fragment or POST endpoint (which answered "Method Not Allowed")."""
+from __future__ import annotations
+
+from fastapi.testclient import TestClient
+
+from tests.web.test_web_browser import browser_page
+
+PAGE = "http://127.0.0.1/runs/new"
+
+
+def _anonymous(client) -> TestClient:
+    return TestClient(client.app, base_url="http://127.0.0.1")
+
+
+def test_htmx_requests_get_a_message_for_the_page_not_a_redirect(client):
+    anon = _anonymous(client)
+    r = anon.post("/runs/new/estimate", data={"r": "32"}, follow_redirects=False,
+                  headers={"HX-Request": "true", "HX-Current-URL": PAGE + "?clone=x"})
+    assert r.status_code == 401 and "hx-redirect" not in r.headers
+    assert r.headers["hx-retarget"] == "#session-alert" and r.headers["hx-reswap"] == "innerHTML"
+    assert r.headers["hx-reselect"] == "#signed-out"
+    assert "You were signed out" in r.text and "then retry" in r.text
+    assert 'href="/login?next=%2Fruns%2Fnew%3Fclone%3Dx" target="_blank"' in r.text
+    # another site's page as the "current URL" is not a place to return to
+    r = anon.get("/", headers={"HX-Request": "true", "HX-Current-URL": "http://evil.test/x"})
+    assert 'href="/login?next=%2F"' in r.text
+
+
+def test_a_form_post_returns_to_the_page_that_sent_it(client):
+    anon = _anonymous(client)
+    r = anon.post("/runs", data={"name": "x"}, headers={"Referer": PAGE}, follow_redirects=False)
+    assert r.status_code == 303 and r.headers["location"] == "/login?next=%2Fruns%2Fnew"
+    r = anon.post("/runs", data={"name": "x"}, follow_redirects=False)
+    assert r.headers["location"] == "/login?next=%2F"  # unknown page: the runs list
+    r = anon.get("/datasets?x=1", follow_redirects=False)  # a page: itself
+    assert r.headers["location"] == "/login?next=%2Fdatasets%3Fx%3D1"
+
+
+def test_signing_out_in_another_tab_keeps_the_form(server):
+    from playwright.sync_api import expect
+
+    with browser_page(server) as page:
+        page.goto(f"{page.base}/runs/new")
+        page.fill("#run_form input[name=name]", "half-filled")
+        # "Sign out" in another tab: the same POST /logout with this browser's cookie
+        status = page.evaluate("""() => fetch('/logout', {method: 'POST', headers: {
+            'X-CSRF-Token': document.querySelector('meta[name=csrf-token]').content}})
+            .then((r) => r.status)""")
+        assert status == 200  # the sign-in page, after the 303
+        page.fill("#run_form input[name=r]", "32")
+        page.dispatch_event("#run_form input[name=r]", "change")  # the live memory estimate
+        alert = page.locator("#session-alert #signed-out")
+        expect(alert).to_contain_text("You were signed out")
+        assert page.url == f"{page.base}/runs/new"
+        expect(page.locator("#run_form input[name=name]")).to_have_value("half-filled")
+        expect(page.locator("#run_form input[name=r]")).to_have_value("32")
+        # the link signs in elsewhere and comes back to the page, which a GET can show
+        assert alert.locator("a").get_attribute("href") == "/login?next=%2Fruns%2Fnew"
