@@ -22,9 +22,11 @@
   function duration(sec) {
     if (sec === undefined || sec === null) return "—";
     sec = Math.max(0, Math.round(sec));
+    // words, as app/web/render.py's duration filter: "17:15" would read as a time of day
     const h = Math.floor(sec / 3600), m = Math.floor((sec % 3600) / 60), s = sec % 60;
     const pad = (n) => String(n).padStart(2, "0");
-    return h ? `${h}:${pad(m)}:${pad(s)}` : `${m}:${pad(s)}`;
+    if (h) return `${h} h ${pad(m)} min`;
+    return m ? `${m} min ${pad(s)} s` : `${s} s`;
   }
   function ensureChart() {
     if (chart || typeof window.Chart === "undefined") return chart;
@@ -114,17 +116,26 @@
     const d = JSON.parse(e.data);
     log(`[${stamp(d.ts)}] ${d.stage}: ${d.done}/${d.total}${d.message ? " " + d.message : ""}`);
   });
+  // The run ended while watched: the header and every server-rendered card (controls, links,
+  // memory, evaluation, artifacts, exports) are re-rendered from ONE fetch of the page. (Separate
+  // htmx.ajax calls share the body's request queue, which keeps only the last waiting request:
+  // the Cancel button and the evaluation card used to stay stale.)
+  const FINAL_PARTS = ["controls", "run-links", "run-memory", "evaluation", "artifacts", "exports"];
+  async function refreshFinalParts() {
+    const resp = await fetch(window.location.pathname, { headers: { Accept: "text/html" } });
+    if (!resp.ok) return;
+    const doc = new DOMParser().parseFromString(await resp.text(), "text/html");
+    for (const id of FINAL_PARTS) {
+      const old = $(id), fresh = doc.getElementById(id);
+      if (!old || !fresh) continue;
+      old.replaceWith(fresh);
+      if (window.htmx) window.htmx.process(fresh);
+    }
+  }
   es.addEventListener("end", (e) => {
     es.close();
     const d = JSON.parse(e.data);
     if (FINAL.includes(d.state)) setState(d.state);
-    if (window.htmx && !renderedFinal) {
-      const runId = root.dataset.runId;
-      window.htmx.ajax("GET", `/runs/${runId}`, { target: "#artifacts", swap: "outerHTML" });
-      window.htmx.ajax("GET", `/runs/${runId}`, { target: "#controls", swap: "outerHTML" });
-      if ($("evaluation")) window.htmx.ajax("GET", `/runs/${runId}`, { target: "#evaluation", swap: "outerHTML" });
-      // the Exports card follows the run's state (the form appears once training succeeded)
-      window.htmx.ajax("GET", `/runs/${runId}/exports`, { target: "#exports", swap: "outerHTML" });
-    }
+    if (!renderedFinal) refreshFinalParts();
   });
 })();

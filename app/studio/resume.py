@@ -72,3 +72,23 @@ def resume_run(engine: Engine, actor: User, run_id: str) -> tuple[Run, Job]:
     audit.record(engine, actor.id, "run.resumed", "run", run.id, job=new.id, previous_job=job.id,
                  checkpoint_step=step)
     return run, new
+
+
+def cancel_outcome(engine: Engine, run: Run, job: Job | None, step: int | None) -> str | None:
+    """What cancelling the run now keeps, for the confirmation a user answers (None when the run
+    cannot be cancelled: no job, or it ended). ``step``: the newest training step reported
+    (None before the first). A running job saves a checkpoint at the step where it stops, so it
+    keeps one only once a step is done; checkpoints already on disk (a resumed run's) stay."""
+    if job is None or job.state not in (JobState.QUEUED, JobState.RUNNING):
+        return None
+    if job.state == JobState.QUEUED:
+        return "Cancel this queued run? It has not started, so nothing is trained or kept."
+    steps = checkpoint_steps(engine, run.id)
+    kept = (f" The {len(steps)} checkpoint{'s' if len(steps) > 1 else ''} saved so far (newest "
+            f"at step {steps[0]}) {'are' if len(steps) > 1 else 'is'} kept." if steps else "")
+    if not step:
+        return ("Cancel this run? It has not finished a training step yet, so cancelling now "
+                "saves no checkpoint." + (kept or " Nothing is kept: the run cannot be resumed "
+                                                   "or exported, only cloned."))
+    return (f"Cancel this run? Training stops after its current step (step {step} is done) and "
+            "saves a checkpoint there; the run can then be resumed or exported from it." + kept)

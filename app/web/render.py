@@ -38,12 +38,16 @@ def _fmt_bytes(n: int | None) -> str:
 
 
 def _fmt_duration(sec: float | None) -> str:
-    if sec is None:
+    """Seconds as words ("17 min 15 s", "2 h 05 min", "40 s"), never "17:15", which reads as a
+    time of day; "—" when unknown (None, or a metric without the field). static/app.js agrees."""
+    if not isinstance(sec, (int, float)):
         return "—"
     sec = int(max(0, sec))
     h, rem = divmod(sec, 3600)
     m, s = divmod(rem, 60)
-    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+    if h:
+        return f"{h} h {m:02d} min"
+    return f"{m} min {s:02d} s" if m else f"{s} s"
 
 
 def _fmt_num(x: Any, digits: int = 4) -> str:

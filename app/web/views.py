@@ -79,6 +79,7 @@ def run_view(engine, user, run_id: str) -> dict[str, Any]:
             "spec_json": json.dumps(spec, indent=2), "memory": calibration.memory_summary(job),
             "evaluation": evaluation.run_evaluation(engine, run, job),
             "resume": resume.resumable(engine, run, job),
+            "cancel_outcome": resume.cancel_outcome(engine, run, job, (m or {}).get("step")),
             **exports_view(engine, user, run.id)}
 
 

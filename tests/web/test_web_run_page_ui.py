@@ -128,7 +128,7 @@ def test_live_finish_shows_the_export_form_warnings_and_no_eta(page, client, eng
         ("metric", {"step": 1, "total_steps": 2, "loss": 4.4, "eta_seconds": 1799}),
         ("log", {"level": "info", "message": "tokenizer: 100/999"}),
         ("log", {"level": "warning", "message": "the model has no chat template; using chatml"})])
-    expect(page.locator("#m-eta")).to_have_text("29:59")
+    expect(page.locator("#m-eta")).to_have_text("29 min 59 s")
     box = page.locator("#run-warnings")
     expect(box).to_be_visible()
     expect(box.locator("li")).to_have_text(["44 rows are longer than max_seq_length 512",
@@ -150,12 +150,12 @@ def test_cancelled_run_shows_no_eta(client, engine):
     job = queue.claim(engine, "w-test", 30, kinds=["train"])
     events.append_many(engine, job.id, [("metric", {"step": 1, "total_steps": 9, "loss": 4.0,
                                                     "eta_seconds": 1771})])
-    assert client.get(f"/runs/{run_id}").text.count("29:31") == 1
+    assert client.get(f"/runs/{run_id}").text.count("29 min 31 s") == 1
     queue.cancel(engine, job.id)
     queue.acknowledge_cancel(engine, job.id, "w-test")
     html = client.get(f"/runs/{run_id}").text
     assert repo.run_with_job(engine, run_id)[1].state == "cancelled"
-    assert "29:31" not in html and 'id="m-eta">—<' in html
+    assert "29 min 31 s" not in html and 'id="m-eta">—<' in html
 
 
 def _no_horizontal_overflow(pg) -> None:

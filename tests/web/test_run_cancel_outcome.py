@@ -1,0 +1,38 @@
+"""The cancel confirmation says what a cancel keeps now (the trial's run promised kept
+checkpoints at step 19 of a run that saves every 50 steps, and had nothing to export)."""
+from __future__ import annotations
+
+from app.store import events, queue, repo
+from app.store.schema import Artifact
+from app.studio import resume
+from tests.web.test_web_exports import _queued_run
+
+
+def _confirm(client, run_id: str) -> str:
+    html = client.get(f"/runs/{run_id}").text
+    return html.split('hx-confirm="', 1)[1].split('"', 1)[0]
+
+
+def test_the_confirmation_follows_the_runs_progress(client, engine, tmp_path):
+    run_id = _queued_run(client, engine)
+    assert _confirm(client, run_id) == ("Cancel this queued run? It has not started, so nothing "
+                                        "is trained or kept.")
+    job = queue.claim(engine, "w-test", 30, kinds=["train"])
+    assert "saves no checkpoint. Nothing is kept" in _confirm(client, run_id)
+    events.append_many(engine, job.id, [("metric", {"step": 19, "total_steps": 40, "loss": 4.0})])
+    assert _confirm(client, run_id) == (
+        "Cancel this run? Training stops after its current step (step 19 is done) and saves a "
+        "checkpoint there; the run can then be resumed or exported from it.")
+    for step in (5, 10):  # a resumed run's earlier checkpoints stay
+        folder = tmp_path / f"checkpoint-{step}"
+        folder.mkdir()
+        (folder / "adapter_config.json").write_text("{}")
+        repo.add_artifact(engine, Artifact(run_id=run_id, job_id=job.id, kind="checkpoint",
+                                           path=str(folder), bytes=1, name=folder.name,
+                                           meta={"step": step}))
+    assert _confirm(client, run_id).endswith(
+        "resumed or exported from it. The 2 checkpoints saved so far (newest at step 10) are kept.")
+    queue.cancel(engine, job.id)
+    queue.acknowledge_cancel(engine, job.id, "w-test")
+    run, job = repo.run_with_job(engine, run_id)
+    assert resume.cancel_outcome(engine, run, job, 19) is None  # ended: nothing to cancel
