@@ -12,12 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from app.settings import Settings
 from app.store import queue, repo
-from app.store.db import reset_engines
 from app.store.schema import JobState
 from tests.conftest import SHARED_DATA, STORIES
-from tests.web.conftest import ADMIN_PASSWORD, ADMIN_USER, run_validations, signed_in
+from tests.worker.conftest import inline_studio
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not (STORIES / "stories260K.bin").exists(),
@@ -30,37 +28,14 @@ SMALL = {"max_seq_length": 256, "learning_rate": 1e-2, "r": 8, "lora_alpha": 16,
 
 @pytest.fixture(scope="module")
 def studio(tmp_path_factory):
-    from app.web.main import create_app
-    from worker.loop import Worker
-
     d = tmp_path_factory.mktemp("eval")
-    settings = Settings(data_dir=d / "data", seed_dir=SHARED_DATA, max_upload_mb=8,
-                        admin_user=ADMIN_USER, admin_password=ADMIN_PASSWORD,
-                        heartbeat_seconds=0.5)
     rows = json.loads(IDENTITY.read_text())
     train, val = d / "identity_train.json", d / "identity_val.json"
     train.write_text(json.dumps(rows[:70]))
     val.write_text(json.dumps(rows[70:]))
-    app = create_app(settings)
-    with signed_in(app) as client:
-        w = Worker(settings, worker_id="w-eval", poll_interval=0.05)
-        w.start()
-        ids = {}
-        for path in (train, val, IDENTITY):
-            with path.open("rb") as fh:
-                r = client.post("/v1/files", files={"file": (path.name, fh)},
-                                data={"purpose": "fine-tune"})
-            assert r.status_code == 200, r.text
-            ids[path.name] = r.json()["id"]
-        run_validations(app)
-        for _ in range(5):  # the demo model's import
-            if repo.get_model(w.engine, "stories260K").status == "ready":
-                break
-            w.serve(once=True)
-        assert repo.get_model(w.engine, "stories260K").status == "ready"
-        yield {"client": client, "worker": w, "engine": w.engine, "ids": ids, "val_rows": rows[70:]}
-        w.stop()
-    reset_engines()
+    with inline_studio(d / "data", [train, val, IDENTITY], "w-eval",
+                       heartbeat_seconds=0.5) as studio:
+        yield {**studio, "val_rows": rows[70:]}
 
 
 def _train(studio, run_id: str):

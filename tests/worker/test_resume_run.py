@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.slow,
 
 IDENTITY = SHARED_DATA / "sft" / "identity_alpaca.json"
 #: 24 rows at batch 2: an epoch is 12 steps, so the resumed half starts a second epoch.
-SPEC = {"model": "stories260K", "max_steps": 20, "save_steps": 5, "logging_steps": 1,
+SPEC = {"model": "stories260K", "max_steps": 20, "save_steps": 10, "logging_steps": 1,
         "per_device_train_batch_size": 2, "gradient_accumulation_steps": 1,
         "learning_rate": 5e-3, "warmup_ratio": 0.1, "lr_scheduler_type": "cosine",
         "lora_dropout": 0.1, "r": 8, "lora_alpha": 16, "max_seq_length": 96,
