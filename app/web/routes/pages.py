@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from app.store import events, queue, repo
+from app.store import queue, repo
 from app.store import workers as workers_store
 from app.studio import access
 from app.studio import jobs as jobs_uc
+from app.studio.evaluation import latest_training_metric
 from app.studio import runs as runs_uc
 from app.web.deps import CurrentUser, EngineDep, SettingsDep
 from app.web.render import render
@@ -24,11 +25,12 @@ def run_rows(engine, user, limit: int = 100) -> list[dict]:
     rows = []
     for run in runs_uc.list_runs(engine, user, limit=limit):
         _, job = repo.run_with_job(engine, run.id)
-        metric = events.latest(engine, job.id, "metric") if job else None
+        # the newest training step: a held-out evaluation's metric event has no loss
+        metric = latest_training_metric(engine, job.id) if job else None
         rows.append({"id": run.id, "name": run.name, "model_name": models.get(run.model_id, run.model_id),
                      "dataset_name": datasets.get(run.dataset_id, run.dataset_id),
                      "state": job.state if job else "unknown", "created_at": run.created_at,
-                     "owner": run.owner, "metric": metric.data if metric else None})
+                     "owner": run.owner, "metric": metric})
     return rows
 
 
