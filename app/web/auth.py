@@ -8,9 +8,11 @@ SSE and streaming responses, and never reads a multipart upload's body) that, pe
    ``Authorization: Bearer <API key "wk-..." or access token>`` or the signed session cookie;
 3. sends anonymous callers of non-public paths a 401 in the surface's error shape (``/api``,
    ``/v1``, ``*/events``), an ``HX-Redirect`` 401 (htmx) or a 303 to ``/login?next=...`` (pages);
-4. checks CSRF on cookie-signed unsafe methods: the session's token in ``X-CSRF-Token``, the
-   ``csrf_token`` form field (urlencoded bodies) or query parameter (multipart bodies), and an
-   ``Origin``/``Referer`` equal to the request's own ``scheme://host``. Bearer calls are exempt;
+4. checks CSRF on cookie-signed unsafe methods: the session's token in ``X-CSRF-Token`` or the
+   ``csrf_token`` form field (urlencoded bodies; the first field of multipart bodies, see
+   :mod:`app.web.csrf`), and an ``Origin``/``Referer`` equal to the request's own
+   ``scheme://host``. The sign-in forms (``/login``, ``/setup``) need the pre-session token of
+   :mod:`app.web.csrf` instead (login CSRF). Bearer calls are exempt;
 5. adds ``X-Frame-Options: DENY`` and ``Content-Security-Policy: frame-ancestors 'none'`` to
    every response (no framing: against clickjacking), and ``Cache-Control: no-store`` to every
    non-static response of a signed-in caller and to the sign-in, setup and account pages (Back
@@ -43,6 +45,7 @@ from app.settings import Settings
 from app.store.schema import User
 from app.studio import accounts, first_start
 from app.studio.errors import StudioError
+from app.web import csrf
 from app.web import signed_out
 from app.web.errors import error_response
 
@@ -251,6 +254,7 @@ class AuthMiddleware:
         request = Request(scope)
         path = scope["path"]
         no_store = path in NO_STORE or path.startswith("/account/")
+        presession_cookie = None  # Set-Cookie of a new pre-session token (sign-in forms)
         inner_send = send
 
         async def send(message: Message) -> None:
@@ -261,6 +265,8 @@ class AuthMiddleware:
                         headers[name] = value
                 if no_store:
                     headers["Cache-Control"] = "no-store"
+                if presession_cookie:
+                    headers.append("set-cookie", presession_cookie)
             await inner_send(message)
 
         host = _host_name(request.headers.get("host", ""))
@@ -274,6 +280,12 @@ class AuthMiddleware:
         state.update(user=user, auth_method=method, csrf_token=row.csrf_token if row and
                      row.kind == "session" and method == "cookie" else None)
         no_store = no_store or (user is not None and not path.startswith("/static/"))
+        presession = csrf.presession_token(request) if path in csrf.LOGIN_FORMS else None
+        if path in csrf.LOGIN_FORMS and presession is None and scope["method"] == "GET":
+            presession, presession_cookie = csrf.new_presession_cookie(request.url.scheme ==
+                                                                       "https")
+        if user is None and presession:
+            state["csrf_token"] = presession  # the sign-in form's hidden field
         if user is None and method == "bearer" and not is_public(path):
             await error_response(request, 401, INVALID_BEARER,
                                  code="invalid_api_key")(scope, receive, send)
@@ -282,7 +294,8 @@ class AuthMiddleware:
             await self._anonymous(request)(scope, receive, send)
             return
         if scope["method"] in UNSAFE and method != "bearer":
-            problem, receive = await self._csrf_problem(request, receive, state["csrf_token"])
+            expected = presession if path in csrf.LOGIN_FORMS else state["csrf_token"]
+            problem, receive = await self._csrf_problem(request, receive, expected)
             if problem:
                 await error_response(request, 403, f"CSRF check failed: {problem}",
                                      code="csrf_failed")(scope, receive, send)
@@ -310,12 +323,16 @@ class AuthMiddleware:
             parts = urlsplit(origin)
             if f"{parts.scheme}://{parts.netloc}".lower() != own:
                 return f"the request came from another origin ({origin})", receive
-        if expected is None:  # anonymous (sign-in, setup): no session to protect
+        if expected is None and request.url.path in csrf.LOGIN_FORMS:
+            return ("the sign-in form's token cookie is missing (allow cookies for this site "
+                    "and reload the page)"), receive
+        if expected is None:  # anonymous, not a sign-in form: no session to protect
             return None, receive
         given = request.headers.get("x-csrf-token")
         ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if not given and ctype == "multipart/form-data":
-            given = request.query_params.get("csrf_token")
+            given, receive = await csrf.multipart_field(receive,
+                                                        request.headers.get("content-type", ""))
         elif not given and ctype == "application/x-www-form-urlencoded":
             body, receive = await _buffer_body(receive)
             given = (parse_qs(body.decode("latin-1")).get("csrf_token") or [None])[0]

@@ -31,6 +31,16 @@ def settings(tmp_path) -> Settings:
                     max_upload_mb=8, admin_user=ADMIN_USER, admin_password=ADMIN_PASSWORD)
 
 
+def login_form_token(c: TestClient, path: str = "/login") -> str:
+    """The pre-session CSRF token of the sign-in form at ``path`` (a GET, as a browser does;
+    ``c`` keeps the token's cookie), for the form's ``csrf_token`` field."""
+    import re
+
+    page = c.get(path)
+    assert page.status_code == 200, page.text
+    return re.search(r'name="csrf_token" value="([^"]+)"', page.text).group(1)
+
+
 def signed_in(app, name: str = ADMIN_USER, password: str = ADMIN_PASSWORD, **kw) -> TestClient:
     """A TestClient for ``app`` (not yet started: use it in ``with``) that signs in as ``name``
     once started and sends its access token as ``Authorization: Bearer``."""

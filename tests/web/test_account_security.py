@@ -16,6 +16,7 @@ from fastapi.testclient import TestClient
 from app.settings import Settings
 from app.store.db import reset_engines
 from app.studio import accounts, audit
+from tests.web.conftest import login_form_token
 
 ADMIN_PW = "admin-password-1"
 BASE = "http://localhost"
@@ -46,7 +47,8 @@ def client(studio) -> TestClient:
 
 def sign_in(c: TestClient, name: str, password: str) -> str:
     """Sign ``c`` in through the form; returns the session's CSRF token."""
-    r = c.post("/login", data={"username": name, "password": password, "next": "/account"},
+    r = c.post("/login", data={"username": name, "password": password, "next": "/account",
+                               "csrf_token": login_form_token(c)},
                follow_redirects=False)
     assert r.status_code == 303, r.text
     return re.search(r'name="csrf_token" value="([^"]+)"', c.get("/account").text).group(1)
@@ -110,11 +112,13 @@ def test_failed_sign_ins_are_limited_per_address_across_names(client):
                                         "password": "alice-password"}).status_code == 200
     codes = [client.post(LOGIN, data={"username": f"ghost{i}", "password": "nope-nope"}).status_code
              for i in range(4)]
-    codes.append(client.post("/login", data={"username": "ghost4", "password": "x"}).status_code)
+    codes.append(client.post("/login", data={"username": "ghost4", "password": "x",
+                                             "csrf_token": login_form_token(client)}).status_code)
     assert codes == [401] * 5
     r = client.post(LOGIN, data={"username": "ghost5", "password": "nope-nope"})
     assert r.status_code == 429 and 1 <= int(r.headers["retry-after"]) <= 60
-    page = client.post("/login", data={"username": "alice", "password": "alice-password"})
+    page = client.post("/login", data={"username": "alice", "password": "alice-password",
+                                       "csrf_token": login_form_token(client)})
     assert page.status_code == 429 and "Too many sign-in attempts" in page.text
     failed = [e for e in audit.recent(engine, 100) if e.action == "login.failed"]
     assert len(failed) == 5  # refused attempts reach neither the password check nor the log

@@ -10,6 +10,7 @@ from fastapi.testclient import TestClient
 from app.settings import Settings
 from app.store.db import reset_engines
 from app.studio import accounts
+from tests.web.conftest import login_form_token
 
 ADMIN_PW = "admin-password-1"
 BASE = "http://localhost"
@@ -35,7 +36,8 @@ def client(make_client) -> TestClient:
 
 def sign_in(c: TestClient, name: str, password: str) -> str:
     """Sign ``c`` in through the form; returns the session's CSRF token from /account."""
-    r = c.post("/login", data={"username": name, "password": password, "next": "/account"},
+    r = c.post("/login", data={"username": name, "password": password, "next": "/account",
+                               "csrf_token": login_form_token(c)},
                follow_redirects=False)
     assert r.status_code == 303, r.text
     assert r.headers["location"] == "/account"
@@ -52,11 +54,38 @@ def bearer(c: TestClient, name: str, password: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {body['access_token']}"}
 
 
+def test_sign_in_form_refuses_posts_without_its_pre_session_token(client):
+    """Login CSRF: a third-party page (no token, the attacker's own token, another origin)
+    cannot sign a visitor in; the OAuth2 endpoint for scripts needs no cookie."""
+    form = {"username": "alice", "password": "alice-password"}
+    r = client.post("/login", data=form, follow_redirects=False)  # curl: no cookie, no token
+    assert r.status_code == 403 and "token cookie is missing" in r.text
+    assert "whetstone_session" not in r.headers.get("set-cookie", "")
+    attacker = TestClient(client.app, base_url=BASE)
+    stolen = login_form_token(attacker)  # a valid token, but bound to the attacker's cookie
+    token = login_form_token(client)
+    assert client.cookies.get("whetstone_signin_csrf") == token != stolen
+    r = client.post("/login", data={**form, "csrf_token": stolen}, follow_redirects=False)
+    assert r.status_code == 403 and "does not match" in r.text
+    r = client.post("/login", data=form, follow_redirects=False)  # cookie sent, field missing
+    assert r.status_code == 403 and "missing token" in r.text
+    r = client.post("/login", data={**form, "csrf_token": token}, follow_redirects=False,
+                    headers={"Origin": "http://evil.example"})
+    assert r.status_code == 403 and "another origin" in r.text
+    assert client.get("/api/me").status_code == 401  # none of them signed in
+    r = client.post("/login", data={**form, "csrf_token": token}, follow_redirects=False,
+                    headers={"Origin": BASE})
+    assert r.status_code == 303 and client.get("/api/me").json()["name"] == "alice"
+    cookieless = TestClient(client.app, base_url=BASE).post(LOGIN, data=form)
+    assert cookieless.status_code == 200 and cookieless.json()["token_type"] == "bearer"
+
+
 def test_sign_in_and_out_with_a_session_cookie(client):
     r = client.get("/account", follow_redirects=False)
     assert r.status_code == 303 and r.headers["location"] == "/login?next=%2Faccount"
     r = client.post("/login", data={"username": "alice", "password": "alice-password",
-                                    "next": "/account"}, follow_redirects=False)
+                                    "next": "/account", "csrf_token": login_form_token(client)},
+                    follow_redirects=False)
     cookie = r.headers["set-cookie"]
     assert "whetstone_session=" in cookie and "HttpOnly" in cookie
     assert "SameSite=lax" in cookie and "Max-Age=604800" in cookie and "Secure" not in cookie
@@ -80,7 +109,8 @@ def test_wrong_password_and_unknown_user_get_the_same_401(client):
     assert wrong.status_code == unknown.status_code == 401
     assert wrong.json()["error"]["message"] == unknown.json()["error"]["message"] \
         == "wrong user name or password"
-    page = client.post("/login", data={"username": "alice", "password": "bad-password"})
+    page = client.post("/login", data={"username": "alice", "password": "bad-password",
+                                       "csrf_token": login_form_token(client)})
     assert page.status_code == 401 and "wrong user name or password" in page.text
 
 
@@ -90,7 +120,8 @@ def test_sign_in_attempts_are_rate_limited(client):
         assert r.status_code == 401
     r = client.post(LOGIN, data={"username": "bob", "password": "bob-password-1"})
     assert r.status_code == 429 and 1 <= int(r.headers["retry-after"]) <= 60
-    page = client.post("/login", data={"username": "bob", "password": "bob-password-1"})
+    page = client.post("/login", data={"username": "bob", "password": "bob-password-1",
+                                       "csrf_token": login_form_token(client)})
     assert page.status_code == 429 and "Too many sign-in attempts" in page.text
     assert client.post(LOGIN,  # another name is counted apart
                        data={"username": "alice", "password": "alice-password"}).status_code == 200
@@ -177,8 +208,11 @@ def test_csrf_on_cookie_requests(client):
     r = client.post("/account/keys", data={"name": "same-origin", "csrf_token": csrf},
                     headers={"Origin": BASE})
     assert r.status_code == 200 and str(r.url) == f"{BASE}/account"
-    r = client.post(f"/account/keys?csrf_token={csrf}", files={"name": (None, "multipart")})
+    r = client.post("/account/keys", files={"csrf_token": (None, csrf),  # the first field
+                                            "name": (None, "multipart")})
     assert r.status_code == 200 and "multipart" in r.text
+    r = client.post(f"/account/keys?csrf_token={csrf}", files={"name": (None, "in-url")})
+    assert r.status_code == 403  # a token in the URL (access logs) is not read
     names = sorted(k["name"] for k in client.get("/api/keys").json())
     assert names == ["by-field", "by-header", "multipart", "same-origin"]
 
@@ -244,18 +278,21 @@ def test_first_start_setup_link_works_once(make_client, capsys):
     assert c.get("/setup?token=wrong").status_code == 404
     assert "Create the admin account" in c.get(link).text
     token = link.split("token=")[1]
+    form = login_form_token(c, link)
     r = c.post("/setup", data={"token": token, "name": "root", "password": "short",
-                               "password2": "short"})
+                               "password2": "short", "csrf_token": form})
     assert r.status_code == 422 and "at least 8 characters" in r.text
     r = c.post("/setup", data={"token": token, "name": "root", "password": "root-password",
-                               "password2": "root-password"}, follow_redirects=False)
+                               "password2": "root-password", "csrf_token": form},
+               follow_redirects=False)
     assert r.status_code == 303
     me = c.get("/api/me").json()
     assert me["name"] == "root" and me["role"] == "admin"
     assert c.get(link).status_code == 404
     c.cookies.clear()
+    c.cookies.set("whetstone_signin_csrf", form)  # signed out, the setup form's token kept
     r = c.post("/setup", data={"token": token, "name": "other", "password": "other-password",
-                               "password2": "other-password"})
+                               "password2": "other-password", "csrf_token": form})
     assert r.status_code == 404
     assert [u.name for u in accounts.list_users(c.app.state.engine, accounts.get_user(
         c.app.state.engine, me["id"]))] == ["root"]
@@ -276,9 +313,12 @@ def test_expired_token_secure_cookie_and_no_open_redirect(client, make_client):
     assert row.expires_at < row.created_at
     assert client.get("/api/me", headers={"Authorization": f"Bearer {token}"}).status_code == 401
     r = client.post("/login", data={"username": "alice", "password": "alice-password",
-                                    "next": "//evil.example/x"}, follow_redirects=False)
+                                    "next": "//evil.example/x",
+                                    "csrf_token": login_form_token(client)},
+                    follow_redirects=False)
     assert r.status_code == 303 and r.headers["location"] == "/"
     secure = TestClient(client.app, base_url="https://localhost")
-    r = secure.post("/login", data={"username": "bob", "password": "bob-password-1"},
+    r = secure.post("/login", data={"username": "bob", "password": "bob-password-1",
+                                    "csrf_token": login_form_token(secure)},
                     follow_redirects=False)
     assert r.status_code == 303 and "Secure" in r.headers["set-cookie"]

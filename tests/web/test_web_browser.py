@@ -152,6 +152,42 @@ def test_a_page_from_another_origin_cannot_cancel_or_create_runs(page, client, e
     assert queue.get_job(engine, job.id).cancel_requested
 
 
+def test_a_page_from_another_origin_cannot_sign_the_visitor_in(server, client, evil_site):
+    """Login CSRF: a signed-out visitor (who has opened the sign-in page, so holds its token
+    cookie) lands on another origin's page that posts the attacker's credentials to /login;
+    the visitor stays signed out, and the studio's own sign-in form still works."""
+    from app.studio import accounts
+
+    sync_api = pytest.importorskip("playwright.sync_api")
+    engine = client.app.state.engine
+    accounts.create_user(engine, "mallory", "mallory-password",
+                         actor=accounts.authenticate(engine, ADMIN_USER, ADMIN_PASSWORD))
+    root, evil = evil_site
+    (root / "login.html").write_text(f"""<!doctype html><body>
+<iframe name="sink" onload="if (this.dataset.sent) document.title = 'sent'"></iframe>
+<form id="f" method="post" action="{server}/login" target="sink">
+  <input name="username" value="mallory"><input name="password" value="mallory-password">
+</form>
+<script>document.querySelector('iframe').dataset.sent = 1; document.getElementById('f').submit();
+</script></body>""")
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        pg = browser.new_page()
+        pg.set_default_timeout(20_000)
+        pg.goto(f"{server}/login")
+        pg.goto(f"{evil}/login.html")
+        pg.wait_for_function("document.title === 'sent'")
+        assert pg.context.request.get(f"{server}/api/me").status == 401
+        assert "whetstone_session" not in {c["name"] for c in pg.context.cookies()}
+        pg.goto(f"{server}/login?next=/account")
+        pg.fill("input[name=username]", "mallory")
+        pg.fill("input[name=password]", "mallory-password")
+        pg.click("form[action='/login'] button[type=submit]")
+        pg.wait_for_url(f"{server}/account")
+        assert pg.context.request.get(f"{server}/api/me").json()["name"] == "mallory"
+        browser.close()
+
+
 def test_back_shows_whole_pages_never_a_fragment_or_a_signed_out_key(page, client, app):
     """The run page's script swaps fragments fetched from the page's own URL; Back from another
     page shows the whole run page again (``Vary: HX-Request``, ``no-store``). After signing out,
