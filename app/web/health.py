@@ -26,9 +26,9 @@ def check(settings: Settings) -> tuple[bool, str]:
         return False, f"web: /healthz did not answer: {' '.join(str(exc).split())[:300]}"
     db = body.get("database") or {}
     if not db.get("ok"):
-        return False, f"web: the database is not reachable: {db.get('error', 'unknown')}"
+        return False, "web: the database is not reachable (details: /healthz as an admin)"
     return True, f"web: {body.get('status')} (database {db.get('kind')}, " \
-                 f"{len(body.get('workers') or [])} live workers)"
+                 f"{body.get('live_workers', 0)} live workers)"
 
 
 def main() -> int:

@@ -72,6 +72,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @app.get("/healthz")
     def healthz(request: Request) -> JSONResponse:
+        """Public: ``{"status": "ok"|"degraded", "database": {"ok", "kind"}, "live_workers": n,
+        "reason"?}`` (what a HEALTHCHECK or a monitor needs). A signed-in admin also gets the
+        database's ``migration`` and ``error`` and the ``workers`` (host, pid, device, job)."""
         engine = dep_engine(request)
         db = {"ok": False, "kind": engine.dialect.name, "migration": None}
         live = []
@@ -85,12 +88,18 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                     for w in workers_store.live(engine, settings.worker_stale_seconds)]
         except Exception as exc:  # noqa: BLE001
             db["error"] = str(exc)
-        body = {"status": "ok", "database": db, "workers": live}
+        body = {"status": "ok", "database": {"ok": db["ok"], "kind": db["kind"]},
+                "live_workers": len(live)}
         if not db["ok"]:
-            body.update(status="degraded", reason=f"the database is not reachable: {db.get('error')}")
+            body.update(status="degraded", reason="the database is not reachable")
         elif not live:
             body.update(status="degraded", reason="no live worker: queued jobs wait until one "
                         "starts (python -m worker)")
+        user = getattr(request.state, "user", None)
+        if user is not None and user.role == "admin":  # host names, pids: not for everyone
+            body.update(database=db, workers=live)
+            if not db["ok"]:
+                body["reason"] += f": {db.get('error')}"
         return JSONResponse(body, status_code=200)
 
     from app.web import auth

@@ -34,7 +34,8 @@ def studio(tmp_path_factory) -> Studio:
     s = Studio(url=f"http://127.0.0.1:{port}", data_dir=data_dir, web=web, worker=worker, logs=logs)
     try:
         with s.client() as c:
-            wait_for(lambda: c.get("/healthz").json()["workers"], 120, "a live worker in /healthz", s)
+            wait_for(lambda: c.get("/healthz").json()["live_workers"], 120, "a live worker in /healthz",
+                     s)
         s.create_api_key()
         with s.client() as c:
 

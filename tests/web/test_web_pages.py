@@ -6,21 +6,45 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.web.conftest import signed_in
+from tests.web.conftest import ADMIN_PASSWORD, ADMIN_USER, signed_in
 from tests.web.conftest import run_validations
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_healthz(client):
-    r = client.get("/healthz")
+    r = client.get("/healthz")  # an admin (Bearer)
     assert r.status_code == 200
     body = r.json()
     assert body["status"] == "degraded" and "no live worker" in body["reason"]
     assert body["database"]["ok"] is True
     assert body["database"]["kind"] == "sqlite"
     assert body["database"]["migration"]
-    assert body["workers"] == []
+    assert body["workers"] == [] and body["live_workers"] == 0
+
+
+def test_healthz_shows_worker_hosts_and_pids_only_to_admins(client, app):
+    from fastapi.testclient import TestClient
+
+    from app.store import workers as workers_store
+    from app.studio import accounts
+
+    engine = app.state.engine
+    workers_store.register(engine, "gpu-box-7:slot0", "gpu-box-7", 4242, "cuda:0")
+    admin = client.get("/healthz").json()
+    assert admin["status"] == "ok" and admin["live_workers"] == 1 and "reason" not in admin
+    assert [(w["host"], w["pid"], w["device"]) for w in admin["workers"]] == \
+        [("gpu-box-7", 4242, "cuda:0")]
+    accounts.create_user(engine, "mia", "mia-password",
+                         actor=accounts.authenticate(engine, ADMIN_USER, ADMIN_PASSWORD))
+    anonymous = TestClient(app, base_url="http://127.0.0.1").get("/healthz")
+    with signed_in(app, "mia", "mia-password") as member:
+        members = member.get("/healthz")
+    for r in (anonymous, members):
+        assert r.status_code == 200
+        assert r.json() == {"status": "ok", "database": {"ok": True, "kind": "sqlite"},
+                            "live_workers": 1}
+        assert "gpu-box-7" not in r.text and "4242" not in r.text
 
 
 def test_demo_model_is_seeded(client):
