@@ -186,38 +186,92 @@ def encode(tok, prompt: str, chat: bool | None = None) -> list[int]:
     return list(tok(prompt, add_special_tokens=not chat)["input_ids"])
 
 
+#: Below this many parameters a CPU forward runs on one intra-op thread (:func:`cpu_threads`).
+SMALL_MODEL_PARAMS = 50_000_000
+
+
+def cpu_threads(n_params: int) -> int:
+    """Intra-op threads for CPU forwards of a model of ``n_params`` parameters: 1 for a small
+    model (below :data:`SMALL_MODEL_PARAMS`: each step is well under a millisecond of arithmetic,
+    so splitting it only adds thread wake-ups), else the cores this process may use that the
+    1-minute load average leaves idle, at least 1. On a loaded 2-core box, torch's default of
+    one thread per core made every step of stories260K's greedy decode 20-70x slower (threads
+    spinning on a peer that was descheduled)."""
+    import os
+
+    if n_params < SMALL_MODEL_PARAMS:
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(cores or 1, round((cores or 1) - os.getloadavg()[0])))
+
+
+class _threads:
+    """Context: torch's intra-op threads set to :func:`cpu_threads` for ``model``, restored on
+    exit (a no-op for a model on a GPU)."""
+
+    def __init__(self, model):
+        import torch
+
+        p = next(model.parameters(), None)
+        self.n = None if p is None or p.device.type != "cpu" else \
+            cpu_threads(sum(x.numel() for x in model.parameters()))
+        self.torch = torch
+
+    def __enter__(self):
+        self.old = self.torch.get_num_threads()
+        if self.n:
+            self.torch.set_num_threads(self.n)
+
+    def __exit__(self, *exc):
+        self.torch.set_num_threads(self.old)
+
+
 def hf_greedy(model, ids: list[int], end_ids: list[int], n: int = MAX_NEW,
-              tops: list | None = None) -> list[int]:
-    """Greedy continuation (no sampling, no cache tricks) of ``ids`` for ``n`` tokens.
+              tops: list | None = None, on_step=None) -> list[int]:
+    """Greedy continuation (no sampling) of ``ids`` for ``n`` tokens: the prompt is forwarded
+    once, then one token per step on the model's KV cache (a model that returns none is
+    re-forwarded on the whole sequence); on CPU with :func:`cpu_threads` threads.
 
     When ``tops`` is a list, the ``TOP_K`` (token id, fp32 logit) pairs of every step are appended.
+    ``on_step(k)``, if given, is called after the k-th new token (1-based).
     """
     import torch
 
     seq = list(ids)
-    with torch.no_grad():
-        for _ in range(n):
-            logits = model(torch.tensor([seq])).logits[0, -1].float()
+    inp, past = torch.tensor([seq]), None
+    with torch.no_grad(), _threads(model):
+        for k in range(1, n + 1):
+            out = model(inp, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            logits = out.logits[0, -1].float()
             if tops is not None:
                 v, i = torch.topk(logits, min(TOP_K, logits.numel()))
                 tops.append([[int(a), float(b)] for a, b in zip(i, v)])
             nxt = int(torch.argmax(logits))
             seq.append(nxt)
+            if on_step is not None:
+                on_step(k)
             if nxt in end_ids:
                 break
+            inp = torch.tensor([[nxt]] if past is not None else [seq])
     return seq[len(ids):]
 
 
 def reference(model, tok, prompts: list[str], end_ids: list[int],
-              chat: bool | None = None) -> list[dict]:
+              chat: bool | None = None, on_progress=None) -> list[dict]:
     """``[{"prompt", "chat", "ids", "continuation", "top"}]`` from the trained (unmerged) model;
-    ``chat`` as in :func:`encode`."""
-    refs = []
-    for p in prompts:
+    ``chat`` as in :func:`encode`. ``on_progress(fraction)``, if given, gets the share of the
+    greedy steps (``MAX_NEW`` per prompt) done so far, 0..1."""
+    refs, total = [], max(1, len(prompts) * MAX_NEW)
+    for j, p in enumerate(prompts):
         tops: list = []
         ids = encode(tok, p, chat)
+        step = None if on_progress is None else \
+            (lambda k, j=j: on_progress((j * MAX_NEW + k) / total))
         refs.append({"prompt": p, "chat": chat, "ids": ids, "top": tops,
-                     "continuation": hf_greedy(model, ids, end_ids, tops=tops)})
+                     "continuation": hf_greedy(model, ids, end_ids, tops=tops, on_step=step)})
+        if on_progress is not None:
+            on_progress((j + 1) * MAX_NEW / total)
     return refs
 
 
@@ -250,7 +304,7 @@ def hf_teacher_forced_top1(model, ids: list[int], cont: list[int]) -> tuple[int,
 
     if not cont:
         return 0, 0, []
-    with torch.no_grad():
+    with torch.no_grad(), _threads(model):
         logits = model(torch.tensor([ids + cont[:-1]])).logits[0, len(ids) - 1:].float()
     preds = torch.argmax(logits, dim=-1).tolist()
     return sum(int(a) == b for a, b in zip(preds, cont)), len(cont), logits.numpy()

@@ -74,7 +74,8 @@ def export_run(run_dir: str | Path, spec, out_dir: str | Path,
     data_path = data_path or (ds.get("path") if isinstance(ds, dict) else None) \
         or info.config.get("dataset_path")
     prompts, chat = V.probe_set(data_path, tok, info.chat_template)
-    refs = V.reference(trained, tok, prompts, end_ids, chat)
+    refs = V.reference(trained, tok, prompts, end_ids, chat,
+                       lambda f: progress("reference", 0.02 + 0.08 * f))
     add_bos = V.trained_bos(tok, info.chat_template, chat)  # GGUF/Ollama BOS = training's
     files: list[Path] = []
     result: dict[str, Any] = {"format": fmt, "probes": [r["prompt"] for r in refs],
@@ -87,12 +88,14 @@ def export_run(run_dir: str | Path, spec, out_dir: str | Path,
         from worker.export.adapter import export_adapter
         from worker.export.run import load_base
 
-        res = export_adapter(info, out / "adapter", progress)
+        res = export_adapter(info, out / "adapter", lambda st, f: progress(st, 0.1 + 0.1 * f))
         files.append(out / "adapter")
         reloaded = PeftModel.from_pretrained(load_base(info), out / "adapter").eval()
         fails = [V._diff("greedy", r["prompt"], r["continuation"], got)
-                 for r in refs
-                 if (got := V.hf_greedy(reloaded, r["ids"], end_ids)) != r["continuation"]]
+                 for j, r in enumerate(refs)
+                 if (got := V.hf_greedy(reloaded, r["ids"], end_ids, on_step=lambda k, j=j: progress(
+                     "verify adapter", 0.2 + 0.8 * (j * V.MAX_NEW + k) / (len(refs) * V.MAX_NEW))))
+                 != r["continuation"]]
         checks["adapter"] = {"passed": not fails, "peft": res, "failures": fails}
     elif fmt == "merged_16bit":
         from worker.export.merged import base_dtype, export_merged
