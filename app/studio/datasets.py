@@ -68,8 +68,11 @@ def list_datasets(engine: Engine, actor: User, limit: int = 200) -> list[Dataset
 
 
 def usable_models(engine: Engine, actor: User) -> list[Model]:
-    """The models ``actor`` may train on or preview with (own, shared; all for an admin)."""
-    return repo.list_models(engine, owner=access.owner_filter(actor))
+    """The models ``actor`` may train on or preview with: :func:`app.studio.models.usable_models`
+    (own and shared, all for an admin; not a failed import)."""
+    from app.studio import models  # models imports this module
+
+    return models.usable_models(engine, actor)
 
 
 def default_model(engine: Engine, actor: User) -> Model | None:

@@ -45,6 +45,13 @@ def list_models(engine: Engine, actor: User) -> list[Model]:
     return repo.list_models(engine, owner=access.owner_filter(actor))
 
 
+def usable_models(engine: Engine, actor: User) -> list[Model]:
+    """The models ``actor`` may train on, pick in a form or list under ``/v1/models``: those of
+    :func:`list_models` whose import has not failed (a ``pending`` one is kept: a run on it
+    waits for the import). The one rule every surface uses; the Models page lists all."""
+    return [m for m in list_models(engine, actor) if m.status != "failed"]
+
+
 def _local_path(settings: Settings, actor: User, value: str, what: str) -> str | None:
     """Why the server path ``value`` may not be used by ``actor``, else None. Never reads it."""
     if access.is_admin(actor):

@@ -99,7 +99,15 @@ def run_name(name: str | None) -> str | None:
 
 def usable_model(engine: Engine, actor: User, spec) -> Model:
     """The spec's model row if the actor may use it. Raises StudioError: not_found (field
-    ``model``) when unknown or not the actor's, invalid when it failed to import."""
+    ``model``) when unknown or not the actor's, invalid when it failed to import or is a
+    fine-tuned model id (``<base>:ft:<run>``, ``code`` ``fine_tuned_model_not_supported``)."""
+    base, ft, _ = str(spec.model).partition(":ft:")
+    if ft and not repo.models_named(engine, spec.model):
+        raise StudioError("invalid", f"fine-tuning a fine-tuned model ({spec.model!r}) is not "
+                          f"supported yet: set model to its base model {base!r} to train a new "
+                          "adapter from the base weights (clone the run to reuse its settings, "
+                          "or resume it to train it further)", "model",
+                          "fine_tuned_model_not_supported")
     model = _for_field("model", access.model, engine, actor, spec.model)
     if model.status == "failed":
         raise invalid("model", f"model {model.name!r} failed to import: "

@@ -31,7 +31,7 @@ def _fine_tuned(run, job, model_name: str) -> dict[str, Any]:
 
 @router.get("/models")
 def list_models(engine: EngineDep, user: CurrentUser):
-    models = models_uc.list_models(engine, user)
+    models = models_uc.usable_models(engine, user)
     names = {m.id: m.name for m in repo.list_models(engine)}
     data = [model_object(m.name, m.created_at, m.source) for m in models]
     data += [_fine_tuned(run, job, names.get(run.model_id, run.model_id))
@@ -41,7 +41,7 @@ def list_models(engine: EngineDep, user: CurrentUser):
 
 @router.get("/models/{model_id}")
 def retrieve_model(model_id: str, engine: EngineDep, user: CurrentUser):
-    for m in models_uc.list_models(engine, user):
+    for m in models_uc.usable_models(engine, user):
         if m.name == model_id:
             return model_object(m.name, m.created_at, m.source)
     base, sep, run_id = model_id.rpartition(":ft:")

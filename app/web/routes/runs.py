@@ -35,8 +35,8 @@ def _defaults() -> dict:
 
 def _form_ctx(engine, user, values: dict, errors: dict | None = None,
               general: list | None = None, tmpl: dict | None = None) -> dict:
-    # a failed model cannot train: it is left out (its reason is on the Models page)
-    models = [m for m in datasets_uc.usable_models(engine, user) if m.status != "failed"]
+    # a failed model cannot train: usable_models leaves it out (its reason is on the Models page)
+    models = datasets_uc.usable_models(engine, user)
     # GRPO prompt datasets have no answers to train on: they are for /runs/new/grpo
     datasets = [d for d in datasets_uc.list_datasets(engine, user)
                 if d.status == "processed" and d.format != "prompts"]
