@@ -9,10 +9,13 @@
 * **Multipart uploads** carry the session's token as their *first* form field, which
   :func:`multipart_field` reads from the head of the body (at most :data:`HEAD_LIMIT` bytes,
   replayed unchanged to the route) before the file streams in: the token never goes in the URL,
-  hence never in an access log.
+  hence never in an access log. A ``csrf_token`` query parameter is not read; should a stale page
+  or a script still put one in a URL, :class:`RedactTokens` (installed on uvicorn's access log by
+  ``app.web.main.server_config``) writes it as ``csrf_token=[redacted]``.
 """
 from __future__ import annotations
 
+import logging
 import re
 import secrets
 
@@ -28,6 +31,28 @@ PRESESSION_MAX_AGE = 7 * 24 * 3600
 #: Most bytes of a multipart body read to find its first field.
 HEAD_LIMIT = 64 * 1024
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]{32,64}$")
+_IN_URL = re.compile(r"(?i)\b(csrf_token=)[^&\s\"]*")
+
+
+class RedactTokens(logging.Filter):
+    """A logging filter that replaces the value of every ``csrf_token=`` in a record's message
+    and string arguments (uvicorn's access line: client, method, path with query, ...) by
+    ``[redacted]``. Never drops a record."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple):
+            record.args = tuple(_IN_URL.sub(r"\1[redacted]", a) if isinstance(a, str) else a
+                                for a in record.args)
+        if isinstance(record.msg, str):
+            record.msg = _IN_URL.sub(r"\1[redacted]", record.msg)
+        return True
+
+
+def redact_access_log(logger_name: str = "uvicorn.access") -> None:
+    """Add one :class:`RedactTokens` to the logger ``logger_name`` (idempotent)."""
+    logger = logging.getLogger(logger_name)
+    if not any(isinstance(f, RedactTokens) for f in logger.filters):
+        logger.addFilter(RedactTokens())
 
 
 def presession_token(request: Request) -> str | None:

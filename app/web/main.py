@@ -132,13 +132,18 @@ def server_config(app, settings: Settings, **overrides):
     """The ``uvicorn.Config`` that serves ``app``: ``settings.host:settings.port``; forwarded
     headers (``X-Forwarded-For``/``-Proto``) are trusted only from the proxies named by
     ``settings.forwarded_allow_ips`` (empty: from none, the client is the TCP peer).
-    ``overrides`` go to ``uvicorn.Config`` as they are (e.g. ``port=0`` in tests)."""
+    ``overrides`` go to ``uvicorn.Config`` as they are (e.g. ``port=0`` in tests). The access
+    log writes any ``csrf_token`` in a URL as ``[redacted]``."""
     import uvicorn
 
     proxies = settings.forwarded_allow_ips.strip()
     kwargs = dict(host=settings.host, port=settings.port, log_level="info",
                   proxy_headers=bool(proxies), forwarded_allow_ips=proxies or None)
-    return uvicorn.Config(app, **{**kwargs, **overrides})
+    config = uvicorn.Config(app, **{**kwargs, **overrides})  # configures uvicorn's loggers
+    from app.web.csrf import redact_access_log
+
+    redact_access_log()  # no CSRF token in an access line (app.web.csrf)
+    return config
 
 
 def run() -> None:

@@ -62,8 +62,9 @@ def bearer(c: TestClient, name: str, password: str) -> dict[str, str]:
 
 
 # ---- 1: forwarded headers, per-address limit ----------------------------------------------------
-def _serve(settings: Settings):
-    """The app served by uvicorn with the config ``whetstone-web`` uses; yields the base URL."""
+def _serve(settings: Settings, log_level: str = "warning"):
+    """The app served by uvicorn with the config ``whetstone-web`` uses; returns the server, its
+    thread and the base URL."""
     import uvicorn
 
     from app.web.main import create_app, server_config
@@ -72,7 +73,7 @@ def _serve(settings: Settings):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     srv = uvicorn.Server(server_config(create_app(settings), settings, host="127.0.0.1",
-                                       port=port, log_level="warning"))
+                                       port=port, log_level=log_level))
     th = threading.Thread(target=srv.run, daemon=True)
     th.start()
     deadline = time.time() + 20

@@ -4,11 +4,15 @@ an access log), and it is read before the file streams to disk."""
 from __future__ import annotations
 
 import json
+import logging
 import re
 
+import httpx
 from fastapi.testclient import TestClient
 
+from app.settings import Settings
 from tests.web.conftest import ADMIN_PASSWORD, ADMIN_USER, login_form_token
+from tests.web.test_account_security import _serve
 
 FIRST_INPUT = re.compile(r'<form[^>]*action="(?P<action>[^"]+)"[^>]*enctype="multipart/form-data"'
                          r'[^>]*>\s*(?:\{#.*?#\})?\s*<input type="hidden" name="(?P<name>[^"]+)" '
@@ -64,3 +68,30 @@ def test_upload_forms_send_the_token_as_first_field_not_in_the_url(client, app):
     names = [d["filename"] for d in client.get("/api/datasets").json()["data"]]
     assert names.count("big.jsonl") == 1 and not {"no-token.jsonl", "late.jsonl", "url.jsonl",
                                                    "f.jsonl"} & set(names)
+
+
+def test_the_access_log_never_shows_a_csrf_token_from_a_url(tmp_path):
+    """A stale page or a script that still puts the token in a URL: uvicorn's access line (as
+    ``whetstone-web`` configures it) says ``csrf_token=[redacted]``."""
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    keep = Keep()
+    srv, th, base = _serve(Settings(data_dir=tmp_path / "data", admin_password=ADMIN_PASSWORD),
+                           log_level="info")
+    logging.getLogger("uvicorn.access").addHandler(keep)
+    try:
+        secret = "Zq9" * 14
+        r = httpx.post(f"{base}/datasets?a=1&csrf_token={secret}&b=2", files={"file": ("x", b"")})
+        assert r.status_code == 303 and r.headers["location"].startswith("/login")
+        assert httpx.get(f"{base}/login?csrf_token={secret}").status_code == 200
+    finally:
+        srv.should_exit = True
+        th.join(timeout=10)
+        logging.getLogger("uvicorn.access").removeHandler(keep)
+    access = [line for line in lines if "csrf_token=" in line]
+    assert len(access) == 2 and all(secret not in line for line in lines), lines
+    assert '"POST /datasets?a=1&csrf_token=[redacted]&b=2 HTTP/1.1" 303' in access[0]
