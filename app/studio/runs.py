@@ -28,17 +28,26 @@ if TYPE_CHECKING:
     from app.store.schema import User
 
 
-def field_errors(exc: ValidationError) -> tuple[dict[str, str], list[str]]:
-    """Map a pydantic ValidationError to ``{field: message}`` plus form-level messages."""
+def field_errors(exc: ValidationError, fields=()) -> tuple[dict[str, str], list[str]]:
+    """Map a pydantic ValidationError to ``{field: message}`` plus form-level messages. A
+    whole-spec rule's message (a model validator's: no ``loc``) goes under each of ``fields``
+    (the spec's field names) it names outside parentheses, e.g. batch × accumulation vs
+    num_generations (not "(use num_train_epochs)"); only names with an underscore count, so
+    plain words such as "model" are not taken for fields."""
+    import re
+
     out: dict[str, str] = {}
     general: list[str] = []
     for err in exc.errors():
         loc = err.get("loc") or ()
         msg = err.get("msg", "invalid value").removeprefix("Value error, ")
+        subject = re.sub(r"\([^)]*\)", "", msg)
+        named = [w for w in dict.fromkeys(re.findall(r"\b[a-z]+_\w+\b", subject)) if w in fields]
         if loc:
             out.setdefault(str(loc[0]), msg)
-        elif "max_steps" in msg:
-            out.setdefault("max_steps", msg)
+        elif named:
+            for name in named:
+                out.setdefault(name, msg)
         else:
             general.append(msg)
     return out, general
@@ -60,9 +69,30 @@ def parse_spec(cls: type[BaseModel], raw: dict[str, Any]) -> Any:
     try:
         return cls(**raw)
     except ValidationError as exc:
-        raise SpecError(*field_errors(exc)) from None
+        raise SpecError(*field_errors(exc, cls.model_fields)) from None
     except TypeError as exc:  # a non-string key
         raise SpecError({}, [f"invalid spec: {exc}"]) from None
+
+
+def check_input(cls: type[BaseModel], raw: dict[str, Any], name: str | None) -> Any:
+    """:func:`parse_spec` and :func:`run_name` together, so that a form learns every bad field
+    at once (a too-long name and a bad spec value in one answer, not one per submit).
+
+    Raises SpecError listing every bad field, ``name`` included."""
+    fields: dict[str, str] = {}
+    general: list[str] = []
+    spec = None
+    try:
+        spec = parse_spec(cls, raw)
+    except SpecError as exc:
+        fields, general = dict(exc.fields), list(exc.general)
+    try:
+        run_name(name)
+    except StudioError as exc:
+        fields.setdefault("name", exc.message)
+    if fields or general:
+        raise SpecError(fields, general)
+    return spec
 
 
 def _for_field(field: str, lookup, *args):

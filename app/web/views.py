@@ -143,19 +143,21 @@ def owner_names(engine, user) -> dict[str, str]:
 
 
 async def create_from_form(spec_cls, raw: dict, errors: dict[str, str], create,
-                           field_of=lambda field: field) -> tuple[Any, dict[str, str], list[str]]:
-    """Validate a run form's ``raw`` input as ``spec_cls`` and, when ``errors`` (the form's own
-    checks) is empty, ``create(spec)`` off the event loop: ``(run or None, field errors,
-    form-level messages)``. A spec error lists every bad field; a use-case error about one
-    field goes under ``field_of(field)``; one about the whole spec (too big for every GPU) above
-    the form; any other is raised (the surface's error mapping answers it)."""
+                           field_of=lambda field: field, name: str | None = None
+                           ) -> tuple[Any, dict[str, str], list[str]]:
+    """Validate a run form's ``raw`` input as ``spec_cls`` and its run ``name`` and, when
+    ``errors`` (the form's own checks) is empty, ``create(spec)`` off the event loop: ``(run or
+    None, field errors, form-level messages)``. A spec error lists every bad field (the name's
+    too); a use-case error about one field goes under ``field_of(field)``; one about the whole
+    spec (too big for every GPU) above the form; any other is raised (the surface's error
+    mapping answers it)."""
     from starlette.concurrency import run_in_threadpool
 
-    from app.studio.runs import SpecError, parse_spec
+    from app.studio.runs import SpecError, check_input
 
     run, general = None, []
     try:
-        spec = parse_spec(spec_cls, raw)
+        spec = check_input(spec_cls, raw, name)
         if not errors:
             run, _ = await run_in_threadpool(create, spec)
     except SpecError as exc:

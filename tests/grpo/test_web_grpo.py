@@ -574,3 +574,18 @@ def test_qlora_grpo_is_refused_when_every_live_worker_has_no_cuda(env):
     workers.register(eng, "w-gpu", "box", 12, "cuda:0 NVIDIA H200")
     r = c.post("/api/runs/grpo", json=body)
     assert r.status_code == 201 and r.json()["spec"]["load_in_4bit"] is True
+
+
+def test_form_reports_every_bad_field_at_once_each_at_its_field(env):
+    """Trial: batch × accumulation vs num_generations showed only in the memory section, and a
+    too-long name only on the next submit."""
+    r = env["client"].post("/runs/grpo", data=_form(env["dataset"], name="n" * 300,
+                                                    per_device_train_batch_size="3"))
+    assert r.status_code == 422
+    rule = ("per_device_train_batch_size × gradient_accumulation_steps (3) must be a multiple "
+            "of num_generations (4)")
+    for name in ("num_generations", "per_device_train_batch_size", "gradient_accumulation_steps"):
+        label = r.text.split(f'<code class="small">{name}</code>', 1)[1].split("</label>", 1)[0]
+        assert rule in label, (name, label)
+    name_label = r.text.split('<code class="small">name</code>', 1)[1].split("</label>", 1)[0]
+    assert "at most 100 characters (this one has 300)" in name_label

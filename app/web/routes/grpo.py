@@ -180,7 +180,8 @@ async def create_grpo_form(request: Request, engine: EngineDep, settings: Settin
     run, errors, general = await views.create_from_form(
         GrpoSpec, raw, errors,
         lambda spec: create_grpo_run(engine, settings, user, spec, values.get("name") or None),
-        lambda field: "rewards" if field.startswith("rewards") else field)
+        lambda field: "rewards" if field.startswith("rewards") else field,
+        name=values.get("name") or None)
     if run is None:
         return render(request, "run_grpo_new.html", _form_ctx(request, values, errors, general),
                       block="grpo_form", status_code=422)

@@ -170,7 +170,7 @@ async def create_run(request: Request, engine: EngineDep, settings: SettingsDep,
     errors.update(cleared_numbers(form))
     run, errors, general = await views.create_from_form(
         TrainSpec, raw, errors,
-        lambda spec: runs_uc.create_sft_run(engine, settings, user, spec, name))
+        lambda spec: runs_uc.create_sft_run(engine, settings, user, spec, name), name=name)
     if run is None:
         tmpl = template_ctx(engine, user, values.get("model"), form.get("chat_template_choice"),
                             values.get("chat_template") or None)
