@@ -2,7 +2,8 @@
 
 A worker process runs two lanes (see worker/loop.py): ``gpu`` (train, grpo) and ``cpu``
 (exports, model imports, dataset validation, :data:`app.store.queue.CPU_KINDS`), so a queued job's
-position counts only the jobs ahead of it in its own lane (priority first, then age), across
+position counts only the jobs ahead of it in its own lane, in claim order
+(:func:`app.store.queue.claim_key`: dataset validations first, then priority, then age), across
 every user; the list shows the caller's own jobs (an admin's: everyone's).
 """
 from __future__ import annotations
@@ -14,7 +15,7 @@ from sqlalchemy.engine import Engine
 from sqlmodel import select
 
 from app.store.db import session_scope
-from app.store.queue import CPU_KINDS
+from app.store.queue import CPU_KINDS, claim_key
 from app.store.schema import Job, JobState, Run
 from app.studio import access
 
@@ -54,8 +55,9 @@ def list_jobs(engine: Engine, actor: User, recent: int = 20) -> list[JobRow]:
     """The jobs ``actor`` may see: every queued or running one (queued in claim order, with
     its position in its lane), then the ``recent`` newest finished ones."""
     with session_scope(engine) as s:
-        active = list(s.exec(select(Job).where(Job.state.in_([JobState.QUEUED, JobState.RUNNING]))
-                             .order_by(Job.priority.desc(), Job.id)).all())
+        active = sorted(s.exec(select(Job).where(Job.state.in_([JobState.QUEUED,
+                                                                JobState.RUNNING]))).all(),
+                        key=claim_key)
         done = list(s.exec(select(Job).where(Job.state.in_(JobState.FINAL))
                            .order_by(Job.id.desc()).limit(recent * 5)).all())
         run_ids = {j.run_id for j in active + done if j.run_id}
