@@ -167,6 +167,22 @@ def usable_dataset(engine: Engine, actor: User, spec) -> Dataset:
     return ds
 
 
+def sft_dataset_problem(engine: Engine, actor: User, dataset_id: str) -> str | None:
+    """Why the SFT run form cannot train on ``dataset_id`` (unknown or another user's, still
+    validating, failed validation, a GRPO prompt dataset), for the form that was asked for it;
+    None when it can."""
+    from types import SimpleNamespace
+
+    try:
+        ds = usable_dataset(engine, actor, SimpleNamespace(dataset=dataset_id))
+    except StudioError as exc:
+        return exc.message
+    if ds.format == "prompts":
+        return (f"dataset {ds.filename!r} is a GRPO prompt dataset (prompts without responses "
+                f"to train on); start a GRPO run on it at /runs/new/grpo?dataset={ds.id}")
+    return None
+
+
 def check_qlora_device(engine: Engine, settings: Settings, spec) -> None:
     """Raises StudioError(invalid, ``load_in_4bit``) when the spec asks for QLoRA and every live
     worker runs without CUDA. With no live worker the run is accepted: a GPU worker may start

@@ -73,7 +73,9 @@ def new_run(request: Request, engine: EngineDep, user: CurrentUser, dataset: str
     values = _defaults()
     values["dataset"] = dataset or ""
     values["model"] = model or ""
-    ctx = _form_ctx(engine, user, values)
+    # a dataset asked for that cannot train is said so, never silently swapped for another
+    problem = runs_uc.sft_dataset_problem(engine, user, dataset) if dataset else None
+    ctx = _form_ctx(engine, user, values, {"dataset": problem} if problem else None)
     if max_seq_length and max_seq_length.strip().isdigit():
         values["max_seq_length"] = int(max_seq_length)
     else:
