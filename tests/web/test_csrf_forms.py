@@ -11,6 +11,7 @@ import httpx
 from fastapi.testclient import TestClient
 
 from app.settings import Settings
+from tests.conftest import SHARED_DATA as SHARED
 from tests.web.conftest import ADMIN_PASSWORD, ADMIN_USER, login_form_token
 from tests.web.test_account_security import _serve
 
@@ -65,7 +66,12 @@ def test_upload_forms_send_the_token_as_first_field_not_in_the_url(client, app):
     r = c.post("/datasets", data={"csrf_token": "forged"}, files={"file": ("f.jsonl", body)},
                follow_redirects=False)
     assert r.status_code == 403 and "does not match" in r.text
+    prompts = (SHARED / "grpo" / "gsm8k" / "test.jsonl").read_bytes()  # the GRPO form's upload
+    r = c.post("/grpo/datasets", data={"csrf_token": session_token},
+               files={"file": ("gsm8k.jsonl", prompts)}, follow_redirects=False)
+    assert r.status_code == 303 and r.headers["location"].startswith("/datasets/file-")
     names = [d["filename"] for d in client.get("/api/datasets").json()["data"]]
+    assert "gsm8k.jsonl" in names
     assert names.count("big.jsonl") == 1 and not {"no-token.jsonl", "late.jsonl", "url.jsonl",
                                                    "f.jsonl"} & set(names)
 
