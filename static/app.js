@@ -67,11 +67,20 @@
     if (FINAL.includes(state)) $("m-eta").textContent = "—";  // a finished run has no ETA
   }
   const warned = new Set();
-  function warn(message) {  // run warnings (log events of level warning) in the box by the stats
+  function warn(message, details) {  // run warnings (log events of level warning) by the stats
     if (warned.has(message)) return;
     warned.add(message);
     const li = document.createElement("li");
     li.textContent = message;
+    if (Array.isArray(details) && details.length) {  // e.g. every row left out: folded away
+      const box = document.createElement("details"), summary = document.createElement("summary");
+      summary.textContent = `show all ${details.length}`;
+      const pre = document.createElement("pre");
+      pre.className = "cell";
+      pre.textContent = details.join("\n");
+      box.append(summary, pre);
+      li.append(box);
+    }
     $("run-warnings").querySelector("ul").append(li);
     $("run-warnings").hidden = false;
   }
@@ -110,7 +119,7 @@
   es.addEventListener("log", (e) => {
     const d = JSON.parse(e.data);
     log(`[${stamp(d.ts)}] ${d.level && d.level !== "info" ? d.level + ": " : ""}${d.message}`);
-    if (d.level === "warning" || d.level === "warn") warn(d.message);
+    if (d.level === "warning" || d.level === "warn") warn(d.message, d.details);
   });
   es.addEventListener("progress", (e) => {
     const d = JSON.parse(e.data);

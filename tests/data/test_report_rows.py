@@ -71,3 +71,23 @@ def test_column_mapping_checked():
         check_column_mapping({"instruction": "q", "output": "q"})
     with pytest.raises(DatasetError, match="no column 'x'"):
         check_column_mapping({"instruction": "q", "output": "x"}, ["q", "a"])
+
+
+def test_dropped_rows_warning_is_a_summary_with_every_row_as_details():
+    """Trial shot 67: 26 rows, each with its own reason, made one unreadable paragraph."""
+    from app.data.report import Issue
+    from worker.engine.data import dropped_note
+
+    rows = [Issue(row=r, field=None, message=f"the answer starts past max_seq_length (128 "
+                                               f"tokens; the row has {1000 + r})") for r in
+            (9, 12, 18, 21, 24, 29, 31)]
+    summary, details = dropped_note(rows)
+    assert summary == ("7 rows with no trained token left out of training (rows 9, 12, 18, 21, "
+                       "24 and 2 more); row 9: the answer starts past max_seq_length (128 "
+                       "tokens; the row has 1009)")
+    assert len(details) == 7 and details[-1] == ("row 31: the answer starts past max_seq_length "
+                                                 "(128 tokens; the row has 1031)")
+    assert dropped_note(rows, listed=3)[1][-1] == "… and 4 more rows"
+    assert dropped_note(rows[:1])[0].startswith("1 row with no trained token left out of "
+                                                "training (row 9); row 9: ")
+    assert dropped_note([]) is None

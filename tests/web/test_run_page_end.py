@@ -35,6 +35,17 @@ def test_live_end_rerenders_the_header_and_every_card(page, client, engine):  # 
                                                     "memory_gib": 0.7, "memory_kind": "rss",
                                                     "peak_gib": 0.75})])
     expect(page.locator("#m-step")).to_have_text("1 / 2")
+    events.append_many(engine, job.id, [("log", {  # worker.engine.data.dropped_note's shape
+        "level": "warning", "message": "3 rows with no trained token left out of training (rows "
+        "4, 5, 6); row 4: too long", "details": ["row 4: too long", "row 5: too long",
+                                                 "row 6: too long"]})])
+    warning = page.locator("#run-warnings li")
+    expect(warning).to_have_count(1)
+    expect(warning.locator("summary")).to_have_text("show all 3")
+    expect(warning.locator("details pre")).to_be_hidden()  # folded away until asked for
+    warning.locator("summary").click()
+    expect(warning.locator("details pre")).to_have_text("row 4: too long\nrow 5: too long\n"
+                                                        "row 6: too long")
     page.reload()  # the memory card's "so far" is rendered by the server
     expect(page.locator("#run-memory")).to_contain_text("0.75 GiB so far")
     expect(page.locator("#run-memory h2")).to_have_text("Memory (CPU worker)")  # no CUDA talk

@@ -107,19 +107,19 @@ def build_dataset(path: str | Path, model_dir: str | Path, template: str | None,
                       trained, truncated, dropped, row_numbers=row_numbers)
 
 
-def dropped_note(dropped: list, limit: int = 20) -> str | None:
-    """The run log's warning about rows left out for having no trained token (row numbers and
-    reasons, grouped by reason), or None when none was."""
+def dropped_note(dropped: list, shown: int = 5, listed: int = 200
+                 ) -> tuple[str, list[str]] | None:
+    """The run log's warning about rows left out for having no trained token, as ``(summary,
+    details)``: the count, the first ``shown`` row numbers and the first row's reason; then one
+    line per row (at most ``listed``), which the run page folds away. None when none was."""
     if not dropped:
         return None
-    by_reason: dict[str, list[int]] = {}
-    for issue in dropped:
-        by_reason.setdefault(issue.message, []).append(issue.row)
-    parts = []
-    for reason, rows in by_reason.items():
-        shown = ", ".join(str(r) for r in rows[:limit])
-        more = f" and {len(rows) - limit} more" if len(rows) > limit else ""
-        parts.append(f"row{'s' if len(rows) > 1 else ''} {shown}{more}: {reason}")
-    n = len(dropped)
-    return f"{n} row{'s' if n > 1 else ''} with no trained token left out of training (" + \
-        "; ".join(parts) + ")"
+    n, s = len(dropped), "s" if len(dropped) > 1 else ""
+    rows = ", ".join(str(issue.row) for issue in dropped[:shown])
+    more = f" and {n - shown} more" if n > shown else ""
+    summary = (f"{n} row{s} with no trained token left out of training (row{s} {rows}{more}); "
+               f"row {dropped[0].row}: {dropped[0].message}")
+    details = [f"row {issue.row}: {issue.message}" for issue in dropped[:listed]]
+    if n > listed:
+        details.append(f"… and {n - listed} more rows")
+    return summary, details

@@ -66,8 +66,8 @@ def run(ctx: JobContext) -> dict[str, Any]:
         raise JobError(f"dataset {ds_row.filename}: {e}") from e
     ctx.progress("tokenize", enc.rows, enc.rows)
     dropped = edata.dropped_note(enc.dropped)
-    if dropped:
-        ctx.log(dropped, "warning")
+    if dropped:  # a summary; every row's reason as details (folded away on the run page)
+        ctx.log(dropped[0], "warning", details=dropped[1])
     ctx.log(f"{enc.rows} training rows, {enc.tokens} tokens ({enc.trained_tokens} trained)"
             + (f", {enc.truncated} truncated to {spec.max_seq_length}" if enc.truncated else ""))
     from worker.engine.evaluation import eval_arguments, eval_callbacks
