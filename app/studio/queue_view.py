@@ -9,14 +9,18 @@ but the jobs ahead take it first). The estimated start is when enough admitted m
 slot: a running job frees it at its ETA (its newest ``eta_seconds`` metric), a job placed ahead
 after the median duration of recent succeeded jobs of its kind; unknown when a needed end is.
 
+On a machine without a GPU the supervisor's CPU slot runs one training job at a time: a job
+waits for it (not for GPU memory), and starts when the running job's ETA and the median durations
+of the jobs placed before it have passed. The CPU lane (exports, imports, dataset validations;
+:mod:`app.studio.queue_cpu`) is shown beside, with its own running and waiting jobs.
+
 A member sees their own jobs in full and other users' as anonymous slots (memory, state and ETA
 only); an admin sees everything.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from statistics import median
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sqlalchemy.engine import Engine
 from sqlmodel import select
@@ -24,12 +28,10 @@ from sqlmodel import select
 from app.settings import Settings
 from app.store import admission, events, workers
 from app.store.db import session_scope
-from app.store.queue import CPU_KINDS
-from app.store.schema import Job, JobState, Run, now
+from app.store.queue import CPU_KINDS, claim_key
+from app.store.schema import Job, JobState, Run, User, now
 from app.studio import access
-
-if TYPE_CHECKING:
-    from app.store.schema import User
+from app.studio.queue_cpu import LANE_SUFFIX, CpuLaneView, cpu_lane, typical_seconds
 
 GPU_KINDS = ("train", "grpo", "evaluate")
 
@@ -72,6 +74,7 @@ class QueueView:
     gpus: list[GpuView]
     waiting: list[JobSlot]
     is_admin: bool
+    cpu: CpuLaneView = field(default_factory=lambda: CpuLaneView(0))
 
 
 def _eta(engine: Engine, job: Job, t: float) -> float | None:
@@ -81,12 +84,11 @@ def _eta(engine: Engine, job: Job, t: float) -> float | None:
     return max(0.0, float(ev.data["eta_seconds"]) - (t - ev.ts))
 
 
-def _typical_seconds(s, kind: str) -> float | None:
-    rows = s.exec(select(Job.started_at, Job.finished_at).where(
-        Job.kind == kind, Job.state == JobState.SUCCEEDED, Job.gpu_slot.is_not(None))
-        .order_by(Job.id.desc()).limit(20)).all()
-    spans = [f - st for st, f in rows if st and f and f > st]
-    return median(spans) if spans else None
+def _frees_in(ends: list[float | None], t: float) -> float | None:
+    """Seconds until every job of a slot has ended (its ``ends``, epoch), None if one is unknown."""
+    if any(e is None for e in ends):
+        return None
+    return max([0.0, *(e - t for e in ends)])
 
 
 def _earliest(holds: dict[str, list[tuple[float, float | None]]], slots, need, t: float):
@@ -117,16 +119,21 @@ def queue_view(engine: Engine, settings: Settings, actor: User,
         snap = admission.snapshot(s, t, kinds, settings.gpu_admit_margin,
                                   settings.fair_share_hours)
         ordered = admission.order(snap)
-        ids = {j.run_id for j in snap.running + ordered if j.run_id}
+        cpu_jobs = sorted(s.exec(select(Job).where(
+            Job.kind.in_(CPU_KINDS), Job.state.in_([JobState.QUEUED, JobState.RUNNING]))).all(),
+            key=claim_key)
+        ids = {j.run_id for j in snap.running + ordered + cpu_jobs if j.run_id}
         run_owner = {r.id: r.owner for r in s.exec(select(Run).where(Run.id.in_(ids)))} \
             if ids else {}
-        typical = {k: _typical_seconds(s, k) for k in {j.kind for j in ordered}}
+        names = {u.id: u.name for u in s.exec(select(User))}
+        typical = {k: typical_seconds(s, k, on_gpu=True) for k in {j.kind for j in ordered}}
+        typical.update({k: typical_seconds(s, k) for k in {j.kind for j in cpu_jobs}})
 
     def slot_of(job: Job, need, **extra: Any) -> JobSlot:
         owner = run_owner.get(job.run_id, job.owner) if job.run_id else job.owner
         if access.can_see(actor, owner):
-            return JobSlot(True, job.id, job.run_id, job.kind, snap.owners[job.owner].name
-                           if job.owner in snap.owners else owner, need, **extra)
+            return JobSlot(True, job.id, job.run_id, job.kind, names.get(owner, owner), need,
+                           **extra)
         return JobSlot(False, None, None, None, None, need, **extra)
 
     gpus, holds = [], {}
@@ -143,6 +150,10 @@ def queue_view(engine: Engine, settings: Settings, actor: User,
     owners = {k: admission.Owner(**vars(v)) for k, v in snap.owners.items()}
     free_now = {sl.id: snap.free(sl) for sl in slots}
     cpu_busy = {sl.id: snap.held(sl.id)[1] > 0 for sl in slots if sl.capacity_gib is None}
+    # a CPU slot runs one job at a time: seconds until it frees (None: unknown)
+    cpu_free = {i: 0.0 if not busy else _frees_in([e for _, e in holds[i]], t)
+                for i, busy in cpu_busy.items()}
+    cpu_ahead = sum(cpu_busy.values())
     largest_cap = max((sl.capacity_gib for sl in slots if sl.capacity_gib is not None),
                       default=None)
     waiting, placed = [], 0
@@ -184,6 +195,9 @@ def queue_view(engine: Engine, settings: Settings, actor: User,
                 reason, start = "starts at the next admission", 0.0
                 if fit.capacity_gib is None:
                     cpu_busy[fit.id] = True
+                    span = typical.get(job.kind)
+                    cpu_free[fit.id] = span
+                    cpu_ahead += 1
                 else:
                     free_now[fit.id] -= need
                     span = typical.get(job.kind)
@@ -197,22 +211,31 @@ def queue_view(engine: Engine, settings: Settings, actor: User,
                 if need is not None and need <= largest_free + 1e-9:
                     reason = (f"behind {placed} job{'s' if placed != 1 else ''} that take "
                               "the free memory first")
-                elif need is None:
-                    reason = "waiting for the CPU slot"
+                elif need is None or not any(sl.capacity_gib is not None for sl in slots):
+                    reason = (f"behind {cpu_ahead} job{'s' if cpu_ahead != 1 else ''}: the CPU "
+                              "slot (no GPU) runs one job at a time")
                 else:
                     reason = (f"no GPU has room: needs {need:.1f} GiB, largest free "
                               f"{max(largest_free, 0.0):.1f} GiB")
                 when = _earliest(holds, slots, need, t)
-                if when is not None:
+                span = typical.get(job.kind)
+                on_cpu = min(((f, i) for i, f in cpu_free.items() if f is not None),
+                             default=None)
+                if on_cpu is not None and (when is None or on_cpu[0] < when[1]):
+                    start = on_cpu[0]
+                    cpu_free[on_cpu[1]] = start + span if span else None
+                    cpu_ahead += 1
+                elif when is not None:
                     start = when[1]
-                    span = typical.get(job.kind)
                     holds[when[0]].append((need, t + start + span if span else None))
         row = slot_of(job, need, reason=reason, start_in_seconds=start, position=pos,
                       front=job.front_at is not None)
         if not row.visible and quota:
             row.reason = "over its owner's quota"
         waiting.append(row)
-    return QueueView(gpus, waiting, access.is_admin(actor))
+    lanes = sum(1 for w in live if w.device.endswith(LANE_SUFFIX))
+    cpu = cpu_lane(lanes, cpu_jobs, typical, t, lambda j: _eta(engine, j, t), slot_of)
+    return QueueView(gpus, waiting, access.is_admin(actor), cpu)
 
 
 def as_json(view: QueueView) -> dict[str, Any]:
@@ -223,4 +246,6 @@ def as_json(view: QueueView) -> dict[str, Any]:
         return d
     return {"gpus": [{**{k: v for k, v in vars(g).items() if k != "running"},
                       "running": [job(j) for j in g.running]} for g in view.gpus],
-            "waiting": [job(j) for j in view.waiting]}
+            "waiting": [job(j) for j in view.waiting],
+            "cpu": {"lanes": view.cpu.lanes, "running": [job(j) for j in view.cpu.running],
+                    "waiting": [job(j) for j in view.cpu.waiting]}}

@@ -1,0 +1,96 @@
+"""The CPU lane on the queue page (``/queue``, ``/api/queue``): the jobs a worker's CPU lane
+claims (:data:`app.store.queue.CPU_KINDS`: exports, model imports, dataset validations), running
+and waiting, each waiting one with why it waits and an estimated start.
+
+Every live worker has one CPU lane (its worker row's device ends with :data:`LANE_SUFFIX`) that
+runs one job at a time, taking jobs in claim order (:func:`app.store.queue.claim_key`). A running
+job frees its lane at its ETA: its newest ``eta_seconds`` metric, else the median duration of
+recent succeeded jobs of its kind less the time it has run (0 when overdue). The waiting jobs are
+replayed over the lanes in claim order: each takes the lane that frees first and holds it for
+its kind's median duration; a start is unknown when no lane's freeing time is known.
+
+Other users' jobs are anonymous slots, as on the GPU lane (the caller passes ``slot_of``).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from statistics import median
+from typing import Any
+
+from sqlmodel import select
+
+from app.store.schema import Job, JobState
+
+#: The device suffix of a worker row that is a CPU lane (worker/loop.py ``start_cpu_lane``).
+LANE_SUFFIX = "(cpu lane)"
+
+
+@dataclass
+class CpuLaneView:
+    """The CPU lanes: ``lanes`` (live lane count), ``running`` and ``waiting`` job slots
+    (:class:`app.studio.queue_view.JobSlot`, seconds)."""
+
+    lanes: int
+    running: list = field(default_factory=list)
+    waiting: list = field(default_factory=list)
+
+
+def typical_seconds(s, kind: str, on_gpu: bool = False) -> float | None:
+    """Median seconds (start to end) of the 20 newest succeeded jobs of ``kind`` (``on_gpu``:
+    only those admitted to a GPU slot); None without any."""
+    q = select(Job.started_at, Job.finished_at).where(Job.kind == kind,
+                                                      Job.state == JobState.SUCCEEDED)
+    if on_gpu:
+        q = q.where(Job.gpu_slot.is_not(None))
+    rows = s.exec(q.order_by(Job.id.desc()).limit(20)).all()
+    spans = [f - st for st, f in rows if st and f and f > st]
+    return median(spans) if spans else None
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'s' if n != 1 else ''}"
+
+
+def cpu_lane(lanes: int, jobs: list[Job], typical: dict[str, float | None], t: float,
+             eta_of: Callable[[Job], float | None], slot_of: Callable[..., Any]) -> CpuLaneView:
+    """The CPU lane view from the queued and running CPU-lane ``jobs`` in claim order.
+
+    Args:
+        lanes: live CPU lanes (each runs one job at a time).
+        typical: kind -> median seconds of a succeeded job (None: unknown).
+        t: now (epoch seconds).
+        eta_of: a running job's seconds left by its own ``eta_seconds`` metric, else None.
+        slot_of: ``(job, need_gib, **fields) -> JobSlot`` (hides other users' jobs).
+    """
+    view = CpuLaneView(lanes)
+    free_in: list[float | None] = []  # per busy lane: seconds until it frees (None: unknown)
+    for job in (j for j in jobs if j.state == JobState.RUNNING):
+        eta = eta_of(job)
+        span = typical.get(job.kind)
+        if eta is None and span and job.started_at:
+            eta = max(0.0, span - (t - job.started_at))
+        view.running.append(slot_of(job, None, eta_seconds=eta))
+        free_in.append(eta)
+    free_in += [0.0] * max(0, lanes - len(free_in))
+    ahead = len(view.running)
+    for pos, job in enumerate((j for j in jobs if j.state == JobState.QUEUED), 1):
+        start = None
+        if not lanes:
+            reason = "no worker is running"
+        else:
+            known = [(f, i) for i, f in enumerate(free_in) if f is not None]
+            if known:
+                start, lane = min(known)
+                span = typical.get(job.kind)
+                free_in[lane] = start + span if span is not None else None
+            if start is not None and start < 1e-9 and pos <= lanes - len(view.running):
+                reason = "starts at the next poll"
+            else:
+                each = "runs one job at a time" if lanes == 1 else \
+                    f"has {lanes} lanes, each running one job at a time"
+                reason = f"behind {_plural(ahead, 'job')}: the CPU lane {each}"
+        view.waiting.append(slot_of(job, None, reason=reason, start_in_seconds=start,
+                                    position=pos))
+        ahead += 1
+    return view

@@ -1,0 +1,83 @@
+"""The queue page and /api/queue on a CPU-only machine (the trial's box): a training job waits
+for the supervisor's CPU slot (one job at a time), not for GPU memory, and starts at the running
+job's ETA; the CPU lane's running and waiting jobs (exports, dataset validations) are listed with
+why they wait and an estimated start, other users' jobs anonymous."""
+from __future__ import annotations
+
+from sqlmodel import select
+
+from app.store import events, queue, workers
+from app.store.admission import Slot
+from app.store.db import session_scope
+from app.store.schema import Job, JobState, now
+from tests.web.conftest import signed_in
+
+CPU_SLOT = Slot("vm-slot", "vm", None, None, None)
+
+
+def _member(client, name: str) -> str:
+    r = client.post("/api/users", json={"name": name, "password": "member-password-1"})
+    assert r.status_code == 201, r.text
+    return r.json()["id"]
+
+
+def _done_export(engine, owner: str, seconds: float) -> None:
+    """A succeeded export that took ``seconds`` (what the lane's estimates are made of)."""
+    job = queue.enqueue(engine, "export", {}, owner=owner, priority=5)
+    with session_scope(engine) as s:
+        row = s.get(Job, job.id)
+        row.state, row.started_at, row.finished_at = JobState.SUCCEEDED, now() - 1000, \
+            now() - 1000 + seconds
+
+
+def test_cpu_only_queue_gives_true_reasons_and_estimates(app, client, engine) -> None:
+    bob, carol = _member(client, "bob"), _member(client, "carol")
+    with session_scope(engine) as s:  # the seeded demo model's import: done, out of the way
+        for job in s.exec(select(Job).where(Job.state == JobState.QUEUED)):
+            job.state = JobState.SUCCEEDED
+    workers.register(engine, CPU_SLOT.id, "vm", 1, "cpu slot (2 cores, one job at a time)")
+    workers.register(engine, "vm-cpu", "vm", 1, "cpu (2 cores, x86_64) (cpu lane)")
+    # training on the CPU slot, its newest metric says 600 s left; a second one waits
+    first = queue.enqueue(engine, "train", {}, owner=bob, estimate_gib=0.6)
+    assert queue.admit(engine, CPU_SLOT, 300, ["train"], 0.1, 24.0).id == first.id
+    with session_scope(engine) as s:
+        events.append(s, first.id, "metric", {"step": 3, "eta_seconds": 600.0})
+    second = queue.enqueue(engine, "train", {}, owner=carol, estimate_gib=0.6)
+    # the CPU lane: bob's export running (typical export: 240 s), then carol's upload
+    # validation and bob's next export wait
+    for took in (200.0, 240.0, 300.0):
+        _done_export(engine, bob, took)
+    export = queue.enqueue(engine, "export", {}, owner=bob, priority=5)
+    assert queue.claim(engine, "vm-cpu", 300, ["export"]).id == export.id
+    export2 = queue.enqueue(engine, "export", {}, owner=bob, priority=5)
+    check = queue.enqueue(engine, "validate_dataset", {"dataset_id": "file-x"}, owner=carol)
+
+    data = client.get("/api/queue").json()
+    (wait,) = data["waiting"]
+    assert wait["job_id"] == second.id
+    assert wait["reason"] == "behind 1 job: the CPU slot (no GPU) runs one job at a time"
+    assert 590 <= wait["start_in_seconds"] <= 600
+    cpu = data["cpu"]
+    assert cpu["lanes"] == 1
+    (run,) = cpu["running"]
+    assert run["job_id"] == export.id and run["owner"] == "bob"
+    assert 230 <= run["eta_seconds"] <= 240  # the median export, just started
+    assert [(w["job_id"], w["position"], w["reason"]) for w in cpu["waiting"]] == [
+        (check.id, 1, "behind 1 job: the CPU lane runs one job at a time"),
+        (export2.id, 2, "behind 2 jobs: the CPU lane runs one job at a time")]
+    assert 230 <= cpu["waiting"][0]["start_in_seconds"] <= 240
+    assert cpu["waiting"][1]["start_in_seconds"] is None  # no validation has finished yet
+
+    page = client.get("/queue").text
+    assert "behind 1 job: the CPU slot (no GPU) runs one job at a time" in page
+    assert "no GPU has room" not in page and "unknown" in page
+    assert 'id="cpu-lane"' in page and f"job {check.id}" in page and "in 9 min" in page
+
+    with signed_in(app, "carol", "member-password-1") as c:
+        seen = c.get("/api/queue").json()["cpu"]
+        assert [(r["visible"], r["job_id"], r["owner"], r["kind"]) for r in seen["running"]] \
+            == [(False, None, None, None)]
+        assert [(w["visible"], w["job_id"], w["owner"]) for w in seen["waiting"]] == [
+            (True, check.id, "carol"), (False, None, None)]
+        text = c.get("/queue").text
+        assert "another user's job" in text and f"job {export.id}" not in text
