@@ -26,8 +26,9 @@ def queue_page(request: Request, engine: EngineDep, settings: SettingsDep, user:
 
 @router.get("/api/queue")
 def api_queue(engine: EngineDep, settings: SettingsDep, user: CurrentUser) -> dict:
-    """GPUs with their running jobs and the waiting jobs in admission order (GiB, seconds);
-    another user's job has ``visible`` false and no id, run or owner (an admin sees all)."""
+    """GPUs with their running jobs and the waiting jobs in admission order (GiB, seconds), and
+    ``cpu``: the CPU lane's ``lanes``, ``running`` and ``waiting`` jobs in claim order; another
+    user's job has ``visible`` false and no id, run or owner (an admin sees all)."""
     return queue_view.as_json(queue_view.queue_view(engine, settings, user))
 
 
