@@ -217,7 +217,7 @@ def test_small_things_health_favicon_cancel_confirm_artifacts_workers_and_length
     runs = [client.post("/api/runs", json={"model": "stories260K", "dataset": ds}).json()["id"]
             for _ in range(2)]
     run_page = client.get(f"/runs/{runs[0]}").text
-    assert 'hx-confirm="Cancel this run?' in run_page
+    assert 'hx-confirm="Cancel this queued run?' in run_page  # says what a cancel keeps
     assert "appear here when the run finishes" in run_page
     # a worker busy with the first run: healthz is ok and the dashboard links the run
     workers_store.register(engine, "w1", "host", 1, "cpu")
