@@ -8,9 +8,19 @@ import pytest
 from worker.jobs.export import export_run
 
 
+def stages(seen: list) -> list[str]:
+    """The stage names in order (each once); the fractions never go back."""
+    fracs = [round(f, 9) for _, f in seen]  # the job reports thousandths
+    assert fracs == sorted(fracs) and fracs[-1] == 1.0, seen
+    return list(dict.fromkeys(st for st, _ in seen))
+
+
 def test_adapter_export_verified(run_dir, tmp_path):
-    res = export_run(run_dir, {"run_id": "r", "format": "adapter"}, tmp_path)
+    seen = []
+    res = export_run(run_dir, {"run_id": "r", "format": "adapter"}, tmp_path,
+                     lambda st, f: seen.append((st, f)))
     assert res["verification"]["passed"], res["verification"]
+    assert stages(seen) == ["reference", "copy", "verify adapter", "done"]
     names = {f["name"] for f in res["files"]}
     assert {"adapter/adapter_config.json", "adapter/adapter_model.safetensors",
             "adapter/tokenizer.json", "adapter/chat_template.jinja"} <= names
@@ -19,8 +29,11 @@ def test_adapter_export_verified(run_dir, tmp_path):
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_merged_export_verified(run_dir, tmp_path, dtype):
-    res = export_run(run_dir, {"run_id": "r", "format": "merged_16bit", "dtype": dtype}, tmp_path)
+    seen = []
+    res = export_run(run_dir, {"run_id": "r", "format": "merged_16bit", "dtype": dtype}, tmp_path,
+                     lambda st, f: seen.append((st, f)))
     assert res["verification"]["passed"], res["verification"]
+    assert stages(seen) == ["reference", "load", "merge", "save", "verify merged", "done"]
     folder = tmp_path / f"merged-{dtype}"
     cfg = json.loads((folder / "config.json").read_text())
     assert cfg["tie_word_embeddings"] is True

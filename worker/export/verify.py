@@ -310,8 +310,10 @@ def hf_teacher_forced_top1(model, ids: list[int], cont: list[int]) -> tuple[int,
     return sum(int(a) == b for a, b in zip(preds, cont)), len(cont), logits.numpy()
 
 
-def verify_merged(folder: str | Path, refs: list[dict], end_ids: list[int], tok) -> dict:
-    """Reload the merged folder with transformers and compare with ``refs``."""
+def verify_merged(folder: str | Path, refs: list[dict], end_ids: list[int], tok,
+                  on_progress=None) -> dict:
+    """Reload the merged folder with transformers and compare with ``refs``;
+    ``on_progress(fraction)``, if given, after each probe (0..1)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from worker.hf_attention import attn_kwargs
@@ -321,7 +323,7 @@ def verify_merged(folder: str | Path, refs: list[dict], end_ids: list[int], tok)
     precision = str(next(model.parameters()).dtype).removeprefix("torch.")
     mtok = AutoTokenizer.from_pretrained(folder)
     fails, checks, ties, hits, total, err = [], [], [], 0, 0, 0.0
-    for r in refs:
+    for k, r in enumerate(refs, 1):
         ids = encode(mtok, r["prompt"], r.get("chat"))
         checks.append("tokenization")
         if ids != r["ids"]:
@@ -335,6 +337,8 @@ def verify_merged(folder: str | Path, refs: list[dict], end_ids: list[int], tok)
         fail, tie = compare_greedy("greedy", r, hf_greedy(model, ids, end_ids), precision)
         fails += [fail] if fail else []
         ties += [tie] if tie else []
+        if on_progress is not None:
+            on_progress(k / len(refs))
     agree = hits / total if total else 1.0
     if ties and agree < MIN_AGREEMENT:
         fails.append({"passed": False, "check": "top1_agreement", "top1_agreement": agree,

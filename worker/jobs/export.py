@@ -102,11 +102,13 @@ def export_run(run_dir: str | Path, spec, out_dir: str | Path,
 
         dtype = s.get("dtype") or base_dtype(info.base_dir)
         folder = out / f"merged-{dtype}"
-        result["merged"] = export_merged(info, folder, s.get("dtype"), progress,
+        result["merged"] = export_merged(info, folder, s.get("dtype"),
+                                         lambda st, f: progress(st, 0.1 + 0.6 * f),
                                          result["provenance"])
         files.append(folder)
-        progress("verify", 0.8)
-        checks["merged"] = V.verify_merged(folder, refs, end_ids, tok)
+        progress("verify merged", 0.7)
+        checks["merged"] = V.verify_merged(folder, refs, end_ids, tok,
+                                           lambda f: progress("verify merged", 0.7 + 0.3 * f))
         checks["merged"]["dtype_rounding"] = result["merged"]["rounding"]
     elif fmt in ("gguf", "ollama"):
         from worker.export.gguf_writer import BASE_TYPES, write_gguf
