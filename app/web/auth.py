@@ -7,7 +7,8 @@ SSE and streaming responses, and never reads a multipart upload's body) that, pe
 2. resolves the caller into ``request.state.user`` (a ``User`` or None) from
    ``Authorization: Bearer <API key "wk-..." or access token>`` or the signed session cookie;
 3. sends anonymous callers of non-public paths a 401 in the surface's error shape (``/api``,
-   ``/v1``, ``*/events``), an ``HX-Redirect`` 401 (htmx) or a 303 to ``/login?next=...`` (pages);
+   ``/v1``, ``*/events``), a 401 "you were signed out" message swapped into the page (htmx: no
+   navigation) or a 303 to ``/login?next=<the page>`` (pages; :mod:`app.web.signed_out`);
 4. checks CSRF on cookie-signed unsafe methods: the session's token in ``X-CSRF-Token`` or the
    ``csrf_token`` form field (urlencoded bodies; the first field of multipart bodies, see
    :mod:`app.web.csrf`), and an ``Origin``/``Referer`` equal to the request's own
