@@ -122,6 +122,12 @@ class TrainSpec(HeldOutFields, LoraTrainingFields):
     num_train_epochs: float = Field(default=1.0, gt=0.0, le=1000.0)
     train_on_responses_only: bool = True
     packing: bool = False
+    add_template_tokens: bool = Field(
+        default=False, description="add the chat template's special tokens the model's "
+        "tokenizer lacks (e.g. <|im_start|>/<|im_end|> on a base model) as single tokens: the "
+        "embedding grows by their rows, trained beside LoRA (PEFT trainable_token_indices), "
+        "and the adapter and every export carry the new vocabulary, so generation stops at "
+        "the end-of-turn token (LLaMA-Factory's resize_vocab + new_special_tokens)")
     # held-out evaluation (HeldOutFields): transformers' names (eval_steps,
     # load_best_model_at_end, early stopping patience); cross-field rules in app.studio.evaluation
     eval_steps: int | None = Field(default=None, ge=1, description="evaluate the held-out "

@@ -236,6 +236,18 @@ def resolved_template(spec, model: Model):
     return spec.model_copy(update={"chat_template": source, "chat_template_name": name})
 
 
+def template_tokens_to_add(model: Model | None, template: str | None) -> list[str] | None:
+    """The special markers of ``template`` (a built-in default's source: trusted, rendered here)
+    that ``model``'s tokenizer files lack: what ``add_template_tokens`` would add. Reads the
+    tokenizer with ``tokenizers`` (no torch; cached). None when not knowable (no model, no
+    template, unreadable tokenizer)."""
+    from app.data.template_tokens import missing_for_model
+
+    if model is None or not template or not model.path:
+        return None
+    return missing_for_model(model.path, template)
+
+
 def create_sft_run(engine: Engine, settings: Settings, actor: User, spec: TrainSpec,
                    name: str | None = None) -> tuple[Run, Job]:
     """Check the model and dataset are usable by ``actor``, resolve the chat template, then

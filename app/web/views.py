@@ -16,7 +16,7 @@ from app.studio import access, accounts, calibration, evaluation, resume
 from app.studio import exports as exports_uc
 from app.studio import verification
 from app.studio.errors import StudioError
-from app.studio.runs import input_names
+from app.studio.runs import input_names, template_tokens_to_add
 from app.web.deps import is_htmx
 
 # What the run page lists under "Artifacts"; export files are listed under "Exports".
@@ -37,7 +37,10 @@ def template_ctx(engine, user, model_ref: str | None, choice: str | None = None,
     return {"model_name": model.name if model else None,
             "model_has_template": bool(model and model.chat_template),
             "names": names, "choice": chosen,
-            "text": text if text else DEFAULT_TEMPLATES[chosen]}
+            "text": text if text else DEFAULT_TEMPLATES[chosen],
+            # what add_template_tokens would add (a built-in template only: no user Jinja here)
+            "missing_tokens": None if model is None or model.chat_template else
+            template_tokens_to_add(model, DEFAULT_TEMPLATES[chosen])}
 
 
 def exports_view(engine, user, run_id: str, error: str | None = None,

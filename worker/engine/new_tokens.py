@@ -13,13 +13,7 @@ carry the new vocabulary.
 """
 from __future__ import annotations
 
-import re
-
-#: What a chat template's marker looks like: ``<|im_start|>``, DeepSeek's ``<｜User｜>`` (full-width
-#: bars), ``<start_of_turn>``, ``[INST]``; not ``<think>`` (text the model writes, not a marker).
-MARKER = re.compile(r"<[|｜][^|｜<>\s]{1,40}[|｜]>|<[a-z]+(?:_[a-z0-9]+)+>|\[/?[A-Z][A-Z_]{2,20}\]")
-_SAMPLE = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"},
-           {"role": "assistant", "content": "A"}, {"role": "user", "content": "V"}]
+from app.data.template_tokens import MARKER, missing_markers  # noqa: F401 - MARKER re-exported
 
 
 def _known(tok, text: str) -> bool:
@@ -30,44 +24,62 @@ def _known(tok, text: str) -> bool:
 def missing_template_tokens(tok, template: str) -> list[str]:
     """The markers (:data:`MARKER`) of ``template``'s rendering of a sample conversation that
     ``tok`` has no single token for, in order of appearance (``[]`` when it has them all)."""
-    from app.data.chat_template import render_chat
+    return missing_markers(template, lambda t: _known(tok, t), tok.bos_token or "",
+                           tok.eos_token or "")
 
-    try:
-        text = render_chat(_SAMPLE, template, bos_token=tok.bos_token or "",
-                           eos_token=tok.eos_token or "", add_generation_prompt=True)
-    except Exception:  # noqa: BLE001 - a template that needs no system turn, say
-        text = render_chat(_SAMPLE[1:], template, bos_token=tok.bos_token or "",
-                           eos_token=tok.eos_token or "", add_generation_prompt=True)
-    found = dict.fromkeys(m.group(0) for m in MARKER.finditer(text))
-    return [t for t in found if not _known(tok, t)]
+
+def extend_tokenizer(tok, tokens: list[str]) -> list[int]:
+    """Add ``tokens`` (those ``tok`` lacks) to ``tok`` as special tokens; their ids (``[]``
+    when none was missing). The model then needs :func:`grow_embeddings` to ``len(tok)``."""
+    new = [t for t in dict.fromkeys(tokens) if not _known(tok, t)]
+    if not new:
+        return []
+    tok.add_tokens(new, special_tokens=True)
+    return [int(tok.convert_tokens_to_ids(t)) for t in new]
+
+
+def grow_embeddings(model, n_tokens: int) -> bool:
+    """Grow ``model``'s embedding (and a tied or untied head) to ``n_tokens`` rows, the new rows
+    started at the mean of the old ones. Returns whether it grew."""
+    import torch
+
+    old = model.get_input_embeddings().weight.shape[0]
+    if n_tokens <= old:
+        return False
+    model.resize_token_embeddings(n_tokens, mean_resizing=False)
+    with torch.no_grad():
+        emb = model.get_input_embeddings().weight
+        emb[old:] = emb[:old].mean(dim=0)
+        head = model.get_output_embeddings()
+        if head is not None and head.weight is not emb:
+            head.weight[old:] = head.weight[:old].mean(dim=0)
+    return True
 
 
 def add_tokens(model, tok, tokens: list[str]) -> list[int]:
     """Add ``tokens`` (those ``tok`` lacks) to ``tok`` as special tokens and grow ``model``'s
     embedding (and a tied head) to ``len(tok)`` rows, new rows = the mean of the old ones.
     Returns the ids of the added tokens (``[]`` when none was missing)."""
-    import torch
-
-    new = [t for t in dict.fromkeys(tokens) if not _known(tok, t)]
-    if not new:
-        return []
-    old = model.get_input_embeddings().weight.shape[0]
-    tok.add_tokens(new, special_tokens=True)
-    ids = [int(tok.convert_tokens_to_ids(t)) for t in new]
-    if len(tok) > old:
-        model.resize_token_embeddings(len(tok), mean_resizing=False)
-        with torch.no_grad():
-            emb = model.get_input_embeddings().weight
-            emb[old:] = emb[:old].mean(dim=0)
-            head = model.get_output_embeddings()
-            if head is not None and head.weight is not emb:
-                head.weight[old:] = head.weight[:old].mean(dim=0)
+    ids = extend_tokenizer(tok, tokens)
+    if ids:
+        grow_embeddings(model, len(tok))
     return ids
 
 
-def trainable_token_indices(ids: list[int]) -> dict | None:
-    """PEFT's ``LoraConfig.trainable_token_indices`` for the added ``ids`` (None: none)."""
-    return {"embed_tokens": list(ids)} if ids else None
+def trainable_token_indices(ids: list[int], model=None) -> dict | None:
+    """PEFT's ``LoraConfig.trainable_token_indices`` for the added ``ids`` (None: none): the
+    input embedding's module name -> ``ids`` (``embed_tokens`` without ``model``), and an untied
+    output head's name -> ``ids`` too (a tied head follows the embedding in PEFT)."""
+    if not ids:
+        return None
+    if model is None:
+        return {"embed_tokens": list(ids)}
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    names = {id(m): n.rsplit(".", 1)[-1] for n, m in model.named_modules()}
+    out = {names.get(id(emb), "embed_tokens"): list(ids)}
+    if head is not None and head.weight is not emb.weight and id(head) in names:
+        out[names[id(head)]] = list(ids)
+    return out
 
 
 def resize_to_tokenizer(model, n_tokens: int) -> bool:

@@ -133,7 +133,7 @@ def add_lora(model, spec, on_log: Callable[[str], None] | None = None,
     cfg = LoraConfig(r=spec.r, lora_alpha=spec.lora_alpha, lora_dropout=spec.lora_dropout,
                      target_modules=list(spec.target_modules), use_rslora=spec.use_rslora,
                      bias="none", task_type="CAUSAL_LM",
-                     trainable_token_indices=trainable_token_indices(new_token_ids or []))
+                     trainable_token_indices=trainable_token_indices(new_token_ids or [], model))
     try:
         return get_peft_model(model, cfg)
     except ValueError as e:

@@ -167,11 +167,13 @@ def open_run_dir(ctx: JobContext, run_id: str) -> tuple[Path, Path]:
 
 
 def lora_model(ctx: JobContext, spec, model_row: Model, cuda: bool,
-               on_log: Callable[[str], None] | None = None):
+               on_log: Callable[[str], None] | None = None, added=None):
     """(model with LoRA, resolved optimizer name): seeds, loads the base model, adds the adapter.
 
     An optimizer the device cannot run is replaced (with a warning). ``on_log`` goes to
-    :func:`worker.engine.sft.add_lora`. Raises JobError when loading fails.
+    :func:`worker.engine.sft.add_lora`. ``added``: the run's added tokens
+    (:class:`worker.jobs.added_tokens.AddedTokens`): their embedding rows are appended before
+    LoRA and trained with ``trainable_token_indices``. Raises JobError when loading fails.
     """
     from worker.engine import sft
 
@@ -183,7 +185,12 @@ def lora_model(ctx: JobContext, spec, model_row: Model, cuda: bool,
     transformers.set_seed(spec.seed)
     try:
         model = sft.load_model(model_row.path, spec.load_in_4bit, cuda)
-        model = sft.add_lora(model, spec, on_log=on_log)
+        if added is not None and added.ids:
+            from worker.jobs.added_tokens import grow
+
+            grow(model, added)
+        model = sft.add_lora(model, spec, on_log=on_log,
+                             new_token_ids=added.ids if added is not None else None)
     except RuntimeError as e:
         raise JobError(str(e)) from e
     return model, optim
@@ -278,7 +285,11 @@ def save_adapter(ctx: JobContext, run_id: str, run_dir: Path, trainer, tokenizer
     adapter_dir = run_dir / "adapter"
     tmp = run_dir / f".adapter.tmp-{ctx.job.id}"
     shutil.rmtree(tmp, ignore_errors=True)
-    trainer.model.save_pretrained(str(tmp), safe_serialization=True)
+    # added tokens (add_template_tokens): their rows are the trainable_tokens_delta; PEFT would
+    # also save the whole resized embedding (vocab x hidden), which an export rebuilds anyway
+    cfg = getattr(trainer.model, "peft_config", {}).get("default")
+    whole = False if getattr(cfg, "trainable_token_indices", None) else "auto"
+    trainer.model.save_pretrained(str(tmp), safe_serialization=True, save_embedding_layers=whole)
     tokenizer.save_pretrained(str(tmp))
     if template and not (tmp / "chat_template.jinja").exists():
         (tmp / "chat_template.jinja").write_text(template, encoding="utf-8")

@@ -33,9 +33,11 @@ class HeldOut:
     info: dict[str, Any] | None = None
 
 
-def prepare(ctx: JobContext, spec, enc, model_row, template: str | None) -> HeldOut:
+def prepare(ctx: JobContext, spec, enc, model_row, template: str | None,
+            tokenizer_dir: str | None = None) -> HeldOut:
     """Split ``enc`` (the encoded training set) or encode the ``validation_file`` the same way
-    (template, max_seq_length, train_on_responses_only); logs what was held out.
+    (template, max_seq_length, train_on_responses_only, the tokenizer in ``tokenizer_dir``:
+    default the model's); logs what was held out.
 
     Raises JobError: the validation file is gone or has no trainable row, or the percentage
     leaves no row to train on."""
@@ -51,8 +53,9 @@ def prepare(ctx: JobContext, spec, enc, model_row, template: str | None) -> Held
             raise JobError(f"validation_file {spec.validation_file} no longer exists") from None
         mapping = (vds.report or {}).get("column_mapping")
         try:
-            venc = edata.build_dataset(vds.path, model_row.path, template, spec.max_seq_length,
-                                       spec.train_on_responses_only, None, check=ctx.check,
+            venc = edata.build_dataset(vds.path, tokenizer_dir or model_row.path, template,
+                                       spec.max_seq_length, spec.train_on_responses_only, None,
+                                       check=ctx.check,
                                        **({"column_mapping": mapping} if mapping else {}))
         except DatasetError as e:
             raise JobError(f"validation_file {vds.filename}: {e}") from e

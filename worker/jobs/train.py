@@ -22,7 +22,7 @@ from typing import Any
 from app.store.specs import TrainSpec
 from worker import checkpoints, ddp, gpu
 from worker.context import JobContext, JobError
-from worker.jobs import common
+from worker.jobs import added_tokens, common
 from worker.jobs.card import model_card
 from worker.progress import rounded
 
@@ -41,6 +41,7 @@ def run(ctx: JobContext) -> dict[str, Any]:
 
     cuda = common.check_device(spec)
     run_dir, ckpt_dir = common.open_run_dir(ctx, run_id)
+    added_tokens.use_transformers(ctx, spec, cuda)  # add_template_tokens: not the kernel engine
     ctx.log(f"training on {gpu.device_name()}" + (
         " with the kernel engine (fused LoRA, Triton kernels)" if sft.use_engine(cuda) else ""))
 
@@ -53,11 +54,12 @@ def run(ctx: JobContext) -> dict[str, Any]:
     chosen = edata.choose_template(spec, model_row.chat_template)
     if chosen.note:
         ctx.log(chosen.note, "warning")
+    added = added_tokens.prepare(ctx, spec, model_row.path, chosen.source, run_dir, main)
     ctx.progress("tokenize", 0, ds_row.rows or 0, "encoding the dataset")
     from app.data.errors import DatasetError
 
     try:
-        enc = edata.build_dataset(ds_row.path, model_row.path, chosen.source, spec.max_seq_length,
+        enc = edata.build_dataset(ds_row.path, added.encode_dir, chosen.source, spec.max_seq_length,
                                   spec.train_on_responses_only, spec.dataset_format or None,
                                   check=ctx.check,
                                   progress=lambda n: ctx.progress("tokenize", n, ds_row.rows or 0),
@@ -73,12 +75,12 @@ def run(ctx: JobContext) -> dict[str, Any]:
     from worker.engine.evaluation import eval_arguments, eval_callbacks
     from worker.jobs import evaluation
 
-    held = evaluation.prepare(ctx, spec, enc, model_row, chosen.source)
+    held = evaluation.prepare(ctx, spec, enc, model_row, chosen.source, added.encode_dir)
     ctx.check()
 
     # ---- model, LoRA, trainer -----------------------------------------------------------
-    model, optim = common.lora_model(ctx, spec, model_row, cuda, on_log=ctx.log)
-    tokenizer = sft.load_tokenizer(model_row.path, chosen.source)
+    model, optim = common.lora_model(ctx, spec, model_row, cuda, on_log=ctx.log, added=added)
+    tokenizer = added.tokenizer  # saved with the adapter: it holds any added tokens
     # the engine checkpoints its own layers (budgeted, offloaded); HF's would run a second time
     args = sft.sft_config(spec, str(ckpt_dir), cuda, optim,
                           **({"gradient_checkpointing": False} if sft.use_engine(cuda) else {}),
