@@ -36,7 +36,7 @@ def trained(tmp_path_factory):
         assert 'name="add_template_tokens"' in page
         assert "<code>&lt;|im_start|&gt;</code>, <code>&lt;|im_end|&gt;</code>" in page
         spec = {"model": "stories260K", "dataset": studio["ids"][data.name],
-                "chat_template": "chatml", "add_template_tokens": True, "max_steps": 80,
+                "chat_template": "chatml", "add_template_tokens": True, "max_steps": 25,
                 "learning_rate": 1e-2, "lr_scheduler_type": "constant", "warmup_ratio": 0.0,
                 "per_device_train_batch_size": 6, "gradient_accumulation_steps": 1,
                 "max_seq_length": 128, "r": 8, "lora_alpha": 16, "save_steps": 1000}
@@ -110,6 +110,11 @@ def test_the_merged_export_has_the_new_vocabulary_and_stops_at_im_end(trained):
                              eos_token_id=end)[0, len(ids):].tolist()
     assert out[-1] == end and len(out) < 24, mtok.decode(out)  # stopped at the new token
     assert mtok.decode(out[:-1]).strip() == ANSWER
+    # the adapter export reloads base + adapter at the new size and verifies the same answers
+    r = c.post(f"/api/runs/{trained['run_id']}/exports", json={"format": "adapter"})
+    w.serve(once=True)
+    ej = queue.get_job(w.engine, r.json()["id"])
+    assert ej.state == JobState.SUCCEEDED and ej.result["verification"]["passed"], ej.error
 
 
 def test_the_run_form_sets_add_template_tokens(trained):
