@@ -67,6 +67,7 @@ def test_the_run_adds_the_template_tokens_and_the_adapter_carries_them(trained):
     adapter = Path(job.result["adapter_dir"])
     tok = AutoTokenizer.from_pretrained(adapter)
     assert len(tok) == n + 2 and tok.convert_tokens_to_ids(MARKERS) == [n, n + 1]
+    assert "were added (`add_template_tokens`)" in (adapter / "README.md").read_text()
     cfg = json.loads((adapter / "adapter_config.json").read_text())
     assert cfg["trainable_token_indices"] == {"embed_tokens": [n, n + 1]}
     weights = load_file(str(adapter / "adapter_model.safetensors"))

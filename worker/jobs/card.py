@@ -82,6 +82,10 @@ def model_card(model: Model, run_id: str, run_name: str | None, kind: str, spec:
         "## Chat template", "",
         f"`{template_name or 'none'}` (saved beside the adapter as `chat_template.jinja` when "
         "there is one)", "",
+        *(["The template's special tokens the base lacked were added (`add_template_tokens`): "
+           "the tokenizer here has them, the adapter holds their embedding rows "
+           "(`trainable_token_indices`), and the base must be resized to the tokenizer "
+           "(`AutoPeftModelForCausalLM` does it).", ""] if spec.get("add_template_tokens") else []),
         "## Training settings", "", *settings, "",
         "## Results", "", *(shown or ["- (none recorded)"]), "",
         "## Use", "", "```python", "from peft import AutoPeftModelForCausalLM",
