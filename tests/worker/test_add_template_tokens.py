@@ -135,3 +135,27 @@ def test_the_run_form_sets_add_template_tokens(trained):
         run_id = r.headers["location"].rsplit("/", 1)[1]
         assert repo.get_run(w.engine, run_id).spec["add_template_tokens"] is checked
         assert c.post(f"/api/runs/{run_id}/cancel").status_code == 200
+
+
+def test_a_gpu_run_with_added_tokens_trains_without_the_kernel_engine(monkeypatch):
+    """The kernel engine cannot train added rows: on a CUDA worker the job (its own child
+    process) switches to transformers + PEFT and says so, so the run does not fail at start."""
+    from types import SimpleNamespace
+
+    from app.store.specs import TrainSpec
+    from worker.engine import sft
+    from worker.jobs.added_tokens import use_transformers
+
+    logs: list[tuple] = []
+    ctx = SimpleNamespace(log=lambda *a: logs.append(a))
+    spec = TrainSpec(model="m", dataset="d", add_template_tokens=True)
+    monkeypatch.setenv("WHETSTONE_ENGINE", "1")  # restored after the test
+    use_transformers(ctx, spec.model_copy(update={"add_template_tokens": False}), True)
+    assert sft.use_engine(True) and not logs  # the option off: the engine trains
+    use_transformers(ctx, spec, False)
+    assert sft.use_engine(True) and not logs  # on the CPU there is no engine to leave
+    use_transformers(ctx, spec, True)
+    assert not sft.use_engine(True)
+    assert logs == [("add_template_tokens: the kernel engine does not train added token rows; "
+                     "this run trains with transformers + PEFT (trainable_token_indices)",
+                     "warning")]
