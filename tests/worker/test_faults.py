@@ -111,7 +111,9 @@ def test_stale_worker_stops_within_a_second_of_learning_it_lost_the_lease(tmp_pa
         wait_for(lambda: ticks.exists(), 30, "first tick")
         studio.stop_between_writes(proc)
         time.sleep(2.5)
-        assert queue.reap(eng) == [(job.id, JobState.QUEUED)]
+        # (the demo model's import, queued at the worker's start, may still be on its CPU lane
+        # on a loaded machine and is reaped with it)
+        assert (job.id, JobState.QUEUED) in queue.reap(eng)
         queue.cancel(eng, job.id)  # nobody else should run it
         t_cont = time.time()
         proc.send_signal(signal.SIGCONT)
