@@ -49,7 +49,9 @@ def test_cancelled_run_exports_its_newest_checkpoint(client, engine, settings):
     run_id, job_id = _running_run(client, engine)
     page = client.get(f"/runs/{run_id}").text
     assert "the adapter is not saved" not in page
-    assert "The checkpoints saved so far (one every 2 steps) are kept" in page
+    # no step done yet: the confirmation says a cancel now keeps nothing
+    assert "It has not finished a training step yet, so cancelling now saves no checkpoint." \
+        in page and "only cloned" in page
     r = client.post(f"/api/runs/{run_id}/exports", json={"format": "adapter"})
     assert r.status_code == 409 and "has not finished training" in r.json()["error"]["message"]
 
