@@ -86,7 +86,8 @@
   }
   async function send(body, retry) {
     try {
-      const s = await api("/api/playground/sessions", {model});
+      const s = await api("/api/playground/sessions", {model, temperature: body.temperature,
+                                                        top_p: body.top_p, max_tokens: body.max_tokens});
       if (s.id !== session) { session = s.id; lastId = 0; listen(); }
       statusEl.textContent = s.status === "ready" ? "Answering…" : (s.status === "queued" ? "Waiting for a GPU…" : "Loading the model…");
       const r = await api(`/api/playground/sessions/${session}/prompts`, body);

@@ -189,10 +189,14 @@ def _live(engine: Engine, actor: User, model: str) -> Job | None:
     return next((j for j in jobs if (j.payload or {}).get("model") == model), None)
 
 
-def open_session(engine: Engine, settings: Settings, actor: User, model: str
-                 ) -> tuple[Job, bool]:
+def open_session(engine: Engine, settings: Settings, actor: User, model: str,
+                 prompt: dict[str, Any] | None = None) -> tuple[Job, bool]:
     """``(session, reused)``: the caller's live session for ``model`` (queued or running), or
-    a new one queued with its memory estimate. Raises StudioError as :func:`resolve`."""
+    a new one queued with its memory estimate. ``prompt``: the prompt about to be sent (its
+    sampling :func:`prompt_params` are checked first, so a bad one queues no session).
+    Raises StudioError as :func:`resolve` and :func:`params`."""
+    if prompt is not None:
+        prompt_params(prompt)
     t = resolve(engine, actor, model)
     live = _live(engine, actor, t.model)
     if live is not None:
@@ -287,6 +291,15 @@ def params(temperature: Any = None, top_p: Any = None, max_tokens: Any = None,
     return out
 
 
+def prompt_params(body: dict[str, Any]) -> dict[str, Any]:
+    """The checked :func:`params` of a prompt body (``temperature``, ``top_p``, ``max_tokens``,
+    ``seed``). Raises StudioError invalid naming the field (``body`` not an object too)."""
+    if not isinstance(body, dict):
+        raise invalid("prompt", "must be an object")
+    return params(body.get("temperature"), body.get("top_p"), body.get("max_tokens"),
+                  body.get("seed"))
+
+
 def messages(value: Any, name: str = "messages", system: str | None = None) -> list[dict]:
     """``[{"role", "content"}]`` checked: a non-empty list, roles system/user/assistant, text
     content (OpenAI ``[{"type": "text", "text"}]`` parts are joined), the last one the user's;
@@ -344,15 +357,14 @@ def send_prompt(engine: Engine, actor: User, session_id: int | str,
             raise invalid("sides", f"this session answers on {', '.join(sides)}")
         msgs = messages(body.get("messages"), "messages", system)
         checked = {k: msgs for k in wanted}
-    prompt_params = params(body.get("temperature"), body.get("top_p"), body.get("max_tokens"),
-                           body.get("seed"))
+    checked_params = prompt_params(body)
     if status_of(engine, job) == "ended":
         raise StudioError("conflict", "this playground session has ended (idle or stopped); "
                           "open a new one", None, "session_ended")
     rid = f"req-{secrets.token_hex(8)}"
     with session_scope(engine, immediate=True) as s:
         ev = events.append(s, job.id, "prompt", {"request_id": rid, "messages": checked,
-                                                 "params": prompt_params})
+                                                 "params": checked_params})
         s.flush()
         after = ev.id
     return {"request_id": rid, "after": after, "session": job.id}

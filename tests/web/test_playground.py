@@ -250,6 +250,33 @@ def test_bad_prompt_parameters_name_their_field(studio):
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
 
 
+def _playground_jobs(engine) -> int:
+    from sqlmodel import func, select
+
+    from app.store.db import session_scope
+    from app.store.schema import Job
+
+    with session_scope(engine) as s:
+        return s.exec(select(func.count()).select_from(Job).where(Job.kind == "playground")).one()
+
+
+def test_bad_prompt_parameters_queue_no_session(studio):
+    """The page opens its session with the prompt's parameters: a bad one is refused before
+    any session is queued, as /v1 refuses it."""
+    engine, http = studio["engine"], studio["http"]
+    model = f"{studio['model']}:checkpoint-3"
+    before = _playground_jobs(engine)
+    for path, body, status in (
+            ("/api/playground/sessions", {"model": model, "temperature": 7}, 422),
+            ("/api/playground/sessions", {"model": model, "max_tokens": 0.5}, 422),
+            ("/v1/chat/completions", {"model": model, "messages": PROMPT, "temperature": 7}, 400)):
+        r = http.post(path, json=body)
+        assert r.status_code == status, r.text
+        assert r.json()["error"]["param"] == next(k for k in body if k not in
+                                                  ("model", "messages")), r.text
+    assert _playground_jobs(engine) == before
+
+
 def test_the_session_ends_after_its_idle_time(studio):
     engine, http = studio["engine"], studio["http"]
     s, sent = _ask(studio)

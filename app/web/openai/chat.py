@@ -74,7 +74,8 @@ class Asked:
         """Open (or reuse) the session and append the prompt; a session that ended in between
         (its idle time ran out) is replaced once. Blocking."""
         for attempt in (0, 1):
-            job, _ = pg.open_session(self.engine, self.settings, self.user, self.model)
+            job, _ = pg.open_session(self.engine, self.settings, self.user, self.model,
+                                     self.prompt)
             try:
                 sent = pg.send_prompt(self.engine, self.user, job.id, self.prompt)
             except StudioError as e:

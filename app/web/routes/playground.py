@@ -47,10 +47,11 @@ def playground_page(request: Request, engine: EngineDep, settings: SettingsDep,
 async def open_session(request: Request, engine: EngineDep, settings: SettingsDep,
                        user: CurrentUser):
     """Open a session for ``{"model": …}``, or answer the caller's live one for that model
-    (200)."""
+    (200). The sampling parameters of the first prompt (``temperature``, ``top_p``,
+    ``max_tokens``, ``seed``), when given, are checked before any session is queued."""
     body = await json_object(request)
     job, reused = await run_in_threadpool(pg.open_session, engine, settings, user,
-                                          body.get("model"))
+                                          body.get("model"), body)
     info = await run_in_threadpool(pg.session_info, engine, job)
     return JSONResponse({**info, "reused": reused}, status_code=200 if reused else 201)
 
