@@ -54,6 +54,19 @@ def checkpoint_steps(engine: Engine, run_id: str) -> list[int]:
     return on_disk(engine, run_id)
 
 
+def not_on_disk(engine: Engine, run_id: str, step: Any, steps: list[int] | None = None,
+                field: str = "checkpoint_step", code: str | None = None) -> StudioError | None:
+    """StudioError not_found (naming ``field``, with ``code``) listing the steps on disk when
+    run ``run_id`` has no checkpoint ``step`` on disk (pruned, or never saved); None when it has.
+    ``steps``: the run's :func:`checkpoint_steps`, when already read."""
+    steps = checkpoint_steps(engine, run_id) if steps is None else steps
+    if step in steps:
+        return None
+    have = ", ".join(str(s) for s in steps) or "none"
+    return StudioError("not_found", f"run {run_id} has no checkpoint at step {step} on disk "
+                       f"(checkpoints on disk: {have})", field, code)
+
+
 def eval_jobs(engine: Engine, run_id: str) -> list[Job]:
     """The run's ``evaluate`` jobs, newest first."""
     return repo.list_run_jobs(engine, run_id, KIND)
@@ -96,11 +109,9 @@ def refusal(engine: Engine, run: Run, step: int, steps: list[int] | None = None,
     if not has_held_out(run.spec or {}):
         return StudioError("conflict", f"run {run.id} has no held-out set to evaluate on: it was "
                            "created without validation_file or validation_split_percentage")
-    steps = checkpoint_steps(engine, run.id) if steps is None else steps
-    if step not in steps:
-        have = ", ".join(str(s) for s in steps) or "none"
-        return StudioError("not_found", f"run {run.id} has no checkpoint at step {step} on disk "
-                           f"(checkpoints on disk: {have})", "checkpoint_step")
+    missing = not_on_disk(engine, run.id, step, steps)
+    if missing is not None:
+        return missing
     for job in eval_jobs(engine, run.id) if jobs is None else jobs:
         if job.state in (JobState.QUEUED, JobState.RUNNING) \
                 and (job.payload or {}).get("checkpoint_step") == step:

@@ -33,6 +33,7 @@ from app.store import events, queue, repo
 from app.store.db import session_scope
 from app.store.schema import Artifact, Job, JobState, Model, Run
 from app.studio import access
+from app.studio import checkpoint_eval as ckpt_eval
 from app.studio.errors import StudioError, invalid
 from app.studio.estimate import GIB, lora_params, model_shape, weight_bytes
 
@@ -96,7 +97,8 @@ def resolve(engine: Engine, actor: User, model: str) -> Target:
     """The :class:`Target` a model id names, if ``actor`` may use it (see the module docstring).
 
     Raises StudioError: ``not_found`` (field ``model``, code ``model_not_found``) for an unknown
-    id or another user's; ``invalid`` for a malformed one; ``conflict`` for a run that has not
+    id or another user's, or a checkpoint not on disk (the message lists those on disk);
+    ``invalid`` for a malformed one; ``conflict`` for a run that has not
     finished (name a checkpoint instead) or a base model that is not ready."""
     if not isinstance(model, str) or not model.strip():
         raise invalid("model", "name a model (GET /v1/models lists them)")
@@ -138,9 +140,12 @@ def resolve(engine: Engine, actor: User, model: str) -> Target:
         return t
     if suffix.startswith("checkpoint-"):
         step = suffix.removeprefix("checkpoint-")
-        steps = checkpoint_steps(engine, run.id)
-        if not step.isdigit() or int(step) not in steps:
+        if not step.isdigit():
             raise _no_model(model)
+        missing = ckpt_eval.not_on_disk(engine, run.id, int(step), field="model",
+                                        code="model_not_found")
+        if missing is not None:
+            raise missing
         t.checkpoint_step = int(step)
         return t
     art = next((a for a in repo.list_artifacts(engine, run.id, kind="gguf") if a.id == suffix),
@@ -149,12 +154,6 @@ def resolve(engine: Engine, actor: User, model: str) -> Target:
         raise _no_model(model)
     t.target, t.sides, t.artifact = "gguf", ["gguf"], art
     return t
-
-
-def checkpoint_steps(engine: Engine, run_id: str) -> list[int]:
-    """Steps of the run's recorded checkpoints, ascending."""
-    return sorted({int((a.meta or {})["step"]) for a in repo.list_artifacts(
-        engine, run_id, kind="checkpoint") if isinstance((a.meta or {}).get("step"), int)})
 
 
 def estimate_gib(t: Target) -> float | None:
@@ -400,7 +399,7 @@ def poll_answer(engine: Engine, job_id: int, request_id: str, side: str, after: 
 def targets(engine: Engine, actor: User) -> list[dict[str, Any]]:
     """What the caller may chat with, for the page's picker: ``{"model", "label", "group"}``
     for each ready base model, each finished run's final adapter, each run's checkpoints and
-    GGUF exports (newest runs first)."""
+    GGUF exports (newest runs first); only checkpoints still on disk."""
     out = [{"model": m.name, "label": f"{m.name} (base model)", "group": "Base models"}
            for m in repo.list_models(engine, owner=access.owner_filter(actor))
            if m.status == "ready"]
@@ -411,7 +410,7 @@ def targets(engine: Engine, actor: User) -> list[dict[str, Any]]:
         group = f"{run.name or run.id} ({names.get(run.model_id, '?')})"
         if job is not None and job.state == JobState.SUCCEEDED:
             out.append({"model": base, "label": "final adapter", "group": group})
-        for step in reversed(checkpoint_steps(engine, run.id)):
+        for step in ckpt_eval.checkpoint_steps(engine, run.id):
             out.append({"model": f"{base}:checkpoint-{step}", "label": f"checkpoint {step}",
                         "group": group})
         for a in repo.list_artifacts(engine, run.id, kind="gguf"):

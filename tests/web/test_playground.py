@@ -9,6 +9,7 @@ import contextlib
 import json
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -274,6 +275,29 @@ def test_bad_prompt_parameters_queue_no_session(studio):
         assert r.status_code == status, r.text
         assert r.json()["error"]["param"] == next(k for k in body if k not in
                                                   ("model", "messages")), r.text
+    assert _playground_jobs(engine) == before
+
+
+def test_a_pruned_checkpoint_is_not_offered_nor_accepted(studio):
+    """A checkpoint recorded but pruned from disk: not in the picker; 404 listing those on disk."""
+    from app.store.schema import Artifact
+
+    c, engine, http, run = studio["client"], studio["engine"], studio["http"], studio["run"]
+    gone = Path(run.output_dir or "/nonexistent") / "checkpoints" / "checkpoint-4"
+    repo.add_artifact(engine, Artifact(run_id=run.id, kind="checkpoint", name="checkpoint-4",
+                                       path=str(gone), meta={"step": 4}))
+    page = c.get("/playground", params={"model": studio["model"]}).text
+    assert f'value="{studio["model"]}:checkpoint-3"' in page
+    assert f'{studio["model"]}:checkpoint-4' not in page
+    before = _playground_jobs(engine)
+    for path, body in (("/api/playground/sessions", {"model": f"{studio['model']}:checkpoint-4"}),
+                       ("/v1/chat/completions", {"model": f"{studio['model']}:checkpoint-4",
+                                                 "messages": PROMPT})):
+        r = http.post(path, json=body)
+        assert r.status_code == 404, r.text
+        err = r.json()["error"]
+        assert err["param"] == "model" and err["code"] == "model_not_found", err
+        assert "no checkpoint at step 4 on disk (checkpoints on disk: 6, 3)" in err["message"]
     assert _playground_jobs(engine) == before
 
 
