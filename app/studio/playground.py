@@ -11,7 +11,8 @@ and ``answer`` events (see the worker module), which the web relays.
 
 Model ids (what ``/v1/models`` lists, plus a suffix for checkpoints and GGUF files):
 ``stories260K`` (a base model), ``stories260K:ft:<run id>`` (the run's final adapter; its base
-is the other pane), ``…:ft:<run id>:checkpoint-<step>`` (a saved checkpoint) and
+is the other pane), ``…:ft:<run id>:checkpoint-<step>`` (a checkpoint on disk; ``…:ckpt-step-<step>``,
+the OpenAI checkpoints API's id, names the same one) and
 ``…:ft:<run id>:<artifact id>`` (a GGUF export, served by llama.cpp as Ollama would).
 
 The chat template is the run's own (``spec.chat_template`` / ``chat_template_name``, chosen when
@@ -138,10 +139,12 @@ def resolve(engine: Engine, actor: User, model: str) -> Target:
                               "checkpoints instead (…:checkpoint-<step>)", "model",
                               "run_not_finished")
         return t
-    if suffix.startswith("checkpoint-"):
-        step = suffix.removeprefix("checkpoint-")
+    if suffix.startswith(("checkpoint-", "ckpt-step-")):
+        # ckpt-step-<n>: the id GET /v1/fine_tuning/jobs/{id}/checkpoints lists; one session
+        step = suffix.removeprefix("checkpoint-").removeprefix("ckpt-step-")
         if not step.isdigit():
             raise _no_model(model)
+        t.model = f"{base}:ft:{run_id}:checkpoint-{int(step)}"
         missing = ckpt_eval.not_on_disk(engine, run.id, int(step), field="model",
                                         code="model_not_found")
         if missing is not None:

@@ -291,7 +291,7 @@ def test_a_pruned_checkpoint_is_not_offered_nor_accepted(studio):
     assert f'{studio["model"]}:checkpoint-4' not in page
     before = _playground_jobs(engine)
     for path, body in (("/api/playground/sessions", {"model": f"{studio['model']}:checkpoint-4"}),
-                       ("/v1/chat/completions", {"model": f"{studio['model']}:checkpoint-4",
+                       ("/v1/chat/completions", {"model": f"{studio['model']}:ckpt-step-4",
                                                  "messages": PROMPT})):
         r = http.post(path, json=body)
         assert r.status_code == 404, r.text
@@ -299,6 +299,22 @@ def test_a_pruned_checkpoint_is_not_offered_nor_accepted(studio):
         assert err["param"] == "model" and err["code"] == "model_not_found", err
         assert "no checkpoint at step 4 on disk (checkpoints on disk: 6, 3)" in err["message"]
     assert _playground_jobs(engine) == before
+
+
+def test_the_checkpoint_ids_of_the_openai_api_chat(studio):
+    """``…:ckpt-step-N`` (GET /v1/fine_tuning/jobs/{id}/checkpoints) is ``…:checkpoint-N``."""
+    http, run = studio["http"], studio["run"]
+    listed = http.get(f"/v1/fine_tuning/jobs/{run.id}/checkpoints").json()["data"]
+    ids = {c["step_number"]: c["fine_tuned_model_checkpoint"] for c in listed}
+    assert ids[3] == f"{studio['model']}:ckpt-step-3", ids
+    r = http.post("/v1/chat/completions", json={"model": ids[3], "messages": PROMPT, **GREEDY})
+    assert r.status_code == 200, r.text
+    assert r.json()["model"] == f"{studio['model']}:checkpoint-3"
+    assert r.json()["usage"]["completion_tokens"] > 0
+    r = http.post("/api/playground/sessions", json={"model": ids[3]})
+    assert r.status_code == 200 and r.json()["reused"] is True  # the same session
+    assert r.json()["checkpoint_step"] == 3
+    http.post(f"/api/playground/sessions/{r.json()['id']}/stop")
 
 
 def test_the_session_ends_after_its_idle_time(studio):
