@@ -208,6 +208,17 @@ def open_session(engine: Engine, settings: Settings, actor: User, model: str,
                          estimate_gib=estimate_gib(t), max_attempts=1), False
 
 
+def sessions_using(engine: Engine, artifact_ids: list[str]) -> list[Job]:
+    """The queued or running sessions (anyone's) that serve one of ``artifact_ids`` (a GGUF
+    export's files), oldest first."""
+    if not artifact_ids:
+        return []
+    with session_scope(engine) as s:
+        jobs = s.exec(select(Job).where(Job.kind == KIND, Job.state.in_(
+            [JobState.QUEUED, JobState.RUNNING])).order_by(Job.id)).all()
+    return [j for j in jobs if (j.payload or {}).get("artifact_id") in artifact_ids]
+
+
 def session(engine: Engine, actor: User, session_id: int | str) -> Job:
     """The playground session ``session_id`` if ``actor`` owns it (an admin: any).
     Raises StudioError not_found (another user's session too)."""

@@ -1,6 +1,7 @@
 """Deleting runs and exports with their files (datasets and models: ``app.studio.datasets`` and
 ``app.studio.models``). A delete is refused, with the reason, while a job uses the object: a
-run whose training, export or other job is queued or running; an export being built.
+run whose training, export or other job is queued or running; an export being built or
+served by a live playground session.
 
 Rows go first (one transaction, :func:`app.store.repo.delete_run` /
 :func:`app.store.repo.delete_export`), then the files, only those under the data dir.
@@ -73,9 +74,20 @@ def delete_export(engine: Engine, settings: Settings, actor: User, export_id: in
 
     Raises:
         StudioError: not_found (unknown, or of another user's run); conflict (code
-            ``export_in_use``) while it is being built (queued or running).
+            ``export_in_use``) while it is being built (queued or running), or while a
+            queued or running playground session serves its GGUF (stop the session first).
     """
     job = export_job(engine, actor, export_id)
+    from app.studio.playground import sessions_using
+
+    arts = [a.id for a in repo.list_artifacts(engine, job.run_id) if a.job_id == job.id]
+    users = sessions_using(engine, arts)
+    if users:
+        ids = ", ".join(str(j.id) for j in users)
+        raise StudioError("conflict", f"export {job.id} is served by playground session "
+                          f"{ids} (queued or running); stop it (POST /api/playground/sessions/"
+                          "<id>/stop) or let it end when idle, then delete the export", None,
+                          "export_in_use")
     try:
         job, arts = repo.delete_export(engine, job.id)
     except repo.InUse as exc:

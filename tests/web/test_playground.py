@@ -377,6 +377,21 @@ def test_an_exported_gguf_through_llama_cpp(studio):
     chunks = list(oc.chat.completions.create(model=model, messages=PROMPT, stream=True,
                                              **GREEDY))
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == text
+    # its export cannot be deleted while a session serves it; once stopped, it can
+    export_id = r.json()["id"]
+    s = studio["http"].post("/api/playground/sessions", json={"model": model}).json()
+    r = c.delete(f"/api/exports/{export_id}")
+    assert r.status_code == 409, r.text
+    assert r.json()["error"]["code"] == "export_in_use"
+    assert f"playground session {s['id']}" in r.json()["error"]["message"]
+    assert art.path and Path(art.path).is_file()
+    studio["http"].post(f"/api/playground/sessions/{s['id']}/stop")
+    deadline = time.monotonic() + 15
+    while queue.get_job(engine, s["id"]).state not in JobState.FINAL:
+        assert time.monotonic() < deadline, "the stopped session did not end"
+        time.sleep(0.1)
+    assert c.delete(f"/api/exports/{export_id}").status_code == 200
+    assert not Path(art.path).exists()
 
 
 @pytest.mark.browser
