@@ -1,11 +1,12 @@
 """One browser journey in headless Chromium (Debian's package), driven by Playwright.
 
-Sign in as a member, upload a dataset (validated in the background), start a run, watch the loss
-chart grow while it trains and the Exports form appear when it ends, download the adapter, export
-it twice while a second run trains (exports do not wait for training; the form keeps its choices
-while the list refreshes), cancel the second run; then a second member signs in (another browser
-context) and sees none of it. Runs against the real web process and CPU
-worker.
+Sign in as a member, upload a dataset (validated in the background), start a run with a held-out
+split, watch the loss chart grow while it trains and the Exports form and the evaluation appear
+when it ends, download the adapter, export it twice while a second run trains (exports do not wait
+for training; the form keeps its choices while the list refreshes), cancel the second run;
+evaluate a checkpoint, chat with the run beside its base in the playground, compare the two runs
+and clone one into the form (issue 16); then a second member signs in (another browser context)
+and sees none of it. Runs against the real web process and CPU worker.
 """
 from __future__ import annotations
 
@@ -45,7 +46,8 @@ def make_member(studio: Studio, name: str, password: str) -> None:
         assert r.status_code in (201, 409), r.text
 
 
-def start_run(page, studio: Studio, dataset_id: str, max_steps: int, name: str) -> str:
+def start_run(page, studio: Studio, dataset_id: str, max_steps: int, name: str,
+              **fields: str) -> str:
     page.goto(f"{studio.url}/runs/new")
     page.select_option("select[name=model]", label="stories260K")
     page.select_option("select[name=dataset]", value=dataset_id)
@@ -55,6 +57,8 @@ def start_run(page, studio: Studio, dataset_id: str, max_steps: int, name: str) 
     page.fill("input[name=per_device_train_batch_size]", "2")
     page.fill("input[name=gradient_accumulation_steps]", "1")
     page.fill("input[name=learning_rate]", "0.003")
+    for k, v in fields.items():
+        page.fill(f"#run_form input[name={k}]", v)
     page.click("#run_form button[type=submit]")
     page.wait_for_url("**/runs/ftjob-*", timeout=30_000)
     return page.url.rsplit("/", 1)[-1]
@@ -86,7 +90,9 @@ def test_browser_journey(studio: Studio, tmp_path):
         expect(page.locator("#report")).to_contain_text("95")
 
         # 2. Start a run; the loss chart grows while it trains.
-        run_id = start_run(page, studio, dataset_id, max_steps=40, name="journey")
+        run_id = start_run(page, studio, dataset_id, max_steps=40, name="journey",
+                           validation_split_percentage="10", eval_steps="20", save_steps="20",
+                           generation_eval_samples="2")
         expect(page.locator("#m-state")).to_have_text("running", timeout=120_000)
         wait_for(lambda: chart_points(page) >= 3, 180, "3 points on the loss chart", studio)
         seen = chart_points(page)
@@ -94,8 +100,10 @@ def test_browser_journey(studio: Studio, tmp_path):
         expect(page.locator("#m-state")).to_have_text("succeeded", timeout=300_000)
         assert chart_points(page) >= 20
 
-        # the Exports form appears as the run finishes, without a reload (issue 19 item 7)
+        # the Exports form appears as the run finishes, without a reload (issue 19 item 7), and
+        # the held-out evaluation with its base vs fine-tuned table (issue 16)
         expect(page.locator("#export_form")).to_be_visible(timeout=30_000)
+        expect(page.locator("#generation-eval tbody tr")).to_have_count(2, timeout=30_000)
 
         # 3. A second, long run keeps the training lane busy.
         cancel_id = start_run(page, studio, dataset_id, max_steps=5000, name="to-cancel")
@@ -125,7 +133,10 @@ def test_browser_journey(studio: Studio, tmp_path):
         assert page.locator("#export_form select[name=format]").input_value() == "gguf"
         assert page.locator("#export_form input[value=Q4_K_M]").is_checked()
         page.click("#export_form button[type=submit]")
+        # the GGUF export's row is the newest (the adapter export above may have ended already)
+        expect(page.locator("#exports tbody tr")).to_have_count(2)
         row = page.locator("#exports tbody tr").first
+        expect(row).to_contain_text("gguf")
         expect(row.locator(".state")).to_have_text("succeeded", timeout=300_000)
         expect(row).to_contain_text("passed")
         expect(row.locator("a", has_text="Q8_0.gguf")).to_have_count(1)
@@ -140,7 +151,34 @@ def test_browser_journey(studio: Studio, tmp_path):
         expect(page.locator("#m-state")).to_have_text("cancelled", timeout=60_000)
         assert not errors, errors
 
-        # 7. Another member, in a browser of their own, sees none of A's work.
+        # 7. Judge the first run (issue 16): evaluate its checkpoint-20 on the held-out prompts,
+        # chat with it beside its base, compare it with the cancelled run, clone it.
+        page.goto(f"{studio.url}/runs/{run_id}")
+        page.click("#evaluate-20")
+        table = page.locator("#evaluation table[id^=checkpoint-eval-table-] tbody tr")
+        expect(table).to_have_count(2, timeout=180_000)
+        expect(page.locator("#evaluation")).to_contain_text("checkpoint-20")
+        page.click("#open-playground")
+        page.wait_for_selector("#playground")
+        page.fill("input[name=temperature]", "0")
+        page.fill("input[name=max_tokens]", "12")
+        page.fill("#pg-prompt", "Tell me a story.")
+        page.click("#pg-send")
+        for side in ("fine_tuned", "base"):
+            answer = page.locator(f"#pg-log-{side} .pg-msg.assistant:not(.pending)")
+            expect(answer).to_have_count(1, timeout=180_000)
+        page.goto(f"{studio.url}/runs/{run_id}")
+        page.click("#compare-run")
+        page.select_option("#compare-form select[name=b]", cancel_id)
+        page.click("#compare-form button[type=submit]")
+        expect(page.locator("#config-diff")).to_contain_text("max_steps")
+        page.goto(f"{studio.url}/runs/{run_id}")
+        page.click("#clone-run")
+        expect(page.locator("#run_form input[name=name]")).to_have_value("journey (copy)")
+        expect(page.locator("#run_form input[name=max_steps]")).to_have_value("40")
+        assert not errors, errors
+
+        # 8. Another member, in a browser of their own, sees none of A's work.
         other = browser.new_context().new_page()
         sign_in(other, studio, "journey-b", "journey-b-password")
         other.goto(f"{studio.url}/")
