@@ -297,12 +297,14 @@ def cancel_run(engine: Engine, actor: User, run_id: str, *, if_running: bool = F
 
     Raises:
         StudioError: not_found (unknown or another user's run); conflict when ``if_running``
-            and the job already ended.
+            and the job already ended (else an ended run is returned unchanged, unaudited).
     """
     run, job = access.run_with_job(engine, actor, run_id)
     if job is not None:
-        if if_running and job.state in JobState.FINAL:
-            raise StudioError("conflict", f"fine-tuning job {run_id} is already {job.state}")
+        if job.state in JobState.FINAL:  # nothing to cancel, nothing to record
+            if if_running:
+                raise StudioError("conflict", f"fine-tuning job {run_id} is already {job.state}")
+            return run
         queue.cancel(engine, job.id)
         audit.record(engine, actor.id, "run.cancelled", "run", run.id)
     return run

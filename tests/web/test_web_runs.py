@@ -162,6 +162,13 @@ def test_cancel_queued_and_running(client, engine):
     with client.stream("GET", f"/runs/{run_id}/events") as r:
         evs = _sse("".join(r.iter_text()))
     assert json.loads(evs[-1]["data"])["state"] == "cancelled"
+    # an ended run: /api says so (409) and the audit log records no cancel that did not happen
+    from app.studio import audit
+
+    before = [e for e in audit.recent(engine) if e.action == "run.cancelled"]
+    r = client.post(f"/api/runs/{run_id}/cancel")
+    assert r.status_code == 409 and "already cancelled" in r.json()["error"]["message"]
+    assert [e for e in audit.recent(engine) if e.action == "run.cancelled"] == before
 
 
 def test_chat_template_is_checked_when_the_run_is_created(client):

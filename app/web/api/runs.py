@@ -52,8 +52,8 @@ async def create_grpo_run(request: Request, engine: EngineDep, settings: Setting
 
 @router.post("/runs/{run_id}/cancel", response_model=RunOut)
 def cancel_run(run_id: str, engine: EngineDep, user: CurrentUser):
-    """Ask the run's job to stop; answers the run."""
-    return run_out(engine, runs_uc.cancel_run(engine, user, run_id))
+    """Ask the run's job to stop; answers the run (409 when its job already ended)."""
+    return run_out(engine, runs_uc.cancel_run(engine, user, run_id, if_running=True))
 
 
 @router.post("/runs/{run_id}/resume", response_model=RunOut)
