@@ -25,6 +25,9 @@ def studio(tmp_path_factory) -> Studio:
         "WHETSTONE_HEARTBEAT_SECONDS": "0.5", "CUDA_VISIBLE_DEVICES": "",
         "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
         "WHETSTONE_ADMIN_PASSWORD": Studio.admin_password,
+        # the journey's playground session must not hold the one CPU slot for the default 5
+        # minutes while the next test's run waits behind it
+        "WHETSTONE_PLAYGROUND_IDLE_SECONDS": "5",
     })
     web = subprocess.Popen([sys.executable, "-m", "app.web.main"], cwd=ROOT, env=env,
                            stdout=open(logs / "web.log", "w"), stderr=subprocess.STDOUT)
