@@ -6,6 +6,7 @@ its only channel to the worker.
 """
 from __future__ import annotations
 
+import gc
 import logging
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -59,6 +60,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         settings.ensure_dirs()
         migrate.upgrade(settings.resolved_database_url)
         _seed_demo_model(app.state.engine, settings)
+        # everything imported and built at start (modules, routes, templates) is long-lived:
+        # moving it out of the collector's reach keeps full collections, which otherwise walk
+        # every one of those objects, from pausing requests while an upload allocates
+        gc.collect()
+        gc.freeze()
         yield
 
     # docs_url=None: app.web.docs serves /api/docs with Swagger UI from static/vendor (no CDN)
