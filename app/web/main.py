@@ -60,11 +60,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         settings.ensure_dirs()
         migrate.upgrade(settings.resolved_database_url)
         _seed_demo_model(app.state.engine, settings)
-        # everything imported and built at start (modules, routes, templates) is long-lived:
-        # moving it out of the collector's reach keeps full collections, which otherwise walk
-        # every one of those objects, from pausing requests while an upload allocates
-        gc.collect()
-        gc.freeze()
         yield
 
     # docs_url=None: app.web.docs serves /api/docs with Swagger UI from static/vendor (no CDN)
@@ -158,7 +153,14 @@ def run() -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = get_settings()
-    uvicorn.Server(server_config(create_app(settings), settings)).run()
+    server = uvicorn.Server(server_config(create_app(settings), settings))
+    # everything imported and built so far (modules, routes, the app) lives as long as the
+    # process: moved out of the collector's reach, full collections no longer walk it and pause
+    # requests (~100 ms while an upload allocated). Only here, not in create_app: a process that
+    # builds many apps (the tests) would keep their garbage.
+    gc.collect()
+    gc.freeze()
+    server.run()
 
 
 if __name__ == "__main__":
