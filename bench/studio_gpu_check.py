@@ -133,7 +133,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dataset", default="sft/oasst1_en_100_messages.jsonl",
                     help="path under the seed dir")
     ap.add_argument("--configs", default="qlora,lora",
-                    help="comma-separated: qlora, lora (SFT runs), grpo, grpo_lora (a QLoRA or "
+                    help="comma-separated: qlora, lora (SFT runs; a _pf or _pack suffix, e.g. qlora_pf, "
+                    "sets padding_free or packing), grpo, grpo_lora (a QLoRA or "
                     "LoRA GRPO run on 64 GSM8K prompts of <seed>/grpo/gsm8k/train.jsonl, "
                     "numeric_match reward)")
     a = ap.parse_args(argv)
@@ -184,9 +185,10 @@ def main(argv=None) -> int:
             if name in ("grpo", "grpo_lora"):
                 runs[name] = create_grpo(api, seed, model["id"], a.steps, name == "grpo")
                 continue
-            four = name == "qlora"
+            four = name.startswith("qlora")
             body = {"name": f"gpu-check-{name}", "model": model["id"], "dataset": f["id"],
                     "load_in_4bit": four, "max_steps": a.steps, "max_seq_length": 256,
+                    "padding_free": name.endswith("_pf"), "packing": name.endswith("_pack"),
                     "per_device_train_batch_size": 8, "gradient_accumulation_steps": 1,
                     "save_steps": 1000, "r": 16, "lora_alpha": 16}
             run = api.call("POST", "/api/runs", body=body)

@@ -24,14 +24,14 @@ stage() {  # NAME TIMEOUT CMD...
 }
 for s in ${STAGES:-studio p8b p1b}; do
   case $s in
-    studio) stage studio ${T_STUDIO:-230} python3 bench/studio_gpu_check.py --steps 40 --timeout ${RUN_WAIT:-180} ;;
+    studio) stage studio ${T_STUDIO:-230} python3 bench/studio_gpu_check.py --steps 40 --timeout ${RUN_WAIT:-180} --configs ${CONFIGS:-qlora,lora} ;;
     p8b) stage packing_8b ${T_8B:-220} env CUDA_VISIBLE_DEVICES=0 python3 bench/packing.py --model llama-3.1-8b \
            --jobs 4 --steps ${STEPS_8B:-40} --timeout ${PHASE_8B:-100} --warmup-steps ${WARM_8B:-0} ;;
     p1b) stage packing_1b 150 env CUDA_VISIBLE_DEVICES=0 python3 bench/packing.py --model llama-3.2-1b \
            --jobs 4 --steps ${STEPS_1B:-100} --timeout 65 ;;
     tests) TAIL=30 stage gpu_tests 230 python3 -m pytest -q --import-mode=append -p no:cacheprovider \
-             tests/gpu/test_decode_gpu.py tests/gpu/test_engine_gpu.py tests/gpu/test_kernels_gpu.py \
-             tests/gpu/test_attention_gpu.py tests/gpu/test_launch_gpu.py ;;
+             ${GPU_TESTS:-tests/gpu/test_decode_gpu.py tests/gpu/test_engine_gpu.py tests/gpu/test_kernels_gpu.py \
+             tests/gpu/test_attention_gpu.py tests/gpu/test_launch_gpu.py} ;;
   esac
 done
 tail -c 3000 $OUT/studio_supervisor.log 2>/dev/null | grep -v "worker.progress" | tail -8
