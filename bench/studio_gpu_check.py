@@ -158,12 +158,13 @@ def main(argv=None) -> int:
     summary: dict = {"check": "summary", "ok": False}
     t0 = time.monotonic()
     try:
+        wait(lambda: api.call("GET", "/healthz"), 120, "the web's /healthz")
+        tok = api.call("POST", "/api/login/access-token",
+                       form={"username": "admin", "password": PASSWORD})
+        api.token = tok["access_token"]  # /healthz lists workers to an admin only
         health = wait(lambda: (h := api.call("GET", "/healthz")) and h.get("workers") and h,
                       120, "a live supervisor in /healthz")
         result(check="healthz_start", t=round(time.monotonic() - t0, 1), healthz=health)
-        tok = api.call("POST", "/api/login/access-token",
-                       form={"username": "admin", "password": PASSWORD})
-        api.token = tok["access_token"]
 
         def demo_ready():
             models = api.call("GET", "/api/models")
