@@ -142,7 +142,8 @@ def main(argv=None) -> int:
     seed = os.path.abspath(os.environ.get("WHETSTONE_SEED_DIR") or os.path.join(REPO, ".seed"))
     data_dir = tempfile.mkdtemp(prefix="studio-gpu-")
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WHETSTONE_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WHETSTONE_")
+           or k == "WHETSTONE_CUDA_MEMORY_HISTORY"}
     env.update({"WHETSTONE_DATA_DIR": data_dir, "WHETSTONE_HOST": "127.0.0.1",
                 "WHETSTONE_PORT": str(port), "WHETSTONE_SEED_DIR": seed,
                 "WHETSTONE_ADMIN_PASSWORD": PASSWORD, "PYTHONUNBUFFERED": "1",

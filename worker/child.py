@@ -82,6 +82,27 @@ def cap_allocator(job, device: int = 0) -> None:
                  frac * total, frac, total)
 
 
+def _memory_history(job):
+    """A debugging aid for the estimator: with ``WHETSTONE_CUDA_MEMORY_HISTORY=DIR`` on a GPU,
+    record every CUDA allocation of this job with its stack (torch.cuda.memory's history) and
+    return a function that writes the snapshot to ``DIR/job-<id>-<kind>.pickle`` (open it at
+    https://pytorch.org/memory_viz, or read its ``device_traces``). Otherwise a no-op."""
+    where = os.environ.get("WHETSTONE_CUDA_MEMORY_HISTORY")
+    if not where or not gpu.cuda_available():
+        return lambda: None
+    torch = gpu._torch()
+    torch.cuda.memory._record_memory_history(max_entries=200_000)
+
+    def dump() -> None:
+        os.makedirs(where, exist_ok=True)
+        path = os.path.join(where, f"job-{job.id}-{job.kind}.pickle")
+        torch.cuda.memory._dump_snapshot(path + ".tmp")
+        os.replace(path + ".tmp", path)
+        torch.cuda.memory._record_memory_history(enabled=None)
+        log.info("job %s: CUDA memory history in %s", job.id, path)
+    return dump
+
+
 def _die_with_parent() -> None:
     try:
         ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
@@ -123,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     gpu.cuda_available()  # import torch inside the admission's start allowance, not the lease
     if "," not in (job.gpu_slot or ""):  # a data-parallel job: each rank caps its own GPU
         cap_allocator(job)
+    history = _memory_history(job)
     try:
         w.run_job(job)
     except KeyboardInterrupt:
@@ -130,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        history()
     from worker import notify
 
     notify.wait()  # a run's webhook POST, sent after the job's end was recorded
