@@ -232,6 +232,8 @@ def main(argv=None) -> int:
             ok = ok and r["state"] == "succeeded" and mem.get("peak_kind") == "gpu"
         gpus = api.call("GET", "/api/gpus")
         summary["gpus"] = gpus_summary(gpus)
+        if summary["gpus"]:  # "cuda:0 NVIDIA H200" -> the device name the rows compare by
+            summary["device"] = (summary["gpus"][0].get("name") or "").split(" ", 1)[-1]
         result(check="gpus", gpus=summary["gpus"])
         ok = ok and bool(summary["gpus"]) and all(
             g["source"] == "nvml" and g["samples"] > 0 for g in summary["gpus"])
