@@ -11,7 +11,7 @@
   const sendBtn = document.getElementById("pg-send");
   const csrf = (document.querySelector('meta[name="csrf-token"]') || {}).content || "";
   const history = Object.fromEntries(sides.map((s) => [s, []]));
-  let session = null, source = null, lastId = 0, pending = null;
+  let session = null, source = null, lastId = 0, pending = null, ended = null;
 
   function bubble(side, role, text) {
     const el = document.createElement("div");
@@ -48,6 +48,12 @@
     const data = (ev) => { lastId = Math.max(lastId, Number(ev.lastEventId) || 0); return JSON.parse(ev.data); };
     source.addEventListener("session", (ev) => {
       const d = data(ev);
+      if (d.status === "ended") {  // it gave its slot up to a queued job (worker/jobs/playground.py)
+        ended = d.message;
+        statusEl.textContent = d.message;
+        if (!pending) for (const s of sides) bubble(s, "note", d.message);
+        return;
+      }
       statusEl.textContent = `Loaded on ${d.device} in ${d.load_seconds}s (load ${d.loads}); answering…`;
     });
     source.addEventListener("token", (ev) => handle("token", data(ev)));
@@ -61,7 +67,8 @@
     source.addEventListener("end", () => {
       source.close(); source = null; session = null;
       if (pending && pending.id) { const again = pending.body; pending.retry ? finish(" (the session ended before answering)") : send(again, true); }
-      else if (!pending) statusEl.textContent = "The session ended (idle); the next prompt loads the model again.";
+      else if (!pending && !ended) statusEl.textContent = "The session ended (idle); the next prompt loads the model again.";
+      ended = null;
     });
   }
   function handle(type, d) {

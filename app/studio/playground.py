@@ -32,7 +32,7 @@ from sqlmodel import select
 from app.settings import Settings
 from app.store import events, queue, repo
 from app.store.db import session_scope
-from app.store.schema import Artifact, Job, JobState, Model, Run
+from app.store.schema import Artifact, Job, JobState, Model, Run, now
 from app.studio import access
 from app.studio import checkpoint_eval as ckpt_eval
 from app.studio.errors import StudioError, invalid
@@ -70,14 +70,16 @@ class Target:
     system_prompt: str | None = None
     notes: list[str] = field(default_factory=list)
 
-    def payload(self, idle_seconds: float) -> dict[str, Any]:
-        """The session job's payload (see worker/jobs/playground.py)."""
+    def payload(self, idle_seconds: float, yield_seconds: float | None = None
+                ) -> dict[str, Any]:
+        """The session job's payload (see worker/jobs/playground.py); seconds."""
         return {"target": self.target, "model": self.model, "model_id": self.model_row.id,
                 "run_id": self.run.id if self.run else None,
                 "checkpoint_step": self.checkpoint_step,
                 "artifact_id": self.artifact.id if self.artifact else None,
                 "sides": self.sides, "template_name": self.template_name,
-                "template": self.template, "idle_seconds": idle_seconds}
+                "template": self.template, "idle_seconds": idle_seconds,
+                "yield_seconds": yield_seconds}
 
 
 def _no_model(model: str) -> StudioError:
@@ -203,7 +205,8 @@ def open_session(engine: Engine, settings: Settings, actor: User, model: str,
     live = _live(engine, actor, t.model)
     if live is not None:
         return live, True
-    return queue.enqueue(engine, KIND, t.payload(settings.playground_idle_seconds),
+    return queue.enqueue(engine, KIND, t.payload(settings.playground_idle_seconds,
+                                                   settings.playground_yield_seconds),
                          run_id=t.run.id if t.run else None, owner=actor.id,
                          estimate_gib=estimate_gib(t), max_attempts=1), False
 
@@ -236,22 +239,30 @@ def session(engine: Engine, actor: User, session_id: int | str) -> Job:
 
 
 def status_of(engine: Engine, job: Job) -> str:
-    """``queued`` (waiting for a GPU), ``loading``, ``ready`` or ``ended``."""
+    """``queued`` (waiting for a GPU), ``loading``, ``ready`` or ``ended`` (also once the
+    worker said it is ending: it gave its slot up to a queued job)."""
     if job.state in JobState.FINAL or job.cancel_requested:
         return "ended"
     if job.state == JobState.QUEUED:
         return "queued"
-    return "ready" if events.latest(engine, job.id, "session") is not None else "loading"
+    latest = events.latest(engine, job.id, "session")
+    if latest is None:
+        return "loading"
+    return "ended" if (latest.data or {}).get("status") == "ended" else "ready"
 
 
 def session_info(engine: Engine, job: Job) -> dict[str, Any]:
     """A session as the API shows it: ``id``, ``object`` (``playground.session``), ``model``,
     ``status`` (:func:`status_of`), ``state`` (the job's), ``sides``, ``template_name``,
     ``template``, ``idle_seconds``, ``loads``, ``load_seconds``, ``device``, ``estimate_gib``,
-    ``error``, ``events_url``."""
+    ``error``, ``ended`` (None, ``idle``, ``yielded``: it freed its slot for a queued job),
+    ``message`` (what the chat says about its end), ``events_url``."""
     p = job.payload or {}
-    ready = events.latest(engine, job.id, "session")
-    r = ready.data if ready else {}
+    r = {}
+    for ev in events.since(engine, job.id, 0, 100, types=["session"]):
+        r = {**r, **(ev.data or {})}
+    ended = (job.result or {}).get("ended") or (r.get("reason") if r.get("status") == "ended"
+                                                 else None)
     return {"id": job.id, "object": "playground.session", "model": p.get("model"),
             "run_id": p.get("run_id"), "checkpoint_step": p.get("checkpoint_step"),
             "status": status_of(engine, job), "state": job.state, "sides": p.get("sides"),
@@ -259,7 +270,45 @@ def session_info(engine: Engine, job: Job) -> dict[str, Any]:
             "idle_seconds": p.get("idle_seconds"), "loads": r.get("loads", 0),
             "load_seconds": r.get("load_seconds"), "device": r.get("device"),
             "estimate_gib": job.estimate_gib, "error": job.error, "created_at": job.created_at,
+            "ended": ended, "message": r.get("message"),
             "events_url": f"/api/playground/sessions/{job.id}/events"}
+
+
+#: What an idle session says in the chat when it gave its slot up to a queued job.
+YIELDED = ("The session was ended to free the {what} for a queued job; the next message starts "
+           "a new one.")
+
+
+def waiting_for(engine: Engine, settings: Settings, job_id: int) -> Job | None:
+    """The queued job that waits for the slot the running session ``job_id`` holds (admission
+    refuses it now and would admit it once the session ended, :func:`app.store.admission.waits_for`),
+    or None. A session a plain worker claimed (no admission slot) holds that worker: a queued
+    job of a slot kind waits for it when every other live worker of the main lane is busy too.
+    The worker calls it while a session is idle (worker/jobs/playground.py)."""
+    from app.store import admission, workers
+    from app.studio.queue_cpu import LANE_SUFFIX
+    from app.studio.queue_view import GPU_KINDS
+
+    kinds = (*GPU_KINDS, KIND)
+    live = workers.live(engine, settings.worker_stale_seconds)
+    with session_scope(engine) as s:
+        job = s.get(Job, job_id)
+        if job is None or job.state != JobState.RUNNING:
+            return None
+        if job.gpu_slot:
+            snap = admission.snapshot(s, now(), kinds, settings.gpu_admit_margin,
+                                      settings.fair_share_hours)
+            return admission.waits_for(snap, job, admission.slots_of(live))
+        waiting = s.exec(select(Job).where(Job.state == JobState.QUEUED,
+                                           Job.kind.in_(kinds),
+                                           Job.cancel_requested == False)  # noqa: E712
+                         .order_by(Job.id)).first()
+        if waiting is None:
+            return None
+        busy = set(s.exec(select(Job.lease_owner).where(Job.state == JobState.RUNNING)).all())
+    plain = [w for w in live if w.gpu_capacity_gib is None and not w.device.endswith(LANE_SUFFIX)
+             and not w.device.startswith("cpu slot")]
+    return waiting if all(w.id in busy for w in plain) else None
 
 
 def stop_session(engine: Engine, actor: User, session_id: int | str) -> Job:

@@ -1,0 +1,156 @@
+"""A playground session holds a worker slot: against the real supervisor process (its CPU slot
+runs one job at a time, as a GPU box's slot holds a session's memory) and the app on a real
+uvicorn, with the demo model stories260K (a base-model session, no training needed).
+
+* an idle session keeps its slot while nothing waits, and gives it up after the short grace
+  (``playground_yield_seconds``) once a queued job waits for it, saying so;
+* a ``/v1/chat/completions`` caller who disconnects stops the server's wait, and its retry reuses
+  the live session;
+* a session waiting for the slot is listed on ``/api/queue`` and ``/queue`` with its reason.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from app.settings import Settings
+from app.store import events, queue
+from app.store.db import reset_engines
+from app.store.schema import JobState
+from tests.conftest import REPO, SHARED_DATA, STORIES
+from tests.web.conftest import ADMIN_PASSWORD, ADMIN_USER, served
+
+pytestmark = pytest.mark.skipif(not (STORIES / "stories260K.bin").exists(),
+                                reason=f"no test data at {SHARED_DATA}")
+
+GRACE = 1.0  # seconds an idle session keeps a slot a queued job waits for
+MODEL = "stories260K"
+PROMPT = [{"role": "user", "content": "Once upon a time"}]
+
+
+def wait(predicate, timeout: float, what: str, every: float = 0.1):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        got = predicate()
+        if got:
+            return got
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def box(tmp_path_factory):
+    from app.studio import accounts
+    from app.web.main import create_app
+
+    d = tmp_path_factory.mktemp("pg-slot")
+    settings = Settings(data_dir=d / "data", seed_dir=SHARED_DATA, admin_user=ADMIN_USER,
+                        admin_password=ADMIN_PASSWORD, heartbeat_seconds=0.5,
+                        playground_idle_seconds=120, playground_yield_seconds=GRACE)
+    app = create_app(settings)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WHETSTONE_")}
+    env.update({"WHETSTONE_DATA_DIR": str(d / "data"), "WHETSTONE_SEED_DIR": str(SHARED_DATA),
+                "WHETSTONE_HEARTBEAT_SECONDS": "0.5", "CUDA_VISIBLE_DEVICES": "",
+                "WHETSTONE_ADMIN_USER": ADMIN_USER, "WHETSTONE_ADMIN_PASSWORD": ADMIN_PASSWORD,
+                "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+                "PYTHONPATH": str(REPO)})
+    with contextlib.ExitStack() as stack:
+        base = stack.enter_context(served(app))
+        engine = app.state.engine
+        log = open(d / "worker.log", "w")
+        proc = subprocess.Popen([sys.executable, "-m", "worker", "--supervise",
+                                 "--poll-interval", "0.2"], cwd=REPO, env=env, stdout=log,
+                                stderr=subprocess.STDOUT)
+        try:
+            admin = accounts.authenticate(engine, ADMIN_USER, ADMIN_PASSWORD)
+            key = accounts.create_api_key(engine, admin, "tests")[1]
+            http = stack.enter_context(httpx.Client(
+                base_url=base, timeout=60, headers={"Authorization": f"Bearer {key}"}))
+            wait(lambda: any(m["name"] == MODEL and m["status"] == "ready"
+                             for m in http.get("/api/models").json()["data"]), 120,
+                 "the demo model's import")
+            yield {"engine": engine, "http": http, "base": base, "key": key, "admin": admin,
+                   "log": d / "worker.log"}
+        finally:
+            proc.terminate()  # SIGTERM: the supervisor stops its children
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(30)
+            if proc.poll() is None:
+                proc.kill()
+            log.close()
+    reset_engines()
+
+
+def _ended(engine, job_id: int, timeout: float = 30.0):
+    return wait(lambda: (j := queue.get_job(engine, job_id)).state in JobState.FINAL and j,
+                timeout, f"session {job_id} to end")
+
+
+def _answer(engine, job_id: int, rid: str, timeout: float = 60.0) -> dict:
+    def got():
+        for ev in events.since(engine, job_id, 0, 10000, types=["answer"]):
+            if ev.data.get("request_id") == rid:
+                return ev.data
+        return None
+    return wait(got, timeout, f"the answer to {rid}")
+
+
+def _chat(box, **extra) -> tuple[dict, dict]:
+    http = box["http"]
+    r = http.post("/api/playground/sessions", json={"model": MODEL})
+    assert r.status_code in (200, 201), r.text
+    s = r.json()
+    r = http.post(f"/api/playground/sessions/{s['id']}/prompts",
+                  json={"messages": PROMPT, "temperature": 0, "max_tokens": 8, **extra})
+    assert r.status_code == 202, r.text
+    return s, r.json()
+
+
+def _stop_all(box) -> None:
+    from app.store.db import session_scope
+    from app.store.schema import Job
+    from sqlmodel import select
+
+    with session_scope(box["engine"]) as s:
+        live = s.exec(select(Job.id).where(Job.state.in_([JobState.QUEUED,
+                                                          JobState.RUNNING]))).all()
+    for job_id in live:
+        queue.cancel(box["engine"], job_id)
+    for job_id in live:
+        _ended(box["engine"], job_id)
+
+
+def test_an_idle_session_frees_its_slot_for_a_queued_job(box):
+    engine, http = box["engine"], box["http"]
+    s, sent = _chat(box)
+    assert _answer(engine, s["id"], sent["request_id"])["text"]
+    # nothing waits: it keeps the slot past the grace
+    time.sleep(GRACE + 1.5)
+    assert queue.get_job(engine, s["id"]).state == JobState.RUNNING
+    # a job waits for the one CPU slot: the session ends within the grace and a check
+    waiting = queue.enqueue(engine, "train", {"spec_version": 1, "run_id": "run-none"},
+                            owner=box["admin"].id, max_attempts=1)
+    t0 = time.monotonic()
+    job = _ended(engine, s["id"])
+    took = time.monotonic() - t0
+    assert job.state == JobState.SUCCEEDED and job.result["ended"] == "yielded"
+    assert job.result["for_job"] == waiting.id and took < GRACE + 4, took
+    info = http.get(f"/api/playground/sessions/{s['id']}").json()
+    assert info["status"] == "ended" and info["ended"] == "yielded"
+    assert info["message"] == ("The session was ended to free the worker slot for a queued job; "
+                               "the next message starts a new one.")
+    ev = events.latest(engine, s["id"], "session")
+    assert ev.data["status"] == "ended" and ev.data["for_job"] == waiting.id
+    # the waiting job was admitted onto the slot (it fails: its run does not exist)
+    assert _ended(engine, waiting.id).started_at is not None
+    # the next message starts a new session
+    s2, sent2 = _chat(box)
+    assert s2["id"] != s["id"] and s2["reused"] is False
+    assert _answer(engine, s2["id"], sent2["request_id"])["text"]
+    _stop_all(box)
