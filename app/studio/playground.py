@@ -27,12 +27,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.engine import Engine
-from sqlmodel import select
+from sqlmodel import Session, select
 
 from app.settings import Settings
 from app.store import events, queue, repo
 from app.store.db import session_scope
-from app.store.schema import Artifact, Job, JobState, Model, Run, now
+from app.store.schema import Artifact, Job, JobEvent, JobState, Model, Run, now
 from app.studio import access
 from app.studio import checkpoint_eval as ckpt_eval
 from app.studio.errors import StudioError, invalid
@@ -184,31 +184,37 @@ def estimate_gib(t: Target) -> float | None:
 
 
 # ---- sessions --------------------------------------------------------------------------------
-def _live(engine: Engine, actor: User, model: str) -> Job | None:
-    with session_scope(engine) as s:
-        jobs = s.exec(select(Job).where(Job.kind == KIND, Job.owner == actor.id,
-                                        Job.state.in_([JobState.QUEUED, JobState.RUNNING]),
-                                        Job.cancel_requested == False)  # noqa: E712
-                      .order_by(Job.id.desc())).all()
-    return next((j for j in jobs if (j.payload or {}).get("model") == model), None)
+def _live(s: Session, actor: User, model: str) -> Job | None:
+    jobs = s.exec(select(Job).where(Job.kind == KIND, Job.owner == actor.id,
+                                    Job.state.in_([JobState.QUEUED, JobState.RUNNING]),
+                                    Job.cancel_requested == False)  # noqa: E712
+                  .order_by(Job.id.desc())).all()
+    for j in jobs:
+        if (j.payload or {}).get("model") != model:
+            continue
+        ending = s.exec(select(JobEvent.data).where(JobEvent.job_id == j.id,
+                                                    JobEvent.type == "session")
+                        .order_by(JobEvent.id.desc()).limit(1)).first()
+        if (ending or {}).get("status") != "ended":  # not giving its slot up
+            return j
+    return None
 
 
 def open_session(engine: Engine, settings: Settings, actor: User, model: str,
                  prompt: dict[str, Any] | None = None) -> tuple[Job, bool]:
-    """``(session, reused)``: the caller's live session for ``model`` (queued or running), or
-    a new one queued with its memory estimate. ``prompt``: the prompt about to be sent (its
-    sampling :func:`prompt_params` are checked first, so a bad one queues no session).
-    Raises StudioError as :func:`resolve` and :func:`params`."""
+    """``(session, reused)``: the caller's live session for ``model`` (queued or running, not
+    ending), or a new one queued with its memory estimate; the look and the insert are one
+    write transaction, so concurrent calls (a client's retry) never open two. ``prompt``: the
+    prompt about to be sent (its sampling :func:`prompt_params` are checked first, so a bad one
+    queues no session). Raises StudioError as :func:`resolve` and :func:`params`."""
     if prompt is not None:
         prompt_params(prompt)
     t = resolve(engine, actor, model)
-    live = _live(engine, actor, t.model)
-    if live is not None:
-        return live, True
-    return queue.enqueue(engine, KIND, t.payload(settings.playground_idle_seconds,
-                                                   settings.playground_yield_seconds),
-                         run_id=t.run.id if t.run else None, owner=actor.id,
-                         estimate_gib=estimate_gib(t), max_attempts=1), False
+    return queue.enqueue_unless(
+        engine, KIND, t.payload(settings.playground_idle_seconds,
+                                settings.playground_yield_seconds),
+        lambda s: _live(s, actor, t.model), run_id=t.run.id if t.run else None,
+        owner=actor.id, estimate_gib=estimate_gib(t), max_attempts=1)
 
 
 def sessions_using(engine: Engine, artifact_ids: list[str]) -> list[Job]:
@@ -430,6 +436,36 @@ def send_prompt(engine: Engine, actor: User, session_id: int | str,
         s.flush()
         after = ev.id
     return {"request_id": rid, "after": after, "session": job.id}
+
+
+def stop_prompt(engine: Engine, actor: User, session_id: int | str, request_id: str) -> dict:
+    """Stop the answer to prompt ``request_id`` of the caller's session: a ``cancel`` event the
+    worker reads between tokens (it then writes each side's answer so far with
+    ``finish_reason`` ``stopped``; a prompt not yet begun is skipped). The session and its
+    model stay. Returns ``{"request_id", "session", "stopped"}`` (``stopped`` False when the
+    answer had already ended). Raises StudioError not_found (another user's session too, or no
+    such prompt in it)."""
+    job = session(engine, actor, session_id)
+    return cancel_prompt(engine, job.id, request_id)
+
+
+def cancel_prompt(engine: Engine, job_id: int, request_id: str) -> dict:
+    """:func:`stop_prompt` for a session already checked (the web's own request, e.g. a
+    ``/v1`` caller that went away). Raises StudioError not_found for an unknown ``request_id``."""
+    with session_scope(engine, immediate=True) as s:
+        rows = s.exec(select(JobEvent.type, JobEvent.data).where(
+            JobEvent.job_id == job_id, JobEvent.type.in_(["prompt", "answer", "cancel"]))).all()
+        mine = [(t, d) for t, d in rows if (d or {}).get("request_id") == request_id]
+        if not any(t == "prompt" for t, _ in mine):
+            raise StudioError("not_found", f"session {job_id} has no prompt {request_id!r}",
+                              "request_id")
+        prompt = next(d for t, d in mine if t == "prompt")
+        sides = set((prompt.get("messages") or {}).keys())
+        done = {d.get("side") for t, d in mine if t == "answer"} >= sides
+        stopped = not done and not any(t == "cancel" for t, _ in mine)
+        if stopped:
+            events.append(s, job_id, "cancel", {"request_id": request_id})
+    return {"request_id": request_id, "session": job_id, "stopped": stopped}
 
 
 def poll_answer(engine: Engine, job_id: int, request_id: str, side: str, after: int

@@ -154,3 +154,81 @@ def test_an_idle_session_frees_its_slot_for_a_queued_job(box):
     assert s2["id"] != s["id"] and s2["reused"] is False
     assert _answer(engine, s2["id"], sent2["request_id"])["text"]
     _stop_all(box)
+
+
+def _sessions(engine) -> list:
+    from sqlmodel import select
+
+    from app.store.db import session_scope
+    from app.store.schema import Job
+
+    with session_scope(engine) as s:
+        return list(s.exec(select(Job).where(Job.kind == "playground").order_by(Job.id)).all())
+
+
+def _prompts(engine, job_id: int) -> list[str]:
+    return [e.data["request_id"] for e in events.since(engine, job_id, 0, 10000,
+                                                       types=["prompt"])]
+
+
+def _cancelled(engine, job_id: int) -> set[str]:
+    return {e.data["request_id"] for e in events.since(engine, job_id, 0, 10000,
+                                                       types=["cancel"])}
+
+
+def test_a_disconnected_v1_caller_stops_waiting_and_its_retry_reuses_the_session(box):
+    import openai
+
+    engine, base = box["engine"], box["base"]
+    before = {j.id for j in _sessions(engine)}
+    headers = {"Authorization": f"Bearer {box['key']}"}
+    body = {"model": MODEL, "messages": PROMPT, "temperature": 0, "max_tokens": 8}
+    # 1. a non-streaming caller gives up while its new session starts (a worker child loads it)
+    with httpx.Client(base_url=base, headers=headers, timeout=0.5) as quick, \
+            pytest.raises(httpx.ReadTimeout):
+        quick.post("/v1/chat/completions", json=body)
+    new = [j for j in _sessions(engine) if j.id not in before]
+    assert len(new) == 1, new
+    sid = new[0].id
+    first = wait(lambda: _prompts(engine, sid), 5, "the first prompt")[0]
+    # the server saw the disconnect: it stopped waiting and stopped the answer
+    wait(lambda: first in _cancelled(engine, sid), 3, "the first prompt's cancel")
+    # 2. a streaming caller closes its connection after the first chunk
+    with httpx.Client(base_url=base, headers=headers, timeout=30) as c:
+        with c.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+            assert r.status_code == 200
+            assert next(r.iter_lines()).startswith("data: ")
+    second = wait(lambda: _prompts(engine, sid)[1:], 5, "the second prompt")[0]
+    wait(lambda: second in _cancelled(engine, sid), 3, "the second prompt's cancel")
+    # 3. the retry reuses the same session and is answered
+    oc = openai.OpenAI(base_url=base + "/v1", api_key=box["key"], max_retries=0)
+    out = oc.chat.completions.create(**body)
+    assert out.choices[0].message.content and out.choices[0].finish_reason in ("stop", "length")
+    assert [j.id for j in _sessions(engine) if j.id not in before] == [sid]
+    assert len(_prompts(engine, sid)) == 3
+    answers = {e.data["request_id"]: e.data for e in events.since(engine, sid, 0, 10000,
+                                                                   types=["answer"])}
+    assert answers[first]["finish_reason"] == "stopped"  # never generated for nobody
+    _stop_all(box)
+
+
+def test_concurrent_opens_make_one_session(box):
+    import threading
+
+    from app.studio import playground as pg
+
+    engine, got = box["engine"], []
+    settings = Settings(playground_idle_seconds=120, playground_yield_seconds=GRACE)
+    gate = threading.Barrier(4)
+
+    def open_one():
+        gate.wait()
+        got.append(pg.open_session(engine, settings, box["admin"], MODEL))
+
+    threads = [threading.Thread(target=open_one) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len({j.id for j, _ in got}) == 1 and sorted(r for _, r in got) == [False] + [True] * 3
+    _stop_all(box)

@@ -76,9 +76,18 @@ def load(ctx: JobContext, p: dict[str, Any]):
             from e
 
 
+def stopped(ctx: JobContext, request_id: str, after: int) -> bool:
+    """Whether the web asked to stop the answer to ``request_id`` (a ``cancel`` event after
+    the prompt's event id ``after``; :func:`app.studio.playground.stop_prompt`)."""
+    return any(e.data.get("request_id") == request_id
+               for e in events.since(ctx.engine, ctx.job.id, after, 1000, types=["cancel"]))
+
+
 def answer(ctx: JobContext, loaded, p: dict[str, Any], prompt: dict[str, Any],
-           loads: int) -> None:
-    """Answer one ``prompt`` event on every side it names, token events as text comes."""
+           loads: int, after: int = 0) -> None:
+    """Answer one ``prompt`` event (its event id ``after``) on every side it names, token
+    events as text comes; a stopped prompt (:func:`stopped`, checked at every flush) ends each
+    side with the text so far and ``finish_reason`` ``stopped``."""
     from app.data.errors import DatasetError
     from worker.engine import chat
 
@@ -86,8 +95,15 @@ def answer(ctx: JobContext, loaded, p: dict[str, Any], prompt: dict[str, Any],
     params = chat.Params(**{k: v for k, v in (prompt.get("params") or {}).items()
                             if k in ("temperature", "top_p", "max_tokens", "seed")})
     streams, out = [], []
+    skip = stopped(ctx, rid, after)
     for side, messages in (prompt.get("messages") or {}).items():
         if side not in p["sides"]:
+            continue
+        if skip:  # stopped before it began
+            out.append(("answer", {"request_id": rid, "side": side, "text": "",
+                                   "finish_reason": "stopped", "loads": loads,
+                                   "usage": {"prompt_tokens": 0, "completion_tokens": 0,
+                                             "total_tokens": 0}}))
             continue
         try:
             ids = chat.prompt_ids(loaded, chat.render_prompt(loaded, messages, p.get("template")))
@@ -110,6 +126,10 @@ def answer(ctx: JobContext, loaded, p: dict[str, Any], prompt: dict[str, Any],
         for s in streams:
             s.step()
         now = time.monotonic()
+        if now - last_flush >= FLUSH_SECONDS and stopped(ctx, rid, after):
+            for s in streams:
+                if not s.done:
+                    s.done, s.finish_reason = True, "stopped"
         finished = [s for s in streams if s.done]
         if finished or now - last_flush >= FLUSH_SECONDS:
             batch = [("token", {"request_id": rid, "side": s.side, "text": t})
@@ -190,7 +210,7 @@ def run(ctx: JobContext) -> dict[str, Any]:
             after = ev.id
             if ev.data.get("request_id") in answered:
                 continue
-            answer(ctx, loaded, p, ev.data, loads)
+            answer(ctx, loaded, p, ev.data, loads, ev.id)
             answered.add(ev.data.get("request_id"))
             served += 1
         last = time.monotonic()
