@@ -295,7 +295,7 @@ def waiting_for(engine: Engine, settings: Settings, job_id: int) -> Job | None:
     from app.studio.queue_cpu import LANE_SUFFIX
     from app.studio.queue_view import GPU_KINDS
 
-    kinds = (*GPU_KINDS, KIND)
+    kinds = GPU_KINDS
     live = workers.live(engine, settings.worker_stale_seconds)
     with session_scope(engine) as s:
         job = s.get(Job, job_id)

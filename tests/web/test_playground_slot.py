@@ -232,3 +232,31 @@ def test_concurrent_opens_make_one_session(box):
         t.join()
     assert len({j.id for j, _ in got}) == 1 and sorted(r for _, r in got) == [False] + [True] * 3
     _stop_all(box)
+
+
+def test_a_session_waiting_for_the_slot_is_listed_on_the_queue(box):
+    from app.store import admission, workers
+
+    engine, http = box["engine"], box["http"]
+    settings = Settings()
+    # another job holds the one CPU slot (admitted by admission itself; no worker runs kind "hold")
+    slot = next(sl for sl in admission.slots_of(workers.live(engine, 30)) if sl.index is None)
+    held = queue.enqueue(engine, "hold", {}, owner=box["admin"].id, max_attempts=1)
+    held = queue.admit(engine, slot, 60, ["hold"], settings.gpu_admit_margin, 24.0)
+    assert held is not None and held.gpu_slot == slot.id
+    r = http.post("/api/playground/sessions", json={"model": MODEL})
+    assert r.status_code == 201, r.text
+    sid = r.json()["id"]
+    q = http.get("/api/queue").json()
+    row = next(w for w in q["waiting"] if w["job_id"] == sid)
+    assert row["kind"] == "playground" and row["owner"] == ADMIN_USER
+    assert row["reason"] == "behind 1 job: the CPU slot (no GPU) runs one job at a time"
+    assert row["position"] == 1
+    page = http.get("/queue").text
+    assert f"job {sid}" in page and "behind 1 job: the CPU slot" in page
+    time.sleep(0.5)
+    assert queue.get_job(engine, sid).state == JobState.QUEUED  # the slot is busy
+    assert queue.finish(engine, held.id, held.lease_owner, {})
+    wait(lambda: queue.get_job(engine, sid).state == JobState.RUNNING, 10, "the session's start")
+    assert not any(w["job_id"] == sid for w in http.get("/api/queue").json()["waiting"])
+    _stop_all(box)
