@@ -9,6 +9,7 @@
   const statusEl = document.getElementById("pg-status");
   const errorEl = document.getElementById("pg-error");
   const sendBtn = document.getElementById("pg-send");
+  const stopBtn = document.getElementById("pg-stop");
   const csrf = (document.querySelector('meta[name="csrf-token"]') || {}).content || "";
   const history = Object.fromEntries(sides.map((s) => [s, []]));
   let session = null, source = null, lastId = 0, pending = null, ended = null;
@@ -41,7 +42,18 @@
     }
     pending = null;
     sendBtn.disabled = false;
+    stopBtn.hidden = true;
   }
+  // Stop: the worker ends each side with its text so far (finish_reason "stopped")
+  async function stop() {
+    if (!pending) return;
+    pending.stop = true;
+    stopBtn.disabled = true;
+    if (!pending.id) return;  // sent as soon as the prompt's POST answers
+    try { await api(`/api/playground/sessions/${session}/prompts/${pending.id}/stop`, {}); }
+    catch (e) { showError(e.message); }
+  }
+  stopBtn.addEventListener("click", stop);
   function listen() {
     if (source) source.close();
     source = new EventSource(`/api/playground/sessions/${session}/events?after=${lastId}`);
@@ -82,6 +94,13 @@
       if (d.error) { el.classList.add("error"); el.textContent = d.error; history[d.side].pop(); }
       else {
         el.textContent = d.text;
+        if (d.finish_reason === "stopped") {
+          el.classList.add("stopped");
+          const mark = document.createElement("span");
+          mark.className = "pg-stopped";
+          mark.textContent = " (stopped)";
+          el.appendChild(mark);
+        }
         history[d.side].push({role: "assistant", content: d.text});
         const u = d.usage || {};
         document.getElementById("pg-stats-" + d.side).textContent =
@@ -99,6 +118,7 @@
       statusEl.textContent = s.status === "ready" ? "Answering…" : (s.status === "queued" ? "Waiting for a GPU…" : "Loading the model…");
       const r = await api(`/api/playground/sessions/${session}/prompts`, body);
       pending.id = r.request_id; pending.body = body; pending.retry = !!retry;
+      if (pending.stop) stop();
       for (const [type, d] of pending.early.splice(0)) handle(type, d);
     } catch (e) {
       showError(e.message);
@@ -121,6 +141,7 @@
     }
     pending = {id: null, out, left: new Set(sides), early: []};
     sendBtn.disabled = true;
+    stopBtn.hidden = false; stopBtn.disabled = false;
     form.elements.prompt.value = "";
     const num = (k) => (f.get(k) === "" ? null : Number(f.get(k)));
     send({messages_by_side: Object.fromEntries(sides.map((s) => [s, history[s].slice()])),

@@ -25,6 +25,7 @@ from app.store.db import reset_engines
 from app.store.schema import JobState
 from tests.conftest import REPO, SHARED_DATA, STORIES
 from tests.web.conftest import ADMIN_PASSWORD, ADMIN_USER, served
+from tests.web.test_web_browser import CHROMIUM, browser_page
 
 pytestmark = pytest.mark.skipif(not (STORIES / "stories260K.bin").exists(),
                                 reason=f"no test data at {SHARED_DATA}")
@@ -259,4 +260,60 @@ def test_a_session_waiting_for_the_slot_is_listed_on_the_queue(box):
     assert queue.finish(engine, held.id, held.lease_owner, {})
     wait(lambda: queue.get_job(engine, sid).state == JobState.RUNNING, 10, "the session's start")
     assert not any(w["job_id"] == sid for w in http.get("/api/queue").json()["waiting"])
+    _stop_all(box)
+
+
+def test_stopping_a_prompt_keeps_its_partial_answer_and_the_session(box):
+    engine, http = box["engine"], box["http"]
+    # stopped while its session still loads: skipped when it begins, nothing generated
+    s, sent = _chat(box)
+    r = http.post(f"/api/playground/sessions/{s['id']}/prompts/{sent['request_id']}/stop")
+    assert r.status_code == 200 and r.json()["stopped"] is True, r.text
+    a = _answer(engine, s["id"], sent["request_id"])
+    assert a["finish_reason"] == "stopped" and a["text"] == ""
+    # stopped mid-answer: the text so far, as streamed
+    s, sent = _chat(box, max_tokens=8192, temperature=1.0, seed=7)
+    rid = sent["request_id"]
+    wait(lambda: any(e.data["request_id"] == rid for e in events.since(
+        engine, s["id"], 0, 10000, types=["token"])), 30, "the first token")
+    assert http.post(f"/api/playground/sessions/{s['id']}/prompts/{rid}/stop").json()["stopped"]
+    a = _answer(engine, s["id"], rid)
+    streamed = "".join(e.data["text"] for e in events.since(engine, s["id"], 0, 10000,
+                                                            types=["token"])
+                       if e.data["request_id"] == rid)
+    assert a["finish_reason"] == "stopped" and a["text"] and streamed == a["text"]
+    assert 0 < a["usage"]["completion_tokens"] < 500
+    # an ended answer is not stopped again; another user's session is a 404
+    r = http.post(f"/api/playground/sessions/{s['id']}/prompts/{rid}/stop")
+    assert r.status_code == 200 and r.json()["stopped"] is False
+    r = http.post(f"/api/playground/sessions/{s['id']}/prompts/req-nope/stop")
+    assert r.status_code == 404 and r.json()["error"]["param"] == "request_id"
+    assert queue.get_job(engine, s["id"]).state == JobState.RUNNING  # the model stays loaded
+    _stop_all(box)
+
+
+@pytest.mark.browser
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed")
+def test_the_page_stops_a_streaming_reply(box):
+    from playwright.sync_api import expect
+
+    with browser_page(box["base"]) as pg:
+        pg.goto(f"{box['base']}/playground?model={MODEL}")
+        expect(pg.locator("#pg-stop")).to_be_hidden()
+        pg.fill("input[name=temperature]", "1")
+        pg.fill("input[name=max_tokens]", "8192")
+        pg.fill("#pg-prompt", PROMPT[0]["content"])
+        pg.click("#pg-send")
+        reply = pg.locator("#pg-log-base .pg-msg.assistant")
+        expect(pg.locator("#pg-stop")).to_be_visible()
+        expect(reply).not_to_have_text("", timeout=60_000)  # tokens are streaming
+        pg.click("#pg-stop")
+        expect(reply).to_have_class("pg-msg assistant stopped")
+        expect(reply.locator(".pg-stopped")).to_have_text(" (stopped)")
+        expect(pg.locator("#pg-stop")).to_be_hidden()
+        expect(pg.locator("#pg-send")).to_be_enabled()
+        text = reply.text_content().removesuffix(" (stopped)")
+    sid = max(j.id for j in _sessions(box["engine"]))
+    answers = [e.data for e in events.since(box["engine"], sid, 0, 10000, types=["answer"])]
+    assert answers[-1]["finish_reason"] == "stopped" and answers[-1]["text"] == text
     _stop_all(box)
