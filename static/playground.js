@@ -22,10 +22,32 @@
     return el;
   }
   function showError(msg) { errorEl.textContent = msg || ""; errorEl.hidden = !msg; }
+  // Signed out (in another tab, or the session ended): the studio's own "you were signed out"
+  // message (app/web/signed_out.py, what htmx gets for this page) in #session-alert, and the
+  // reply in flight ends instead of waiting for a stream that is gone.
+  class SignedOut extends Error {}
+  async function signedOut() {
+    if (source) { source.close(); source = null; }
+    session = null;
+    const alert = document.getElementById("session-alert");
+    if (alert && !alert.querySelector("#signed-out")) {
+      const r = await fetch(location.pathname + location.search, {credentials: "same-origin",
+        headers: {"HX-Request": "true", "HX-Current-URL": location.href}}).catch(() => null);
+      const html = r && r.status === 401 ? await r.text() : "";
+      const box = document.createElement("div");
+      box.innerHTML = html;
+      const msg = box.querySelector("#signed-out");
+      if (msg) alert.replaceChildren(msg);
+      else alert.textContent = "You were signed out: sign in again in another tab, then retry here.";
+    }
+    statusEl.textContent = "Signed out: sign in again, then send the prompt again.";
+    finish(" (not answered: you were signed out)");
+  }
   async function api(url, body) {
     const r = await fetch(url, {method: "POST", credentials: "same-origin",
       headers: {"Content-Type": "application/json", "X-CSRF-Token": csrf},
       body: JSON.stringify(body)});
+    if (r.status === 401) { await signedOut(); throw new SignedOut(); }
     const data = await r.json().catch(() => ({}));
     if (!r.ok) {
       const e = data.error || {};
@@ -51,7 +73,7 @@
     stopBtn.disabled = true;
     if (!pending.id) return;  // sent as soon as the prompt's POST answers
     try { await api(`/api/playground/sessions/${session}/prompts/${pending.id}/stop`, {}); }
-    catch (e) { showError(e.message); }
+    catch (e) { if (!(e instanceof SignedOut)) showError(e.message); }
   }
   stopBtn.addEventListener("click", stop);
   function listen() {
@@ -68,6 +90,14 @@
       }
       statusEl.textContent = `Loaded on ${d.device} in ${d.load_seconds}s (load ${d.loads}); answering…`;
     });
+    source.onerror = async () => {
+      // the stream ended: a signed-out browser's reconnect is refused (401), which closes it
+      if (source && source.readyState !== EventSource.CLOSED) return;
+      const r = await fetch(`/api/playground/sessions/${session}`, {credentials: "same-origin"})
+        .catch(() => null);
+      if (r && r.status === 401) signedOut();
+      else if (pending) finish(" (the connection to the studio was lost)");
+    };
     source.addEventListener("token", (ev) => handle("token", data(ev)));
     source.addEventListener("answer", (ev) => handle("answer", data(ev)));
     for (const name of ["prompt", "log", "progress"]) source.addEventListener(name, data);
@@ -121,8 +151,9 @@
       if (pending.stop) stop();
       for (const [type, d] of pending.early.splice(0)) handle(type, d);
     } catch (e) {
-      showError(e.message);
       for (const s of sides) history[s].pop();
+      if (e instanceof SignedOut) return;  // signedOut() said so and ended the reply
+      showError(e.message);
       finish(" (not sent)");
     }
   }

@@ -235,16 +235,22 @@ def test_concurrent_opens_make_one_session(box):
     _stop_all(box)
 
 
-def test_a_session_waiting_for_the_slot_is_listed_on_the_queue(box):
+def _hold_slot(box):
+    """Another job holds the one CPU slot: admitted by admission itself (no worker runs its kind
+    ``hold``, so it holds the slot until the test ends it with ``queue.finish``)."""
     from app.store import admission, workers
 
-    engine, http = box["engine"], box["http"]
-    settings = Settings()
-    # another job holds the one CPU slot (admitted by admission itself; no worker runs kind "hold")
+    engine = box["engine"]
     slot = next(sl for sl in admission.slots_of(workers.live(engine, 30)) if sl.index is None)
-    held = queue.enqueue(engine, "hold", {}, owner=box["admin"].id, max_attempts=1)
-    held = queue.admit(engine, slot, 60, ["hold"], settings.gpu_admit_margin, 24.0)
+    queue.enqueue(engine, "hold", {}, owner=box["admin"].id, max_attempts=1)
+    held = queue.admit(engine, slot, 60, ["hold"], Settings().gpu_admit_margin, 24.0)
     assert held is not None and held.gpu_slot == slot.id
+    return held
+
+
+def test_a_session_waiting_for_the_slot_is_listed_on_the_queue(box):
+    engine, http = box["engine"], box["http"]
+    held = _hold_slot(box)
     r = http.post("/api/playground/sessions", json={"model": MODEL})
     assert r.status_code == 201, r.text
     sid = r.json()["id"]
@@ -316,4 +322,39 @@ def test_the_page_stops_a_streaming_reply(box):
     sid = max(j.id for j in _sessions(box["engine"]))
     answers = [e.data for e in events.since(box["engine"], sid, 0, 10000, types=["answer"])]
     assert answers[-1]["finish_reason"] == "stopped" and answers[-1]["text"] == text
+    _stop_all(box)
+
+
+@pytest.mark.browser
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed")
+def test_signing_out_in_another_tab_ends_the_waiting_reply(box):
+    from playwright.sync_api import expect
+
+    held = _hold_slot(box)  # the reply waits: its session is queued
+    with browser_page(box["base"]) as pg:
+        pg.goto(f"{box['base']}/playground?model={MODEL}")
+        pg.fill("#pg-prompt", PROMPT[0]["content"])
+        pg.click("#pg-send")
+        expect(pg.locator("#pg-status")).to_have_text("Waiting for a GPU…")
+        # "Sign out" in another tab: the same POST /logout with this browser's cookie
+        status = pg.evaluate("""() => fetch('/logout', {method: 'POST', headers: {
+            'X-CSRF-Token': document.querySelector('meta[name=csrf-token]').content}})
+            .then((r) => r.status)""")
+        assert status == 200
+        alert = pg.locator("#session-alert #signed-out")
+        expect(alert).to_contain_text("You were signed out", timeout=15_000)
+        assert alert.locator("a").get_attribute("href") == \
+            f"/login?next=%2Fplayground%3Fmodel%3D{MODEL}"
+        reply = pg.locator("#pg-log-base .pg-msg.assistant")
+        expect(reply).to_have_text(" (not answered: you were signed out)")
+        expect(reply).not_to_have_class("pending")
+        expect(pg.locator("#pg-send")).to_be_enabled()
+        # a prompt sent while signed out: not sent, the same message stays
+        pg.fill("#pg-prompt", "again")
+        pg.click("#pg-send")
+        expect(pg.locator("#pg-log-base .pg-msg.assistant").nth(1)).to_have_text(
+            " (not answered: you were signed out)")
+        expect(pg.locator("#pg-error")).to_be_hidden()
+        expect(alert).to_have_count(1)
+    assert queue.finish(box["engine"], held.id, held.lease_owner, {})
     _stop_all(box)
