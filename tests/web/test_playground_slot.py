@@ -6,7 +6,13 @@ uvicorn, with the demo model stories260K (a base-model session, no training need
   (``playground_yield_seconds``) once a queued job waits for it, saying so;
 * a ``/v1/chat/completions`` caller who disconnects stops the server's wait, and its retry reuses
   the live session;
-* a session waiting for the slot is listed on ``/api/queue`` and ``/queue`` with its reason.
+* a session waiting for the slot is listed on ``/api/queue`` and ``/queue`` with its reason, and
+  concurrent opens make one session;
+* a prompt can be stopped (the API, the page's Stop button): the partial reply stays, marked;
+* signed out in another tab, the page says so instead of waiting forever.
+
+The tests keep the loaded session for the next when they can (each load is a worker child that
+imports torch: seconds on a busy 2-core box).
 """
 from __future__ import annotations
 
@@ -119,12 +125,52 @@ def _stop_all(box) -> None:
     from sqlmodel import select
 
     with session_scope(box["engine"]) as s:
-        live = s.exec(select(Job.id).where(Job.state.in_([JobState.QUEUED,
-                                                          JobState.RUNNING]))).all()
+        live = s.exec(select(Job.id).where(Job.state.in_([JobState.QUEUED, JobState.RUNNING]),
+                                           Job.kind != "hold")).all()
     for job_id in live:
         queue.cancel(box["engine"], job_id)
     for job_id in live:
         _ended(box["engine"], job_id)
+
+
+def _sessions(engine) -> list:
+    from sqlmodel import select
+
+    from app.store.db import session_scope
+    from app.store.schema import Job
+
+    with session_scope(engine) as s:
+        return list(s.exec(select(Job).where(Job.kind == "playground").order_by(Job.id)).all())
+
+
+def _prompts(engine, job_id: int) -> list[str]:
+    return [e.data["request_id"] for e in events.since(engine, job_id, 0, 10000,
+                                                       types=["prompt"])]
+
+
+def _cancelled(engine, job_id: int) -> set[str]:
+    return {e.data["request_id"] for e in events.since(engine, job_id, 0, 10000,
+                                                       types=["cancel"])}
+
+
+def _hold_slot(box):
+    """Another job holds the one CPU slot: admitted by admission itself (no worker runs its kind
+    ``hold``, so it holds the slot until the test ends it with ``queue.finish``)."""
+    from app.store import admission, workers
+
+    engine = box["engine"]
+    _stop_all(box)
+    slot = next(sl for sl in admission.slots_of(workers.live(engine, 30)) if sl.index is None)
+    queue.enqueue(engine, "hold", {}, owner=box["admin"].id, max_attempts=1)
+    held = queue.admit(engine, slot, 60, ["hold"], Settings().gpu_admit_margin, 24.0)
+    assert held is not None and held.gpu_slot == slot.id
+    return held
+
+
+def _release(box, held) -> None:
+    """Stop the sessions (queued: at once), then end the job holding the slot."""
+    _stop_all(box)
+    assert queue.finish(box["engine"], held.id, held.lease_owner, {})
 
 
 def test_an_idle_session_frees_its_slot_for_a_queued_job(box):
@@ -153,34 +199,62 @@ def test_an_idle_session_frees_its_slot_for_a_queued_job(box):
     # the next message starts a new session
     s2, sent2 = _chat(box)
     assert s2["id"] != s["id"] and s2["reused"] is False
-    assert _answer(engine, s2["id"], sent2["request_id"])["text"]
-    _stop_all(box)
+    assert _answer(engine, s2["id"], sent2["request_id"])["text"]  # (the next tests reuse it)
 
 
-def _sessions(engine) -> list:
-    from sqlmodel import select
+def test_stopping_a_prompt_keeps_its_partial_answer_and_the_session(box):
+    # (a prompt stopped before its session took it is skipped: see the /v1 disconnect test)
+    engine, http = box["engine"], box["http"]
+    s, sent = _chat(box, max_tokens=8192, temperature=1.0, seed=7)
+    rid = sent["request_id"]
+    wait(lambda: any(e.data["request_id"] == rid for e in events.since(
+        engine, s["id"], 0, 10000, types=["token"])), 30, "the first token")
+    assert http.post(f"/api/playground/sessions/{s['id']}/prompts/{rid}/stop").json()["stopped"]
+    a = _answer(engine, s["id"], rid)
+    streamed = "".join(e.data["text"] for e in events.since(engine, s["id"], 0, 10000,
+                                                            types=["token"])
+                       if e.data["request_id"] == rid)
+    assert a["finish_reason"] == "stopped" and a["text"] and streamed == a["text"]
+    assert 0 < a["usage"]["completion_tokens"] < 500
+    # an ended answer is not stopped again; another user's session is a 404
+    r = http.post(f"/api/playground/sessions/{s['id']}/prompts/{rid}/stop")
+    assert r.status_code == 200 and r.json()["stopped"] is False
+    r = http.post(f"/api/playground/sessions/{s['id']}/prompts/req-nope/stop")
+    assert r.status_code == 404 and r.json()["error"]["param"] == "request_id"
+    assert queue.get_job(engine, s["id"]).state == JobState.RUNNING  # the model stays loaded
 
-    from app.store.db import session_scope
-    from app.store.schema import Job
 
-    with session_scope(engine) as s:
-        return list(s.exec(select(Job).where(Job.kind == "playground").order_by(Job.id)).all())
+@pytest.mark.browser
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed")
+def test_the_page_stops_a_streaming_reply(box):
+    from playwright.sync_api import expect
 
-
-def _prompts(engine, job_id: int) -> list[str]:
-    return [e.data["request_id"] for e in events.since(engine, job_id, 0, 10000,
-                                                       types=["prompt"])]
-
-
-def _cancelled(engine, job_id: int) -> set[str]:
-    return {e.data["request_id"] for e in events.since(engine, job_id, 0, 10000,
-                                                       types=["cancel"])}
+    with browser_page(box["base"]) as pg:
+        pg.goto(f"{box['base']}/playground?model={MODEL}")
+        expect(pg.locator("#pg-stop")).to_be_hidden()
+        pg.fill("input[name=temperature]", "1")
+        pg.fill("input[name=max_tokens]", "8192")
+        pg.fill("#pg-prompt", PROMPT[0]["content"])
+        pg.click("#pg-send")
+        reply = pg.locator("#pg-log-base .pg-msg.assistant")
+        expect(pg.locator("#pg-stop")).to_be_visible()
+        expect(reply).not_to_have_text("", timeout=60_000)  # tokens are streaming
+        pg.click("#pg-stop")
+        expect(reply).to_have_class("pg-msg assistant stopped")
+        expect(reply.locator(".pg-stopped")).to_have_text(" (stopped)")
+        expect(pg.locator("#pg-stop")).to_be_hidden()
+        expect(pg.locator("#pg-send")).to_be_enabled()
+        text = reply.text_content().removesuffix(" (stopped)")
+    sid = max(j.id for j in _sessions(box["engine"]))
+    answers = [e.data for e in events.since(box["engine"], sid, 0, 10000, types=["answer"])]
+    assert answers[-1]["finish_reason"] == "stopped" and answers[-1]["text"] == text
 
 
 def test_a_disconnected_v1_caller_stops_waiting_and_its_retry_reuses_the_session(box):
     import openai
 
     engine, base = box["engine"], box["base"]
+    _stop_all(box)  # a new session starts: the callers wait while it loads
     before = {j.id for j in _sessions(engine)}
     headers = {"Authorization": f"Bearer {box['key']}"}
     body = {"model": MODEL, "messages": PROMPT, "temperature": 0, "max_tokens": 8}
@@ -213,14 +287,16 @@ def test_a_disconnected_v1_caller_stops_waiting_and_its_retry_reuses_the_session
     _stop_all(box)
 
 
-def test_concurrent_opens_make_one_session(box):
+def test_a_session_waiting_for_the_slot_is_listed_on_the_queue_and_opened_once(box):
     import threading
 
     from app.studio import playground as pg
 
-    engine, got = box["engine"], []
+    engine, http = box["engine"], box["http"]
+    held = _hold_slot(box)
+    # four concurrent opens (a client and its retries) make one session
     settings = Settings(playground_idle_seconds=120, playground_yield_seconds=GRACE)
-    gate = threading.Barrier(4)
+    got, gate = [], threading.Barrier(4)
 
     def open_one():
         gate.wait()
@@ -232,28 +308,7 @@ def test_concurrent_opens_make_one_session(box):
     for t in threads:
         t.join()
     assert len({j.id for j, _ in got}) == 1 and sorted(r for _, r in got) == [False] + [True] * 3
-    _stop_all(box)
-
-
-def _hold_slot(box):
-    """Another job holds the one CPU slot: admitted by admission itself (no worker runs its kind
-    ``hold``, so it holds the slot until the test ends it with ``queue.finish``)."""
-    from app.store import admission, workers
-
-    engine = box["engine"]
-    slot = next(sl for sl in admission.slots_of(workers.live(engine, 30)) if sl.index is None)
-    queue.enqueue(engine, "hold", {}, owner=box["admin"].id, max_attempts=1)
-    held = queue.admit(engine, slot, 60, ["hold"], Settings().gpu_admit_margin, 24.0)
-    assert held is not None and held.gpu_slot == slot.id
-    return held
-
-
-def test_a_session_waiting_for_the_slot_is_listed_on_the_queue(box):
-    engine, http = box["engine"], box["http"]
-    held = _hold_slot(box)
-    r = http.post("/api/playground/sessions", json={"model": MODEL})
-    assert r.status_code == 201, r.text
-    sid = r.json()["id"]
+    sid = got[0][0].id
     q = http.get("/api/queue").json()
     row = next(w for w in q["waiting"] if w["job_id"] == sid)
     assert row["kind"] == "playground" and row["owner"] == ADMIN_USER
@@ -263,66 +318,8 @@ def test_a_session_waiting_for_the_slot_is_listed_on_the_queue(box):
     assert f"job {sid}" in page and "behind 1 job: the CPU slot" in page
     time.sleep(0.5)
     assert queue.get_job(engine, sid).state == JobState.QUEUED  # the slot is busy
-    assert queue.finish(engine, held.id, held.lease_owner, {})
-    wait(lambda: queue.get_job(engine, sid).state == JobState.RUNNING, 10, "the session's start")
+    _release(box, held)
     assert not any(w["job_id"] == sid for w in http.get("/api/queue").json()["waiting"])
-    _stop_all(box)
-
-
-def test_stopping_a_prompt_keeps_its_partial_answer_and_the_session(box):
-    engine, http = box["engine"], box["http"]
-    # stopped while its session still loads: skipped when it begins, nothing generated
-    s, sent = _chat(box)
-    r = http.post(f"/api/playground/sessions/{s['id']}/prompts/{sent['request_id']}/stop")
-    assert r.status_code == 200 and r.json()["stopped"] is True, r.text
-    a = _answer(engine, s["id"], sent["request_id"])
-    assert a["finish_reason"] == "stopped" and a["text"] == ""
-    # stopped mid-answer: the text so far, as streamed
-    s, sent = _chat(box, max_tokens=8192, temperature=1.0, seed=7)
-    rid = sent["request_id"]
-    wait(lambda: any(e.data["request_id"] == rid for e in events.since(
-        engine, s["id"], 0, 10000, types=["token"])), 30, "the first token")
-    assert http.post(f"/api/playground/sessions/{s['id']}/prompts/{rid}/stop").json()["stopped"]
-    a = _answer(engine, s["id"], rid)
-    streamed = "".join(e.data["text"] for e in events.since(engine, s["id"], 0, 10000,
-                                                            types=["token"])
-                       if e.data["request_id"] == rid)
-    assert a["finish_reason"] == "stopped" and a["text"] and streamed == a["text"]
-    assert 0 < a["usage"]["completion_tokens"] < 500
-    # an ended answer is not stopped again; another user's session is a 404
-    r = http.post(f"/api/playground/sessions/{s['id']}/prompts/{rid}/stop")
-    assert r.status_code == 200 and r.json()["stopped"] is False
-    r = http.post(f"/api/playground/sessions/{s['id']}/prompts/req-nope/stop")
-    assert r.status_code == 404 and r.json()["error"]["param"] == "request_id"
-    assert queue.get_job(engine, s["id"]).state == JobState.RUNNING  # the model stays loaded
-    _stop_all(box)
-
-
-@pytest.mark.browser
-@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed")
-def test_the_page_stops_a_streaming_reply(box):
-    from playwright.sync_api import expect
-
-    with browser_page(box["base"]) as pg:
-        pg.goto(f"{box['base']}/playground?model={MODEL}")
-        expect(pg.locator("#pg-stop")).to_be_hidden()
-        pg.fill("input[name=temperature]", "1")
-        pg.fill("input[name=max_tokens]", "8192")
-        pg.fill("#pg-prompt", PROMPT[0]["content"])
-        pg.click("#pg-send")
-        reply = pg.locator("#pg-log-base .pg-msg.assistant")
-        expect(pg.locator("#pg-stop")).to_be_visible()
-        expect(reply).not_to_have_text("", timeout=60_000)  # tokens are streaming
-        pg.click("#pg-stop")
-        expect(reply).to_have_class("pg-msg assistant stopped")
-        expect(reply.locator(".pg-stopped")).to_have_text(" (stopped)")
-        expect(pg.locator("#pg-stop")).to_be_hidden()
-        expect(pg.locator("#pg-send")).to_be_enabled()
-        text = reply.text_content().removesuffix(" (stopped)")
-    sid = max(j.id for j in _sessions(box["engine"]))
-    answers = [e.data for e in events.since(box["engine"], sid, 0, 10000, types=["answer"])]
-    assert answers[-1]["finish_reason"] == "stopped" and answers[-1]["text"] == text
-    _stop_all(box)
 
 
 @pytest.mark.browser
@@ -356,5 +353,4 @@ def test_signing_out_in_another_tab_ends_the_waiting_reply(box):
             " (not answered: you were signed out)")
         expect(pg.locator("#pg-error")).to_be_hidden()
         expect(alert).to_have_count(1)
-    assert queue.finish(box["engine"], held.id, held.lease_owner, {})
-    _stop_all(box)
+    _release(box, held)
