@@ -4,8 +4,10 @@ an exported GGUF through llama.cpp, or with a base model, and the same through
 
 A *session* is a queue job of kind ``playground`` (worker/jobs/playground.py) owned by its user:
 it loads the model once, keeps it loaded until ``settings.playground_idle_seconds`` pass without
-a prompt, and counts in GPU admission with :func:`estimate_gib`. A user's live session for a
-model is reused (:func:`open_session`). The database is the only channel: a prompt is a
+a prompt, and counts in GPU admission with :func:`estimate_gib`; idle for
+``settings.playground_yield_seconds`` while a queued job waits for its slot
+(:func:`waiting_for`), it ends sooner and says so. A user's live session for a model is reused
+(:func:`open_session`, race-free). A prompt's answer can be stopped (:func:`stop_prompt`). The database is the only channel: a prompt is a
 ``prompt`` event the web appends to the session's job events; the worker answers with ``token``
 and ``answer`` events (see the worker module), which the web relays.
 
@@ -21,7 +23,6 @@ the run was created); a base model's is chosen as a new run's would be
 """
 from __future__ import annotations
 
-import math
 import secrets
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -37,15 +38,14 @@ from app.studio import access
 from app.studio import checkpoint_eval as ckpt_eval
 from app.studio.errors import StudioError, invalid
 from app.studio.estimate import GIB, lora_params, model_shape, weight_bytes
+from app.studio.playground_params import (  # noqa: F401 - part of the playground's API
+    DEFAULT_MAX_TOKENS, MAX_TOKENS, ROLES, messages, params, prompt_params)
 
 if TYPE_CHECKING:
     from app.store.schema import User
 
 KIND = "playground"
 SIDE_LABELS = {"fine_tuned": "Fine-tuned", "base": "Base", "gguf": "GGUF (llama.cpp)"}
-ROLES = ("system", "user", "assistant")
-#: Longest answer a prompt may ask for (tokens) and the default.
-MAX_TOKENS, DEFAULT_MAX_TOKENS = 8192, 256
 #: Context the memory estimate reserves a KV cache for (tokens; less when the model's is less).
 ESTIMATE_CONTEXT = 4096
 #: Working memory of a decode step besides the cache and logits (GiB): buffers, GEMM workspace.
@@ -323,78 +323,6 @@ def stop_session(engine: Engine, actor: User, session_id: int | str) -> Job:
 
 
 # ---- prompts ---------------------------------------------------------------------------------
-def _number(value: Any, name: str, default: float, lo: float, hi: float,
-            lo_open: bool = False) -> float:
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        try:
-            value = float(str(value).strip())
-        except ValueError:
-            raise invalid(name, f"must be a number, not {value!r}") from None
-    if not math.isfinite(value):
-        raise invalid(name, f"must be a finite number, not {value!r}")
-    if value < lo or (lo_open and value == lo) or value > hi:
-        low = f"greater than {lo:g}" if lo_open else f"at least {lo:g}"
-        raise invalid(name, f"must be {low} and at most {hi:g}, not {value:g}")
-    return float(value)
-
-
-def params(temperature: Any = None, top_p: Any = None, max_tokens: Any = None,
-           seed: Any = None) -> dict[str, Any]:
-    """Validated sampling parameters: ``temperature`` in [0, 2] (0: greedy; default 0.7),
-    ``top_p`` in (0, 1] (default 1), ``max_tokens`` an integer in [1, :data:`MAX_TOKENS`]
-    (default :data:`DEFAULT_MAX_TOKENS`), ``seed`` an integer or None.
-    Raises StudioError invalid naming the field."""
-    out = {"temperature": _number(temperature, "temperature", 0.7, 0.0, 2.0),
-           "top_p": _number(top_p, "top_p", 1.0, 0.0, 1.0, lo_open=True)}
-    mt = _number(max_tokens, "max_tokens", DEFAULT_MAX_TOKENS, 1, MAX_TOKENS)
-    if mt != int(mt):
-        raise invalid("max_tokens", f"must be a whole number, not {mt:g}")
-    out["max_tokens"] = int(mt)
-    if seed is not None:
-        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**31:
-            raise invalid("seed", "must be an integer from 0 to 2147483647")
-        out["seed"] = seed
-    return out
-
-
-def prompt_params(body: dict[str, Any]) -> dict[str, Any]:
-    """The checked :func:`params` of a prompt body (``temperature``, ``top_p``, ``max_tokens``,
-    ``seed``). Raises StudioError invalid naming the field (``body`` not an object too)."""
-    if not isinstance(body, dict):
-        raise invalid("prompt", "must be an object")
-    return params(body.get("temperature"), body.get("top_p"), body.get("max_tokens"),
-                  body.get("seed"))
-
-
-def messages(value: Any, name: str = "messages", system: str | None = None) -> list[dict]:
-    """``[{"role", "content"}]`` checked: a non-empty list, roles system/user/assistant, text
-    content (OpenAI ``[{"type": "text", "text"}]`` parts are joined), the last one the user's;
-    ``system`` (when given and the list has none) is put first. Raises StudioError invalid."""
-    if not isinstance(value, list) or not value:
-        raise invalid(name, "must be a non-empty list of {role, content} messages")
-    out = []
-    for i, m in enumerate(value):
-        where = f"{name}[{i}]"
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise invalid(f"{where}.role", f"must be one of {', '.join(ROLES)}")
-        content = m.get("content")
-        if isinstance(content, list):
-            parts = [p.get("text") for p in content if isinstance(p, dict)]
-            if not all(isinstance(p, str) for p in parts) or len(parts) != len(content):
-                raise invalid(f"{where}.content", "only text content parts are supported")
-            content = "".join(parts)
-        if not isinstance(content, str):
-            raise invalid(f"{where}.content", "must be a string")
-        out.append({"role": m["role"], "content": content})
-    if out[-1]["role"] != "user":
-        raise invalid(name, "the last message must be the user's")
-    if system and system.strip() and out[0]["role"] != "system":
-        out.insert(0, {"role": "system", "content": system.strip()})
-    return out
-
-
 def send_prompt(engine: Engine, actor: User, session_id: int | str,
                 body: dict[str, Any]) -> dict[str, Any]:
     """Append a prompt to the caller's session ``session_id``. ``body``: ``messages`` (sent to

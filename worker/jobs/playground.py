@@ -12,7 +12,10 @@ events the web appends to its own event stream (``request_id``, ``messages`` per
 ``params``) and answers each side in turn, interleaved token by token: ``token`` events
 (``request_id``, ``side``, ``text``: the new text, written at most every
 :data:`FLUSH_SECONDS`) and one ``answer`` event per side (``text``, ``finish_reason``,
-``usage``, ``first_token_seconds``, ``tokens_per_second``, ``loads``, or ``error``). After
+``usage``, ``first_token_seconds``, ``tokens_per_second``, ``loads``, or ``error``). A
+``cancel`` event (``request_id``: the page's Stop button, a ``/v1`` caller who went away) ends
+that prompt's answers at the next flush with the text so far and ``finish_reason`` ``stopped``
+(a prompt not yet begun: empty). After
 ``idle_seconds`` without a prompt the job ends (succeeded) and frees its GPU slot; cancel ends it
 at once. Sooner, after ``yield_seconds`` without a prompt, it ends when a queued job waits for the
 slot it holds (:func:`app.studio.playground.waiting_for`, checked every
