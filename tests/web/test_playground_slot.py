@@ -245,9 +245,16 @@ def test_the_page_stops_a_streaming_reply(box):
         expect(pg.locator("#pg-stop")).to_be_hidden()
         expect(pg.locator("#pg-send")).to_be_enabled()
         text = reply.text_content().removesuffix(" (stopped)")
+        # a job queues for the slot: the idle session ends and the chat says why
+        waiting = queue.enqueue(box["engine"], "train", {"spec_version": 1, "run_id": "run-none"},
+                                owner=box["admin"].id, max_attempts=1)
+        expect(pg.locator("#pg-log-base .pg-msg.note")).to_have_text(
+            "The session was ended to free the worker slot for a queued job; the next message "
+            "starts a new one.", timeout=15_000)
     sid = max(j.id for j in _sessions(box["engine"]))
     answers = [e.data for e in events.since(box["engine"], sid, 0, 10000, types=["answer"])]
     assert answers[-1]["finish_reason"] == "stopped" and answers[-1]["text"] == text
+    _ended(box["engine"], waiting.id)
 
 
 def test_a_disconnected_v1_caller_stops_waiting_and_its_retry_reuses_the_session(box):
