@@ -74,6 +74,8 @@ class Settings(BaseSettings):
     Playground:
         playground_idle_seconds: how long a playground session keeps its model loaded (and its
             GPU slot) without a prompt before it ends (seconds).
+        playground_yield_seconds: an idle session ends sooner, after this many seconds without
+            a prompt, when a queued job waits for the slot it holds (seconds; 0: at once).
 
     Reward sandbox (custom GRPO reward code runs in a bubblewrap jail, one per batch of
     completions; these limits are the admin's, a submitter cannot change them):
@@ -118,6 +120,7 @@ class Settings(BaseSettings):
     simulated_gpus: str = ""
     gpu_sample_seconds: float = Field(default=5.0, gt=0)
     playground_idle_seconds: float = Field(default=300.0, gt=0)
+    playground_yield_seconds: float = Field(default=15.0, ge=0)
     # reward sandbox
     reward_memory_mb: int = Field(default=1024, ge=64)
     reward_cpu_seconds: int = Field(default=30, ge=1)

@@ -9,9 +9,10 @@
   const statusEl = document.getElementById("pg-status");
   const errorEl = document.getElementById("pg-error");
   const sendBtn = document.getElementById("pg-send");
+  const stopBtn = document.getElementById("pg-stop");
   const csrf = (document.querySelector('meta[name="csrf-token"]') || {}).content || "";
   const history = Object.fromEntries(sides.map((s) => [s, []]));
-  let session = null, source = null, lastId = 0, pending = null;
+  let session = null, source = null, lastId = 0, pending = null, ended = null;
 
   function bubble(side, role, text) {
     const el = document.createElement("div");
@@ -21,10 +22,32 @@
     return el;
   }
   function showError(msg) { errorEl.textContent = msg || ""; errorEl.hidden = !msg; }
+  // Signed out (in another tab, or the session ended): the studio's own "you were signed out"
+  // message (app/web/signed_out.py, what htmx gets for this page) in #session-alert, and the
+  // reply in flight ends instead of waiting for a stream that is gone.
+  class SignedOut extends Error {}
+  async function signedOut() {
+    if (source) { source.close(); source = null; }
+    session = null;
+    const alert = document.getElementById("session-alert");
+    if (alert && !alert.querySelector("#signed-out")) {
+      const r = await fetch(location.pathname + location.search, {credentials: "same-origin",
+        headers: {"HX-Request": "true", "HX-Current-URL": location.href}}).catch(() => null);
+      const html = r && r.status === 401 ? await r.text() : "";
+      const box = document.createElement("div");
+      box.innerHTML = html;
+      const msg = box.querySelector("#signed-out");
+      if (msg) alert.replaceChildren(msg);
+      else alert.textContent = "You were signed out: sign in again in another tab, then retry here.";
+    }
+    statusEl.textContent = "Signed out: sign in again, then send the prompt again.";
+    finish(" (not answered: you were signed out)");
+  }
   async function api(url, body) {
     const r = await fetch(url, {method: "POST", credentials: "same-origin",
       headers: {"Content-Type": "application/json", "X-CSRF-Token": csrf},
       body: JSON.stringify(body)});
+    if (r.status === 401) { await signedOut(); throw new SignedOut(); }
     const data = await r.json().catch(() => ({}));
     if (!r.ok) {
       const e = data.error || {};
@@ -41,15 +64,40 @@
     }
     pending = null;
     sendBtn.disabled = false;
+    stopBtn.hidden = true;
   }
+  // Stop: the worker ends each side with its text so far (finish_reason "stopped")
+  async function stop() {
+    if (!pending) return;
+    pending.stop = true;
+    stopBtn.disabled = true;
+    if (!pending.id) return;  // sent as soon as the prompt's POST answers
+    try { await api(`/api/playground/sessions/${session}/prompts/${pending.id}/stop`, {}); }
+    catch (e) { if (!(e instanceof SignedOut)) showError(e.message); }
+  }
+  stopBtn.addEventListener("click", stop);
   function listen() {
     if (source) source.close();
     source = new EventSource(`/api/playground/sessions/${session}/events?after=${lastId}`);
     const data = (ev) => { lastId = Math.max(lastId, Number(ev.lastEventId) || 0); return JSON.parse(ev.data); };
     source.addEventListener("session", (ev) => {
       const d = data(ev);
+      if (d.status === "ended") {  // it gave its slot up to a queued job (worker/jobs/playground.py)
+        ended = d.message;
+        statusEl.textContent = d.message;
+        if (!pending) for (const s of sides) bubble(s, "note", d.message);
+        return;
+      }
       statusEl.textContent = `Loaded on ${d.device} in ${d.load_seconds}s (load ${d.loads}); answering…`;
     });
+    source.onerror = async () => {
+      // the stream ended: a signed-out browser's reconnect is refused (401), which closes it
+      if (source && source.readyState !== EventSource.CLOSED) return;
+      const r = await fetch(`/api/playground/sessions/${session}`, {credentials: "same-origin"})
+        .catch(() => null);
+      if (r && r.status === 401) signedOut();
+      else if (pending) finish(" (the connection to the studio was lost)");
+    };
     source.addEventListener("token", (ev) => handle("token", data(ev)));
     source.addEventListener("answer", (ev) => handle("answer", data(ev)));
     for (const name of ["prompt", "log", "progress"]) source.addEventListener(name, data);
@@ -61,7 +109,8 @@
     source.addEventListener("end", () => {
       source.close(); source = null; session = null;
       if (pending && pending.id) { const again = pending.body; pending.retry ? finish(" (the session ended before answering)") : send(again, true); }
-      else if (!pending) statusEl.textContent = "The session ended (idle); the next prompt loads the model again.";
+      else if (!pending && !ended) statusEl.textContent = "The session ended (idle); the next prompt loads the model again.";
+      ended = null;
     });
   }
   function handle(type, d) {
@@ -75,6 +124,13 @@
       if (d.error) { el.classList.add("error"); el.textContent = d.error; history[d.side].pop(); }
       else {
         el.textContent = d.text;
+        if (d.finish_reason === "stopped") {
+          el.classList.add("stopped");
+          const mark = document.createElement("span");
+          mark.className = "pg-stopped";
+          mark.textContent = " (stopped)";
+          el.appendChild(mark);
+        }
         history[d.side].push({role: "assistant", content: d.text});
         const u = d.usage || {};
         document.getElementById("pg-stats-" + d.side).textContent =
@@ -92,10 +148,12 @@
       statusEl.textContent = s.status === "ready" ? "Answering…" : (s.status === "queued" ? "Waiting for a GPU…" : "Loading the model…");
       const r = await api(`/api/playground/sessions/${session}/prompts`, body);
       pending.id = r.request_id; pending.body = body; pending.retry = !!retry;
+      if (pending.stop) stop();
       for (const [type, d] of pending.early.splice(0)) handle(type, d);
     } catch (e) {
-      showError(e.message);
       for (const s of sides) history[s].pop();
+      if (e instanceof SignedOut) return;  // signedOut() said so and ended the reply
+      showError(e.message);
       finish(" (not sent)");
     }
   }
@@ -114,6 +172,7 @@
     }
     pending = {id: null, out, left: new Set(sides), early: []};
     sendBtn.disabled = true;
+    stopBtn.hidden = false; stopBtn.disabled = false;
     form.elements.prompt.value = "";
     const num = (k) => (f.get(k) === "" ? null : Number(f.get(k)));
     send({messages_by_side: Object.fromEntries(sides.map((s) => [s, history[s].slice()])),

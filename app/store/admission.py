@@ -30,7 +30,7 @@ reservation. GPU time = ((finished or now) - started) x the job's GPUs, per job 
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from sqlalchemy import or_
 from sqlmodel import Session, select
@@ -224,6 +224,19 @@ def group_for(snap: Snapshot, slot: Slot, peers: Collection[Slot], n: int,
     return [slot, *others[:n - 1]]
 
 
+def admits(snap: Snapshot, job: Job, slot: Slot, peers: Collection[Slot] = ()
+           ) -> tuple[float | None, list[Slot]] | None:
+    """``(GiB per GPU, slots)`` when ``slot`` (with ``peers`` for a data-parallel job) admits
+    ``job`` now: its owner within quota and its need fitting; None when it does not."""
+    n = snap.gpus.get(job.id, 1)
+    need = need_gib(job.estimate_gib, snap.margin, slot.capacity_gib)
+    total = None if need is None else need * n
+    if quota_reason(snap.owners[job.owner], total) is not None:
+        return None
+    group = group_for(snap, slot, peers, n, need)
+    return None if group is None else (need, group)
+
+
 def pick(snap: Snapshot, slot: Slot, peers: Collection[Slot] = ()
          ) -> tuple[Job, float | None, list[Slot]] | None:
     """The first job in admission order whose owner is within quota and that fits on ``slot``
@@ -231,14 +244,39 @@ def pick(snap: Snapshot, slot: Slot, peers: Collection[Slot] = ()
     the GiB it is admitted with on each GPU and its slots; None when none. A job's quota counts
     its memory on every GPU it takes."""
     for job in order(snap):
-        n = snap.gpus.get(job.id, 1)
-        need = need_gib(job.estimate_gib, snap.margin, slot.capacity_gib)
-        total = None if need is None else need * n
-        if quota_reason(snap.owners[job.owner], total) is not None:
+        got = admits(snap, job, slot, peers)
+        if got is not None:
+            return job, got[0], got[1]
+    return None
+
+
+def without(snap: Snapshot, holder: Job) -> Snapshot:
+    """``snap`` as it would be once the running job ``holder`` ended: its memory freed on its
+    slots, its owner's running jobs and admitted GiB one job less."""
+    owners = {k: replace(v) for k, v in snap.owners.items()}
+    if holder.owner in owners:
+        o = owners[holder.owner]
+        o.running = max(0, o.running - 1)
+        o.held_gib = max(0.0, o.held_gib - (holder.admitted_gib or 0.0))
+    return Snapshot(snap.now, snap.margin, [j for j in snap.waiting if j.id != holder.id],
+                    [j for j in snap.running if j.id != holder.id], owners, snap.slots,
+                    snap.gpus)
+
+
+def waits_for(snap: Snapshot, holder: Job, slots: Collection[Slot]) -> Job | None:
+    """The first waiting job, in admission order, that no slot of ``slots`` admits now but one
+    of the slots the running job ``holder`` holds would admit once ``holder`` ended: a job
+    ``holder`` keeps waiting (an idle playground session then gives its slot up). None when
+    no waiting job needs what ``holder`` holds (the jobs admitted now start anyway)."""
+    mine = [sl for sl in slots if sl.id in slot_ids(holder)]
+    if not mine:
+        return None
+    freed = without(snap, holder)
+    for job in order(snap):
+        if job.id == holder.id or any(admits(snap, job, sl, slots) for sl in slots):
             continue
-        group = group_for(snap, slot, peers, n, need)
-        if group is not None:
-            return job, need, group
+        if any(admits(freed, job, sl, slots) for sl in mine):
+            return job
     return None
 
 

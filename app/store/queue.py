@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,13 +92,34 @@ def enqueue(
         max_attempts: claims allowed before a job whose lease keeps expiring is failed.
         estimate_gib: the job's estimated GPU allocator peak in GiB (what admission packs by).
     """
+    return enqueue_unless(engine, kind, payload, None, priority=priority,
+                          max_attempts=max_attempts, run_id=run_id, owner=owner,
+                          estimate_gib=estimate_gib)[0]
+
+
+#: Postgres advisory lock :func:`enqueue_unless` takes when it looks for an existing job, so that
+#: two callers cannot both find none and both insert (SQLite's BEGIN IMMEDIATE does the same).
+ENQUEUE_LOCK = 0x57480016
+
+
+def enqueue_unless(engine: Engine, kind: str, payload: dict[str, Any],
+                   existing: Callable[[Session], Job | None] | None, **kw: Any
+                   ) -> tuple[Job, bool]:
+    """``(job, found)``: the job ``existing(session)`` finds (read under the write lock, so
+    two concurrent calls cannot both miss it and insert twice), else a new queued job as
+    :func:`enqueue` makes with ``kw``."""
     with session_scope(engine, immediate=True) as s:
-        job = Job(kind=kind, payload=payload, priority=priority, max_attempts=max_attempts,
-                  run_id=run_id, owner=owner, estimate_gib=estimate_gib)
+        if existing is not None:
+            if not is_sqlite(engine):
+                s.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": ENQUEUE_LOCK})
+            found = existing(s)
+            if found is not None:
+                return found, True
+        job = Job(kind=kind, payload=payload, **kw)
         s.add(job)
         s.flush()
         _state_event(s, job.id, JobState.QUEUED)
-        return job
+        return job, False
 
 
 def claim(engine: Engine, worker_id: str, lease_seconds: float,

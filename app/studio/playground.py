@@ -4,8 +4,10 @@ an exported GGUF through llama.cpp, or with a base model, and the same through
 
 A *session* is a queue job of kind ``playground`` (worker/jobs/playground.py) owned by its user:
 it loads the model once, keeps it loaded until ``settings.playground_idle_seconds`` pass without
-a prompt, and counts in GPU admission with :func:`estimate_gib`. A user's live session for a
-model is reused (:func:`open_session`). The database is the only channel: a prompt is a
+a prompt, and counts in GPU admission with :func:`estimate_gib`; idle for
+``settings.playground_yield_seconds`` while a queued job waits for its slot
+(:func:`waiting_for`), it ends sooner and says so. A user's live session for a model is reused
+(:func:`open_session`, race-free). A prompt's answer can be stopped (:func:`stop_prompt`). The database is the only channel: a prompt is a
 ``prompt`` event the web appends to the session's job events; the worker answers with ``token``
 and ``answer`` events (see the worker module), which the web relays.
 
@@ -21,31 +23,29 @@ the run was created); a base model's is chosen as a new run's would be
 """
 from __future__ import annotations
 
-import math
 import secrets
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.engine import Engine
-from sqlmodel import select
+from sqlmodel import Session, select
 
 from app.settings import Settings
 from app.store import events, queue, repo
 from app.store.db import session_scope
-from app.store.schema import Artifact, Job, JobState, Model, Run
+from app.store.schema import Artifact, Job, JobEvent, JobState, Model, Run, now
 from app.studio import access
 from app.studio import checkpoint_eval as ckpt_eval
 from app.studio.errors import StudioError, invalid
 from app.studio.estimate import GIB, lora_params, model_shape, weight_bytes
+from app.studio.playground_params import (  # noqa: F401 - part of the playground's API
+    DEFAULT_MAX_TOKENS, MAX_TOKENS, ROLES, messages, params, prompt_params)
 
 if TYPE_CHECKING:
     from app.store.schema import User
 
 KIND = "playground"
 SIDE_LABELS = {"fine_tuned": "Fine-tuned", "base": "Base", "gguf": "GGUF (llama.cpp)"}
-ROLES = ("system", "user", "assistant")
-#: Longest answer a prompt may ask for (tokens) and the default.
-MAX_TOKENS, DEFAULT_MAX_TOKENS = 8192, 256
 #: Context the memory estimate reserves a KV cache for (tokens; less when the model's is less).
 ESTIMATE_CONTEXT = 4096
 #: Working memory of a decode step besides the cache and logits (GiB): buffers, GEMM workspace.
@@ -70,14 +70,16 @@ class Target:
     system_prompt: str | None = None
     notes: list[str] = field(default_factory=list)
 
-    def payload(self, idle_seconds: float) -> dict[str, Any]:
-        """The session job's payload (see worker/jobs/playground.py)."""
+    def payload(self, idle_seconds: float, yield_seconds: float | None = None
+                ) -> dict[str, Any]:
+        """The session job's payload (see worker/jobs/playground.py); seconds."""
         return {"target": self.target, "model": self.model, "model_id": self.model_row.id,
                 "run_id": self.run.id if self.run else None,
                 "checkpoint_step": self.checkpoint_step,
                 "artifact_id": self.artifact.id if self.artifact else None,
                 "sides": self.sides, "template_name": self.template_name,
-                "template": self.template, "idle_seconds": idle_seconds}
+                "template": self.template, "idle_seconds": idle_seconds,
+                "yield_seconds": yield_seconds}
 
 
 def _no_model(model: str) -> StudioError:
@@ -182,30 +184,37 @@ def estimate_gib(t: Target) -> float | None:
 
 
 # ---- sessions --------------------------------------------------------------------------------
-def _live(engine: Engine, actor: User, model: str) -> Job | None:
-    with session_scope(engine) as s:
-        jobs = s.exec(select(Job).where(Job.kind == KIND, Job.owner == actor.id,
-                                        Job.state.in_([JobState.QUEUED, JobState.RUNNING]),
-                                        Job.cancel_requested == False)  # noqa: E712
-                      .order_by(Job.id.desc())).all()
-    return next((j for j in jobs if (j.payload or {}).get("model") == model), None)
+def _live(s: Session, actor: User, model: str) -> Job | None:
+    jobs = s.exec(select(Job).where(Job.kind == KIND, Job.owner == actor.id,
+                                    Job.state.in_([JobState.QUEUED, JobState.RUNNING]),
+                                    Job.cancel_requested == False)  # noqa: E712
+                  .order_by(Job.id.desc())).all()
+    for j in jobs:
+        if (j.payload or {}).get("model") != model:
+            continue
+        ending = s.exec(select(JobEvent.data).where(JobEvent.job_id == j.id,
+                                                    JobEvent.type == "session")
+                        .order_by(JobEvent.id.desc()).limit(1)).first()
+        if (ending or {}).get("status") != "ended":  # not giving its slot up
+            return j
+    return None
 
 
 def open_session(engine: Engine, settings: Settings, actor: User, model: str,
                  prompt: dict[str, Any] | None = None) -> tuple[Job, bool]:
-    """``(session, reused)``: the caller's live session for ``model`` (queued or running), or
-    a new one queued with its memory estimate. ``prompt``: the prompt about to be sent (its
-    sampling :func:`prompt_params` are checked first, so a bad one queues no session).
-    Raises StudioError as :func:`resolve` and :func:`params`."""
+    """``(session, reused)``: the caller's live session for ``model`` (queued or running, not
+    ending), or a new one queued with its memory estimate; the look and the insert are one
+    write transaction, so concurrent calls (a client's retry) never open two. ``prompt``: the
+    prompt about to be sent (its sampling :func:`prompt_params` are checked first, so a bad one
+    queues no session). Raises StudioError as :func:`resolve` and :func:`params`."""
     if prompt is not None:
         prompt_params(prompt)
     t = resolve(engine, actor, model)
-    live = _live(engine, actor, t.model)
-    if live is not None:
-        return live, True
-    return queue.enqueue(engine, KIND, t.payload(settings.playground_idle_seconds),
-                         run_id=t.run.id if t.run else None, owner=actor.id,
-                         estimate_gib=estimate_gib(t), max_attempts=1), False
+    return queue.enqueue_unless(
+        engine, KIND, t.payload(settings.playground_idle_seconds,
+                                settings.playground_yield_seconds),
+        lambda s: _live(s, actor, t.model), run_id=t.run.id if t.run else None,
+        owner=actor.id, estimate_gib=estimate_gib(t), max_attempts=1)
 
 
 def sessions_using(engine: Engine, artifact_ids: list[str]) -> list[Job]:
@@ -236,22 +245,30 @@ def session(engine: Engine, actor: User, session_id: int | str) -> Job:
 
 
 def status_of(engine: Engine, job: Job) -> str:
-    """``queued`` (waiting for a GPU), ``loading``, ``ready`` or ``ended``."""
+    """``queued`` (waiting for a GPU), ``loading``, ``ready`` or ``ended`` (also once the
+    worker said it is ending: it gave its slot up to a queued job)."""
     if job.state in JobState.FINAL or job.cancel_requested:
         return "ended"
     if job.state == JobState.QUEUED:
         return "queued"
-    return "ready" if events.latest(engine, job.id, "session") is not None else "loading"
+    latest = events.latest(engine, job.id, "session")
+    if latest is None:
+        return "loading"
+    return "ended" if (latest.data or {}).get("status") == "ended" else "ready"
 
 
 def session_info(engine: Engine, job: Job) -> dict[str, Any]:
     """A session as the API shows it: ``id``, ``object`` (``playground.session``), ``model``,
     ``status`` (:func:`status_of`), ``state`` (the job's), ``sides``, ``template_name``,
     ``template``, ``idle_seconds``, ``loads``, ``load_seconds``, ``device``, ``estimate_gib``,
-    ``error``, ``events_url``."""
+    ``error``, ``ended`` (None, ``idle``, ``yielded``: it freed its slot for a queued job),
+    ``message`` (what the chat says about its end), ``events_url``."""
     p = job.payload or {}
-    ready = events.latest(engine, job.id, "session")
-    r = ready.data if ready else {}
+    r = {}
+    for ev in events.since(engine, job.id, 0, 100, types=["session"]):
+        r = {**r, **(ev.data or {})}
+    ended = (job.result or {}).get("ended") or (r.get("reason") if r.get("status") == "ended"
+                                                 else None)
     return {"id": job.id, "object": "playground.session", "model": p.get("model"),
             "run_id": p.get("run_id"), "checkpoint_step": p.get("checkpoint_step"),
             "status": status_of(engine, job), "state": job.state, "sides": p.get("sides"),
@@ -259,7 +276,45 @@ def session_info(engine: Engine, job: Job) -> dict[str, Any]:
             "idle_seconds": p.get("idle_seconds"), "loads": r.get("loads", 0),
             "load_seconds": r.get("load_seconds"), "device": r.get("device"),
             "estimate_gib": job.estimate_gib, "error": job.error, "created_at": job.created_at,
+            "ended": ended, "message": r.get("message"),
             "events_url": f"/api/playground/sessions/{job.id}/events"}
+
+
+#: What an idle session says in the chat when it gave its slot up to a queued job.
+YIELDED = ("The session was ended to free the {what} for a queued job; the next message starts "
+           "a new one.")
+
+
+def waiting_for(engine: Engine, settings: Settings, job_id: int) -> Job | None:
+    """The queued job that waits for the slot the running session ``job_id`` holds (admission
+    refuses it now and would admit it once the session ended, :func:`app.store.admission.waits_for`),
+    or None. A session a plain worker claimed (no admission slot) holds that worker: a queued
+    job of a slot kind waits for it when every other live worker of the main lane is busy too.
+    The worker calls it while a session is idle (worker/jobs/playground.py)."""
+    from app.store import admission, workers
+    from app.studio.queue_cpu import LANE_SUFFIX
+    from app.studio.queue_view import GPU_KINDS
+
+    kinds = GPU_KINDS
+    live = workers.live(engine, settings.worker_stale_seconds)
+    with session_scope(engine) as s:
+        job = s.get(Job, job_id)
+        if job is None or job.state != JobState.RUNNING:
+            return None
+        if job.gpu_slot:
+            snap = admission.snapshot(s, now(), kinds, settings.gpu_admit_margin,
+                                      settings.fair_share_hours)
+            return admission.waits_for(snap, job, admission.slots_of(live))
+        waiting = s.exec(select(Job).where(Job.state == JobState.QUEUED,
+                                           Job.kind.in_(kinds),
+                                           Job.cancel_requested == False)  # noqa: E712
+                         .order_by(Job.id)).first()
+        if waiting is None:
+            return None
+        busy = set(s.exec(select(Job.lease_owner).where(Job.state == JobState.RUNNING)).all())
+    plain = [w for w in live if w.gpu_capacity_gib is None and not w.device.endswith(LANE_SUFFIX)
+             and not w.device.startswith("cpu slot")]
+    return waiting if all(w.id in busy for w in plain) else None
 
 
 def stop_session(engine: Engine, actor: User, session_id: int | str) -> Job:
@@ -268,78 +323,6 @@ def stop_session(engine: Engine, actor: User, session_id: int | str) -> Job:
 
 
 # ---- prompts ---------------------------------------------------------------------------------
-def _number(value: Any, name: str, default: float, lo: float, hi: float,
-            lo_open: bool = False) -> float:
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        try:
-            value = float(str(value).strip())
-        except ValueError:
-            raise invalid(name, f"must be a number, not {value!r}") from None
-    if not math.isfinite(value):
-        raise invalid(name, f"must be a finite number, not {value!r}")
-    if value < lo or (lo_open and value == lo) or value > hi:
-        low = f"greater than {lo:g}" if lo_open else f"at least {lo:g}"
-        raise invalid(name, f"must be {low} and at most {hi:g}, not {value:g}")
-    return float(value)
-
-
-def params(temperature: Any = None, top_p: Any = None, max_tokens: Any = None,
-           seed: Any = None) -> dict[str, Any]:
-    """Validated sampling parameters: ``temperature`` in [0, 2] (0: greedy; default 0.7),
-    ``top_p`` in (0, 1] (default 1), ``max_tokens`` an integer in [1, :data:`MAX_TOKENS`]
-    (default :data:`DEFAULT_MAX_TOKENS`), ``seed`` an integer or None.
-    Raises StudioError invalid naming the field."""
-    out = {"temperature": _number(temperature, "temperature", 0.7, 0.0, 2.0),
-           "top_p": _number(top_p, "top_p", 1.0, 0.0, 1.0, lo_open=True)}
-    mt = _number(max_tokens, "max_tokens", DEFAULT_MAX_TOKENS, 1, MAX_TOKENS)
-    if mt != int(mt):
-        raise invalid("max_tokens", f"must be a whole number, not {mt:g}")
-    out["max_tokens"] = int(mt)
-    if seed is not None:
-        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**31:
-            raise invalid("seed", "must be an integer from 0 to 2147483647")
-        out["seed"] = seed
-    return out
-
-
-def prompt_params(body: dict[str, Any]) -> dict[str, Any]:
-    """The checked :func:`params` of a prompt body (``temperature``, ``top_p``, ``max_tokens``,
-    ``seed``). Raises StudioError invalid naming the field (``body`` not an object too)."""
-    if not isinstance(body, dict):
-        raise invalid("prompt", "must be an object")
-    return params(body.get("temperature"), body.get("top_p"), body.get("max_tokens"),
-                  body.get("seed"))
-
-
-def messages(value: Any, name: str = "messages", system: str | None = None) -> list[dict]:
-    """``[{"role", "content"}]`` checked: a non-empty list, roles system/user/assistant, text
-    content (OpenAI ``[{"type": "text", "text"}]`` parts are joined), the last one the user's;
-    ``system`` (when given and the list has none) is put first. Raises StudioError invalid."""
-    if not isinstance(value, list) or not value:
-        raise invalid(name, "must be a non-empty list of {role, content} messages")
-    out = []
-    for i, m in enumerate(value):
-        where = f"{name}[{i}]"
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise invalid(f"{where}.role", f"must be one of {', '.join(ROLES)}")
-        content = m.get("content")
-        if isinstance(content, list):
-            parts = [p.get("text") for p in content if isinstance(p, dict)]
-            if not all(isinstance(p, str) for p in parts) or len(parts) != len(content):
-                raise invalid(f"{where}.content", "only text content parts are supported")
-            content = "".join(parts)
-        if not isinstance(content, str):
-            raise invalid(f"{where}.content", "must be a string")
-        out.append({"role": m["role"], "content": content})
-    if out[-1]["role"] != "user":
-        raise invalid(name, "the last message must be the user's")
-    if system and system.strip() and out[0]["role"] != "system":
-        out.insert(0, {"role": "system", "content": system.strip()})
-    return out
-
-
 def send_prompt(engine: Engine, actor: User, session_id: int | str,
                 body: dict[str, Any]) -> dict[str, Any]:
     """Append a prompt to the caller's session ``session_id``. ``body``: ``messages`` (sent to
@@ -381,6 +364,36 @@ def send_prompt(engine: Engine, actor: User, session_id: int | str,
         s.flush()
         after = ev.id
     return {"request_id": rid, "after": after, "session": job.id}
+
+
+def stop_prompt(engine: Engine, actor: User, session_id: int | str, request_id: str) -> dict:
+    """Stop the answer to prompt ``request_id`` of the caller's session: a ``cancel`` event the
+    worker reads between tokens (it then writes each side's answer so far with
+    ``finish_reason`` ``stopped``; a prompt not yet begun is skipped). The session and its
+    model stay. Returns ``{"request_id", "session", "stopped"}`` (``stopped`` False when the
+    answer had already ended). Raises StudioError not_found (another user's session too, or no
+    such prompt in it)."""
+    job = session(engine, actor, session_id)
+    return cancel_prompt(engine, job.id, request_id)
+
+
+def cancel_prompt(engine: Engine, job_id: int, request_id: str) -> dict:
+    """:func:`stop_prompt` for a session already checked (the web's own request, e.g. a
+    ``/v1`` caller that went away). Raises StudioError not_found for an unknown ``request_id``."""
+    with session_scope(engine, immediate=True) as s:
+        rows = s.exec(select(JobEvent.type, JobEvent.data).where(
+            JobEvent.job_id == job_id, JobEvent.type.in_(["prompt", "answer", "cancel"]))).all()
+        mine = [(t, d) for t, d in rows if (d or {}).get("request_id") == request_id]
+        if not any(t == "prompt" for t, _ in mine):
+            raise StudioError("not_found", f"session {job_id} has no prompt {request_id!r}",
+                              "request_id")
+        prompt = next(d for t, d in mine if t == "prompt")
+        sides = set((prompt.get("messages") or {}).keys())
+        done = {d.get("side") for t, d in mine if t == "answer"} >= sides
+        stopped = not done and not any(t == "cancel" for t, _ in mine)
+        if stopped:
+            events.append(s, job_id, "cancel", {"request_id": request_id})
+    return {"request_id": request_id, "session": job_id, "stopped": stopped}
 
 
 def poll_answer(engine: Engine, job_id: int, request_id: str, side: str, after: int

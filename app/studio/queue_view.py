@@ -33,7 +33,9 @@ from app.store.schema import Job, JobState, Run, User, now
 from app.studio import access
 from app.studio.queue_cpu import LANE_SUFFIX, CpuLaneView, cpu_lane, typical_seconds
 
-GPU_KINDS = ("train", "grpo", "evaluate")
+#: Kinds that wait for a slot (a GPU's memory, or the CPU slot of a box without one): a
+#: playground session holds one while its model is loaded, so it waits like a training job.
+GPU_KINDS = ("train", "grpo", "evaluate", "playground")
 
 
 @dataclass

@@ -38,6 +38,7 @@ ADMIN_ONLY = {"/admin/users/{user_id}", "/admin", "/admin/users", "/api/users",
 FORM_PAGES = {"/account/keys": "/account", "/account/password": "/account"}
 #: A playground session (an integer job id) is A's too.
 PARAMS["session_id"] = "session"
+PARAMS["request_id"] = "request"  # a prompt of A's session
 
 
 @dataclass
@@ -113,7 +114,10 @@ def objs(app, server, engine, settings, tmp_path):
     r = a.post("/api/playground/sessions", json={"model": f"stories260K:ft:{run}"})
     assert r.status_code == 201, r.text
     session = r.json()["id"]
-    yield {"session": session, "a": a, "b": b, "admin": admin, "anon": httpx.Client(base_url=server, timeout=60),
+    r = a.post(f"/api/playground/sessions/{session}/prompts",
+               json={"messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 202, r.text
+    yield {"session": session, "request": r.json()["request_id"], "a": a, "b": b, "admin": admin, "anon": httpx.Client(base_url=server, timeout=60),
            "run": run, "job": job.id, "dataset": dataset, "model": model, "model_name": model_name, "export": str(export),
            "artifact": art.id, "key": key, "user_a": users["alice"]["id"],
            "step": 2, "evaluation": evaluation,

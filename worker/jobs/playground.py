@@ -12,9 +12,15 @@ events the web appends to its own event stream (``request_id``, ``messages`` per
 ``params``) and answers each side in turn, interleaved token by token: ``token`` events
 (``request_id``, ``side``, ``text``: the new text, written at most every
 :data:`FLUSH_SECONDS`) and one ``answer`` event per side (``text``, ``finish_reason``,
-``usage``, ``first_token_seconds``, ``tokens_per_second``, ``loads``, or ``error``). After
+``usage``, ``first_token_seconds``, ``tokens_per_second``, ``loads``, or ``error``). A
+``cancel`` event (``request_id``: the page's Stop button, a ``/v1`` caller who went away) ends
+that prompt's answers at the next flush with the text so far and ``finish_reason`` ``stopped``
+(a prompt not yet begun: empty). After
 ``idle_seconds`` without a prompt the job ends (succeeded) and frees its GPU slot; cancel ends it
-at once.
+at once. Sooner, after ``yield_seconds`` without a prompt, it ends when a queued job waits for the
+slot it holds (:func:`app.studio.playground.waiting_for`, checked every
+:data:`YIELD_CHECK_SECONDS`): its last ``session`` event then has ``status`` ``ended``, ``reason``
+``yielded``, the queued job's id ``for_job`` and the ``message`` the chat shows.
 """
 from __future__ import annotations
 
@@ -28,6 +34,8 @@ from worker.context import JobContext, JobError
 
 #: Seconds between two reads of the session's new prompts while idle.
 POLL_SECONDS = 0.05
+#: Seconds between two checks, while idle past ``yield_seconds``, for a job waiting for the slot.
+YIELD_CHECK_SECONDS = 1.0
 #: Longest time text waits before it is written as a ``token`` event (seconds).
 FLUSH_SECONDS = 0.05
 
@@ -71,9 +79,18 @@ def load(ctx: JobContext, p: dict[str, Any]):
             from e
 
 
+def stopped(ctx: JobContext, request_id: str, after: int) -> bool:
+    """Whether the web asked to stop the answer to ``request_id`` (a ``cancel`` event after
+    the prompt's event id ``after``; :func:`app.studio.playground.stop_prompt`)."""
+    return any(e.data.get("request_id") == request_id
+               for e in events.since(ctx.engine, ctx.job.id, after, 1000, types=["cancel"]))
+
+
 def answer(ctx: JobContext, loaded, p: dict[str, Any], prompt: dict[str, Any],
-           loads: int) -> None:
-    """Answer one ``prompt`` event on every side it names, token events as text comes."""
+           loads: int, after: int = 0) -> None:
+    """Answer one ``prompt`` event (its event id ``after``) on every side it names, token
+    events as text comes; a stopped prompt (:func:`stopped`, checked at every flush) ends each
+    side with the text so far and ``finish_reason`` ``stopped``."""
     from app.data.errors import DatasetError
     from worker.engine import chat
 
@@ -81,8 +98,15 @@ def answer(ctx: JobContext, loaded, p: dict[str, Any], prompt: dict[str, Any],
     params = chat.Params(**{k: v for k, v in (prompt.get("params") or {}).items()
                             if k in ("temperature", "top_p", "max_tokens", "seed")})
     streams, out = [], []
+    skip = stopped(ctx, rid, after)
     for side, messages in (prompt.get("messages") or {}).items():
         if side not in p["sides"]:
+            continue
+        if skip:  # stopped before it began
+            out.append(("answer", {"request_id": rid, "side": side, "text": "",
+                                   "finish_reason": "stopped", "loads": loads,
+                                   "usage": {"prompt_tokens": 0, "completion_tokens": 0,
+                                             "total_tokens": 0}}))
             continue
         try:
             ids = chat.prompt_ids(loaded, chat.render_prompt(loaded, messages, p.get("template")))
@@ -105,6 +129,10 @@ def answer(ctx: JobContext, loaded, p: dict[str, Any], prompt: dict[str, Any],
         for s in streams:
             s.step()
         now = time.monotonic()
+        if now - last_flush >= FLUSH_SECONDS and stopped(ctx, rid, after):
+            for s in streams:
+                if not s.done:
+                    s.done, s.finish_reason = True, "stopped"
         finished = [s for s in streams if s.done]
         if finished or now - last_flush >= FLUSH_SECONDS:
             batch = [("token", {"request_id": rid, "side": s.side, "text": t})
@@ -123,6 +151,23 @@ def answer(ctx: JobContext, loaded, p: dict[str, Any], prompt: dict[str, Any],
             events.append_many(ctx.engine, ctx.job.id, batch)
             last_flush = now
             streams = [s for s in streams if not s.done]
+
+
+def yield_to(ctx: JobContext, idle_for: float) -> int | None:
+    """When a queued job waits for this session's slot: say so (a ``session`` event the chat
+    shows, a log line) and return that job's id, so the session ends; else None."""
+    from app.studio import playground as pg
+
+    waiting = pg.waiting_for(ctx.engine, ctx.settings, ctx.job.id)
+    if waiting is None:
+        return None
+    what = "GPU" if gpu.cuda_available() else "worker slot"
+    message = pg.YIELDED.format(what=what)
+    events.append_many(ctx.engine, ctx.job.id, [("session", {
+        "status": "ended", "reason": "yielded", "for_job": waiting.id, "message": message})])
+    ctx.log(f"idle for {idle_for:.0f}s while job {waiting.id} ({waiting.kind}) waits for this "
+            f"{what}: the session ends to free it")
+    return waiting.id
 
 
 def run(ctx: JobContext) -> dict[str, Any]:
@@ -144,24 +189,35 @@ def run(ctx: JobContext) -> dict[str, Any]:
         "template_name": p.get("template_name"), "idle_seconds": idle})])
     ctx.log(f"{p.get('model')} loaded in {load_seconds:.1f}s on {gpu.device_name()}; the "
             f"session ends after {idle:g}s without a prompt")
+    grace = float(p["yield_seconds"] if p.get("yield_seconds") is not None
+                  else ctx.settings.playground_yield_seconds)
     after, served = 0, 0
-    deadline = time.monotonic() + idle
+    last = time.monotonic()
+    deadline, next_check = last + idle, last + grace
     while True:
         ctx.check()
         prompts = events.since(ctx.engine, ctx.job.id, after, 20, types=["prompt"])
         if not prompts:
-            if time.monotonic() >= deadline:
+            t = time.monotonic()
+            if t >= deadline:
                 break
+            if t >= next_check:
+                next_check = t + YIELD_CHECK_SECONDS
+                waiting = yield_to(ctx, t - last)
+                if waiting is not None:
+                    return {"prompts": served, "loads": loads, "load_seconds": load_seconds,
+                            "ended": "yielded", "for_job": waiting, "memory_peak": gpu.peak()}
             time.sleep(POLL_SECONDS)
             continue
         for ev in prompts:
             after = ev.id
             if ev.data.get("request_id") in answered:
                 continue
-            answer(ctx, loaded, p, ev.data, loads)
+            answer(ctx, loaded, p, ev.data, loads, ev.id)
             answered.add(ev.data.get("request_id"))
             served += 1
-        deadline = time.monotonic() + idle
+        last = time.monotonic()
+        deadline, next_check = last + idle, last + grace
     ctx.log(f"session idle for {idle:g}s: ended after {served} prompt{'s' if served != 1 else ''}")
     return {"prompts": served, "loads": loads, "load_seconds": load_seconds, "ended": "idle",
             "memory_peak": gpu.peak()}

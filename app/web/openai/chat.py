@@ -4,7 +4,9 @@
 ``stories260K:ft:<job id>``; also ``…:checkpoint-<step>`` and a GGUF export, see
 :mod:`app.studio.playground`). The caller's live session for that model is reused (the model
 stays loaded between requests); otherwise one is queued and the request waits while a worker
-loads it. A fine-tuned id answers with the adapter on; a base id with the base alone.
+loads it. A fine-tuned id answers with the adapter on; a base id with the base alone. A caller
+who disconnects (while its session waits for a GPU, loads or answers) stops the wait and the
+answer; its retry reuses the same session.
 
 ``stream: true`` sends ``chat.completion.chunk`` server-sent events (the role first, then the
 content deltas, the ``finish_reason``, with ``stream_options.include_usage`` a usage chunk) and
@@ -16,13 +18,14 @@ a bad parameter is 400 naming it, an unknown model 404 ``model_not_found``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from app.studio import playground as pg
@@ -39,6 +42,8 @@ router = APIRouter(prefix="/v1")
 WAIT_SECONDS = 600.0
 #: Seconds between two reads of the answer's new events.
 POLL_SECONDS = 0.05
+#: Seconds between two checks that the caller is still connected.
+DISCONNECT_CHECK_SECONDS = 0.25
 
 
 def _prompt_body(body: dict[str, Any], side: str) -> dict[str, Any]:
@@ -85,35 +90,60 @@ class Asked:
             self.session, self.request_id, self.after = job.id, sent["request_id"], sent["after"]
             return
 
-    async def follow(self) -> AsyncIterator[tuple[str | None, dict[str, Any] | None]]:
+    def abandon(self) -> None:
+        """The caller went away: stop the answer (the session stays for its retry). Blocking;
+        never raises (it runs while the request is torn down)."""
+        with contextlib.suppress(Exception):
+            pg.cancel_prompt(self.engine, self.session, self.request_id)
+
+    async def follow(self, gone: Callable[[], Awaitable[bool]] | None = None
+                     ) -> AsyncIterator[tuple[str | None, dict[str, Any] | None]]:
         """Yield ``(text piece, None)`` as tokens come, then ``(None, answer)`` once. Raises
-        StudioError unavailable when the session ends unanswered or time runs out."""
+        StudioError unavailable when the session ends unanswered or time runs out, and
+        :class:`ClientGone` once ``gone()`` (checked every :data:`DISCONNECT_CHECK_SECONDS`)
+        says the caller disconnected; a follow that ends unanswered, however, stops the
+        answer (:meth:`abandon`), so no slot works for a caller who is gone."""
         deadline = time.monotonic() + WAIT_SECONDS
-        streamed = False
-        while time.monotonic() < deadline:
-            pieces, answer, self.after, ended = await run_in_threadpool(
-                pg.poll_answer, self.engine, self.session, self.request_id, self.side,
-                self.after)
-            for p in pieces:
-                streamed = True
-                yield p, None
-            if answer is not None:
-                yield None, answer
-                return
-            if ended is not None:
-                if not streamed and not self.retried:  # ended before taking it: once more
-                    self.retried = True
-                    await run_in_threadpool(self.send)
-                    continue
-                job = await run_in_threadpool(pg.session, self.engine, self.user, self.session)
-                raise StudioError("unavailable", f"the model's session ended ({ended}) before "
-                                  f"answering{': ' + job.error if job.error else ''}", None,
-                                  "session_ended")
-            if not pieces:
-                await asyncio.sleep(POLL_SECONDS)
-        raise StudioError("unavailable", f"no answer within {WAIT_SECONDS:g}s: the model's "
-                          "session is still waiting for a GPU or loading (see /queue)", None,
-                          "timeout")
+        streamed, answered = False, False
+        check_at = time.monotonic() + DISCONNECT_CHECK_SECONDS
+        try:
+            while time.monotonic() < deadline:
+                if gone is not None and time.monotonic() >= check_at:
+                    check_at = time.monotonic() + DISCONNECT_CHECK_SECONDS
+                    if await gone():
+                        raise ClientGone()
+                pieces, answer, self.after, ended = await run_in_threadpool(
+                    pg.poll_answer, self.engine, self.session, self.request_id, self.side,
+                    self.after)
+                for p in pieces:
+                    streamed = True
+                    yield p, None
+                if answer is not None:
+                    answered = True
+                    yield None, answer
+                    return
+                if ended is not None:
+                    if not streamed and not self.retried:  # ended before taking it: once more
+                        self.retried = True
+                        await run_in_threadpool(self.send)
+                        continue
+                    job = await run_in_threadpool(pg.session, self.engine, self.user,
+                                                  self.session)
+                    raise StudioError("unavailable", f"the model's session ended ({ended}) "
+                                      f"before answering{': ' + job.error if job.error else ''}",
+                                      None, "session_ended")
+                if not pieces:
+                    await asyncio.sleep(POLL_SECONDS)
+            raise StudioError("unavailable", f"no answer within {WAIT_SECONDS:g}s: the model's "
+                              "session is still waiting for a GPU or loading (see /queue)", None,
+                              "timeout")
+        finally:
+            if not answered:
+                self.abandon()
+
+
+class ClientGone(Exception):
+    """The caller of ``/v1/chat/completions`` disconnected while it waited."""
 
 
 def _answer_error(answer: dict[str, Any]) -> StudioError | None:
@@ -136,8 +166,11 @@ async def chat_completions(request: Request, engine: EngineDep, settings: Settin
     cid, created = f"chatcmpl-{asked.request_id.removeprefix('req-')}", time.time()
     if not body.get("stream"):
         answer = None
-        async for _piece, done in asked.follow():
-            answer = done or answer
+        try:
+            async for _piece, done in asked.follow(request.is_disconnected):
+                answer = done or answer
+        except ClientGone:
+            return Response(status_code=499)  # nobody reads it (nginx's "client closed")
         err = _answer_error(answer)
         if err:
             raise err
@@ -151,7 +184,7 @@ async def chat_completions(request: Request, engine: EngineDep, settings: Settin
         yield sse(chat_chunk_object(cid, created, target.model,
                                     {"role": "assistant", "content": ""}))
         try:
-            async for piece, answer in asked.follow():
+            async for piece, answer in asked.follow(request.is_disconnected):
                 if piece:
                     yield sse(chat_chunk_object(cid, created, target.model, {"content": piece}))
                 if answer is not None:
@@ -163,6 +196,8 @@ async def chat_completions(request: Request, engine: EngineDep, settings: Settin
                     if include_usage:
                         yield sse(chat_chunk_object(cid, created, target.model, None,
                                                     usage=answer.get("usage") or {}))
+        except ClientGone:
+            return
         except StudioError as e:
             yield sse({"error": {"message": e.message, "type": "server_error"
                                  if e.kind == "unavailable" else "invalid_request_error",

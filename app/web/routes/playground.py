@@ -71,6 +71,13 @@ async def send_prompt(session_id: str, request: Request, engine: EngineDep, user
     return await run_in_threadpool(pg.send_prompt, engine, user, session_id, body)
 
 
+@router.post("/api/playground/sessions/{session_id}/prompts/{request_id}/stop")
+def stop_prompt(session_id: str, request_id: str, engine: EngineDep, user: CurrentUser):
+    """Stop the answer to one prompt (the page's Stop button): each side ends with its text so
+    far and ``finish_reason`` ``stopped``; the session keeps its model for the next prompt."""
+    return pg.stop_prompt(engine, user, session_id, request_id)
+
+
 @router.post("/api/playground/sessions/{session_id}/stop")
 def stop_session(session_id: str, engine: EngineDep, user: CurrentUser):
     """End the session now: its model is unloaded and its GPU slot freed."""

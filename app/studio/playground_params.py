@@ -1,0 +1,85 @@
+"""The checked parts of a playground prompt: sampling parameters and chat messages, as the
+playground API (:mod:`app.studio.playground`) and ``/v1/chat/completions`` accept them. Pure
+functions: no store, no session."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from app.studio.errors import invalid
+
+ROLES = ("system", "user", "assistant")
+#: Longest answer a prompt may ask for (tokens) and the default.
+MAX_TOKENS, DEFAULT_MAX_TOKENS = 8192, 256
+
+
+def _number(value: Any, name: str, default: float, lo: float, hi: float,
+            lo_open: bool = False) -> float:
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        try:
+            value = float(str(value).strip())
+        except ValueError:
+            raise invalid(name, f"must be a number, not {value!r}") from None
+    if not math.isfinite(value):
+        raise invalid(name, f"must be a finite number, not {value!r}")
+    if value < lo or (lo_open and value == lo) or value > hi:
+        low = f"greater than {lo:g}" if lo_open else f"at least {lo:g}"
+        raise invalid(name, f"must be {low} and at most {hi:g}, not {value:g}")
+    return float(value)
+
+
+def params(temperature: Any = None, top_p: Any = None, max_tokens: Any = None,
+           seed: Any = None) -> dict[str, Any]:
+    """Validated sampling parameters: ``temperature`` in [0, 2] (0: greedy; default 0.7),
+    ``top_p`` in (0, 1] (default 1), ``max_tokens`` an integer in [1, :data:`MAX_TOKENS`]
+    (default :data:`DEFAULT_MAX_TOKENS`), ``seed`` an integer or None.
+    Raises StudioError invalid naming the field."""
+    out = {"temperature": _number(temperature, "temperature", 0.7, 0.0, 2.0),
+           "top_p": _number(top_p, "top_p", 1.0, 0.0, 1.0, lo_open=True)}
+    mt = _number(max_tokens, "max_tokens", DEFAULT_MAX_TOKENS, 1, MAX_TOKENS)
+    if mt != int(mt):
+        raise invalid("max_tokens", f"must be a whole number, not {mt:g}")
+    out["max_tokens"] = int(mt)
+    if seed is not None:
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**31:
+            raise invalid("seed", "must be an integer from 0 to 2147483647")
+        out["seed"] = seed
+    return out
+
+
+def prompt_params(body: dict[str, Any]) -> dict[str, Any]:
+    """The checked :func:`params` of a prompt body (``temperature``, ``top_p``, ``max_tokens``,
+    ``seed``). Raises StudioError invalid naming the field (``body`` not an object too)."""
+    if not isinstance(body, dict):
+        raise invalid("prompt", "must be an object")
+    return params(body.get("temperature"), body.get("top_p"), body.get("max_tokens"),
+                  body.get("seed"))
+
+
+def messages(value: Any, name: str = "messages", system: str | None = None) -> list[dict]:
+    """``[{"role", "content"}]`` checked: a non-empty list, roles system/user/assistant, text
+    content (OpenAI ``[{"type": "text", "text"}]`` parts are joined), the last one the user's;
+    ``system`` (when given and the list has none) is put first. Raises StudioError invalid."""
+    if not isinstance(value, list) or not value:
+        raise invalid(name, "must be a non-empty list of {role, content} messages")
+    out = []
+    for i, m in enumerate(value):
+        where = f"{name}[{i}]"
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise invalid(f"{where}.role", f"must be one of {', '.join(ROLES)}")
+        content = m.get("content")
+        if isinstance(content, list):
+            parts = [p.get("text") for p in content if isinstance(p, dict)]
+            if not all(isinstance(p, str) for p in parts) or len(parts) != len(content):
+                raise invalid(f"{where}.content", "only text content parts are supported")
+            content = "".join(parts)
+        if not isinstance(content, str):
+            raise invalid(f"{where}.content", "must be a string")
+        out.append({"role": m["role"], "content": content})
+    if out[-1]["role"] != "user":
+        raise invalid(name, "the last message must be the user's")
+    if system and system.strip() and out[0]["role"] != "system":
+        out.insert(0, {"role": "system", "content": system.strip()})
+    return out
