@@ -243,6 +243,7 @@ class Worker:
             try:
                 result = self._call_handler(ctx)
             except JobCancelled:
+                ctx.undo_written()  # no half-written file or artifact of it stays
                 reporter.log("cancelled by request")
                 reporter.flush()
                 outcome = "cancelled" if self._end(ctx, queue.acknowledge_cancel) else "lost"

@@ -17,7 +17,7 @@ from sqlalchemy.engine import Engine
 from app.store import queue, repo
 from app.store.schema import Job, JobState, Run
 from app.store.specs import ALL_LINEAR
-from app.studio import access, audit
+from app.studio import access, audit, jobs
 from app.studio.errors import StudioError, invalid, not_found
 
 if TYPE_CHECKING:
@@ -116,7 +116,8 @@ def refusal(engine: Engine, run: Run, step: int, steps: list[int] | None = None,
         if job.state in (JobState.QUEUED, JobState.RUNNING) \
                 and (job.payload or {}).get("checkpoint_step") == step:
             return StudioError("conflict", f"checkpoint-{step} of run {run.id} is already being "
-                               f"evaluated (job {job.id}, {job.state})")
+                               f"evaluated (job {job.id}, {job.state}); cancel it (POST "
+                               f"/api/evaluations/{job.id}/cancel) to evaluate it again")
     return None
 
 
@@ -160,6 +161,15 @@ def eval_job(engine: Engine, actor: User, eval_id: int) -> Job:
         return access.job(engine, actor, eval_id, kind=KIND)
     except StudioError:
         raise not_found("evaluation", eval_id) from None
+
+
+def cancel_eval(engine: Engine, actor: User, eval_id: int) -> Job:
+    """Cancel checkpoint eval ``eval_id`` while it is queued or running (its run's owner or an
+    admin); the worker stops it before it writes its table (:func:`app.studio.jobs.cancel`).
+    Raises StudioError: not_found (unknown, or another user's); conflict when it already
+    ended."""
+    return jobs.cancel(engine, actor, eval_job(engine, actor, eval_id),
+                       f"evaluation {eval_id}", "evaluation")
 
 
 def eval_info(job: Job) -> dict[str, Any]:

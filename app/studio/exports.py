@@ -18,7 +18,7 @@ from app.settings import Settings
 from app.store import events, queue, repo
 from app.store.schema import Job, JobState
 from app.store.specs import GGUF_TYPES, ExportSpec
-from app.studio import access, audit
+from app.studio import access, audit, jobs
 from app.studio.datasets import is_under
 from app.studio.errors import StudioError, invalid
 from app.studio.runs import SpecError, field_errors
@@ -42,6 +42,15 @@ def export_job(engine: Engine, actor: User, export_id: int) -> Job:
         return access.job(engine, actor, export_id, kind="export")
     except StudioError:
         raise StudioError("not_found", f"no export with id {export_id}", "id") from None
+
+
+def cancel_export(engine: Engine, actor: User, export_id: int) -> Job:
+    """Cancel export ``export_id`` while it is queued or being built (its run's owner or an
+    admin); the worker stops it and removes its folder (:func:`app.studio.jobs.cancel`).
+    Raises StudioError: not_found (unknown, or another user's); conflict when it already
+    ended."""
+    return jobs.cancel(engine, actor, export_job(engine, actor, export_id),
+                       f"export {export_id}", "export")
 
 
 def export_info(engine: Engine, job: Job) -> dict[str, Any]:
