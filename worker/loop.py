@@ -276,5 +276,5 @@ class Worker:
         if outcome in ("succeeded", "failed", "cancelled"):
             from worker import notify
 
-            notify.run_ended(self.engine, job.id)  # a run's webhook, in its own thread
+            notify.run_ended(self.engine, job.id, self.settings)  # a run's webhook, own thread
         return outcome
