@@ -16,6 +16,7 @@ import base64
 import hashlib
 import hmac
 import json
+import shutil
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -66,7 +67,10 @@ class _Hooks(BaseHTTPRequestHandler):
         body = self.rfile.read(int(self.headers["Content-Length"]))
         ok = verify(type(self).secret, self.headers, body)
         type(self).received.append((self.path, self.headers["Content-Type"], json.loads(body)))
-        self.send_response(500 if self.path == "/broken" else 200 if ok else 401)
+        self.send_response(500 if self.path == "/broken" else 302 if self.path == "/redirect"
+                           else 200 if ok else 401)
+        if self.path == "/redirect":
+            self.send_header("Location", "http://169.254.169.254/latest/meta-data/")
         self.end_headers()
 
     def log_message(self, *args):
@@ -261,3 +265,47 @@ def test_delivery_resolves_the_host_again_and_refuses_internal_ones(app, client,
     assert len(received) == 1
     assert any(m.startswith(f"webhook: POST {url}/hook refused: the webhook has no signing "
                             "secret") for m in _logs(engine, job.id))
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+def test_https_delivery_checks_the_certificate_for_the_name(tmp_path, monkeypatch):
+    """An https webhook goes to the address that was checked, with the certificate verified
+    for the URL's host name (SNI and Host header too); redirects are not followed."""
+    import ssl
+    import subprocess
+
+    from app.studio import notify as rules
+    from worker import notify
+
+    if rules.resolve("localhost", 443)[:1] != ["127.0.0.1"]:
+        pytest.skip("localhost does not resolve to 127.0.0.1 first here")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout",
+                    str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost"], check=True, capture_output=True)
+    _Hooks.received, secret = [], rules.new_secret()
+    _Hooks.secret = secret
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Hooks)
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(cert, key)
+    srv.socket = ctx.wrap_socket(srv.socket, server_side=True)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        hook = notify.Delivery(f"https://localhost:{srv.server_port}/hook?t=1", secret,
+                               {"event": "run.finished"})
+        with pytest.raises(notify.Refused, match="localhost is this machine"):
+            notify.send(hook, "msg_1", allow_private=False)
+        with pytest.raises(ssl.SSLCertVerificationError, match="self-signed"):
+            notify.send(hook, "msg_1", allow_private=True)  # not a trusted certificate
+        monkeypatch.setenv("SSL_CERT_FILE", str(cert))
+        assert notify.send(hook, "msg_1", allow_private=True) == (200, "OK")  # signed right
+        assert _Hooks.received == [("/hook?t=1", "application/json",
+                                    {"event": "run.finished"})]
+        moved = notify.Delivery(f"https://localhost:{srv.server_port}/redirect", secret, {})
+        assert notify.send(moved, "msg_3", allow_private=True) == (302, "Found")
+        assert [r[0] for r in _Hooks.received] == ["/hook?t=1", "/redirect"]  # not followed
+        other = notify.Delivery(f"https://127.0.0.1:{srv.server_port}/hook", secret, {})
+        with pytest.raises(ssl.SSLCertVerificationError, match="127.0.0.1"):
+            notify.send(other, "msg_2", allow_private=True)  # the name is what is verified
+    finally:
+        srv.shutdown()
