@@ -174,11 +174,12 @@ def cancel_eval(engine: Engine, actor: User, eval_id: int) -> Job:
 
 def eval_info(job: Job) -> dict[str, Any]:
     """One checkpoint eval as the run page and ``/api`` show it: ``id``, ``checkpoint_step``,
-    ``samples``, ``status``, ``error``, timestamps, ``held_out`` and the table
+    ``samples``, ``status``, ``error``, ``cancel_requested``, timestamps, ``held_out`` and the table
     (``generation_eval`` or ``reward_eval``; None until it succeeded)."""
     payload, result = job.payload or {}, job.result or {}
     return {"id": job.id, "run_id": job.run_id, "checkpoint_step": payload.get("checkpoint_step"),
             "samples": payload.get("samples"), "status": job.state, "error": job.error,
+            "cancel_requested": bool(job.cancel_requested),
             "created_at": job.created_at, "finished_at": job.finished_at,
             "held_out": result.get("held_out"),
             "generation_eval": result.get("generation_eval"),

@@ -57,8 +57,8 @@ def export_info(engine: Engine, job: Job) -> dict[str, Any]:
     """One export as the API and the run page show it: ``id``, ``run_id``, ``format``,
     ``quantization``, ``dtype``, ``status``, ``error``, ``progress``, ``verification`` (the
     figures, or the diff of a failed check), ``files`` (``name``, ``size``, ``sha256``, ``url``),
-    ``ollama``, ``provenance`` (base model, revision, adapter, base weights merged into) and
-    timestamps (epoch seconds)."""
+    ``ollama``, ``provenance`` (base model, revision, adapter, base weights merged into),
+    ``cancel_requested`` and timestamps (epoch seconds)."""
     payload, result = job.payload or {}, job.result or {}
     export_key = result.get("export_id") or payload.get("export_id") or f"export-{job.id}"
     files = [{"name": a.name, "size": a.bytes, "sha256": a.sha256,
@@ -76,7 +76,7 @@ def export_info(engine: Engine, job: Job) -> dict[str, Any]:
             "format": payload.get("format"), "quantization": payload.get("quantization", []),
             "dtype": payload.get("dtype"), "checkpoint_step": payload.get("checkpoint_step"),
             "status": job.state, "error": job.error,
-            "created_at": job.created_at, "finished_at": job.finished_at,
+            "cancel_requested": bool(job.cancel_requested), "created_at": job.created_at, "finished_at": job.finished_at,
             "progress": prog.data if prog else None, "verification": verification,
             "files": files, "ollama": result.get("ollama"),
             "provenance": result.get("provenance"),

@@ -373,6 +373,7 @@ def test_cancel_a_running_export_leaves_no_files(studio, monkeypatch) -> None:
     assert queue.get_job(engine, export_id).state == JobState.RUNNING
     r = c.post(f"/api/exports/{export_id}/cancel")
     assert r.status_code == 200 and r.json()["id"] == export_id, r.text
+    assert r.json()["status"] == "running" and r.json()["cancel_requested"] is True
     t.join(30)
     assert not t.is_alive()
     took = time.monotonic() - t0
@@ -435,6 +436,7 @@ def test_cancel_an_eval_as_it_ends_keeps_no_table(studio, monkeypatch) -> None:
     assert f'id="cancel-eval-{eval_id}"' in page
     r = c.post(f"/evaluations/{eval_id}/cancel", headers={"HX-Request": "true"})
     assert r.status_code == 200 and 'id="evaluation"' in r.text
+    assert f'id="cancel-eval-{eval_id}" disabled>Cancelling…</button>' in r.text  # stopping
     t.join(30)
     assert not t.is_alive()
     job = queue.get_job(engine, eval_id)
