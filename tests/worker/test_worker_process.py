@@ -3,9 +3,8 @@
 One module-scoped worker imports the demo model stories260K from shared/data, survives a job
 that raises, trains ~30 LoRA steps on real data (loss falls, the adapter loads in PEFT and
 changes greedy output), stops a running training job and a running export (its files removed)
-within seconds of a cancel. Then
-SIGTERM puts a running job back in the queue (with a checkpoint) and exits 0; a new worker
-resumes that job from the checkpoint.
+within seconds of a cancel. Then SIGTERM puts a running job back in the queue (with a
+checkpoint) and exits 0; a new worker resumes that job from the checkpoint.
 """
 from __future__ import annotations
 
