@@ -71,6 +71,12 @@ class Settings(BaseSettings):
         gpu_sample_seconds: how often a supervisor writes each GPU's figures (utilisation,
             memory, temperature, power, jobs) for the GPU dashboard (seconds; kept two hours).
 
+    Notifications:
+        webhook_allow_private: let users' webhooks reach internal addresses (loopback, private,
+            link-local / cloud metadata, ...; ``WHETSTONE_WEBHOOK_ALLOW_PRIVATE``); off, such a
+            URL is refused when set and the worker, which resolves the host again at each
+            delivery, does not send to it.
+
     Playground:
         playground_idle_seconds: how long a playground session keeps its model loaded (and its
             GPU slot) without a prompt before it ends (seconds).
@@ -121,6 +127,7 @@ class Settings(BaseSettings):
     gpu_sample_seconds: float = Field(default=5.0, gt=0)
     playground_idle_seconds: float = Field(default=300.0, gt=0)
     playground_yield_seconds: float = Field(default=15.0, ge=0)
+    webhook_allow_private: bool = False
     # reward sandbox
     reward_memory_mb: int = Field(default=1024, ge=64)
     reward_cpu_seconds: int = Field(default=30, ge=1)

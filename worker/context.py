@@ -6,7 +6,9 @@ Handlers call :meth:`JobContext.check` at safe points (every training step); it 
 """
 from __future__ import annotations
 
+import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +51,27 @@ class JobContext:
     cancel: threading.Event = field(default_factory=threading.Event)
     lost: threading.Event = field(default_factory=threading.Event)
     shutdown: threading.Event = field(default_factory=threading.Event)
+    #: What a cancel must undo (see :meth:`on_cancel`), run newest first.
+    undo: list[Callable[[], None]] = field(default_factory=list)
+
+    def on_cancel(self, fn: Callable[[], None]) -> None:
+        """Have ``fn()`` run when the job ends cancelled (the loop calls :meth:`undo_written`
+        before it records the cancel): a job that writes files or artifacts registers how to
+        remove them, so a cancelled job leaves nothing half-written behind. ``fn`` runs even
+        when the cancel arrives after the handler returned (its files and artifact rows already
+        written); it must not raise for something that was never written."""
+        self.undo.append(fn)
+
+    def undo_written(self) -> None:
+        """Run the :meth:`on_cancel` callbacks, newest first; a failing one is logged and the
+        others still run."""
+        while self.undo:
+            fn = self.undo.pop()
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - the cancel must still be recorded
+                logging.getLogger("worker").exception("job %s: cleanup after cancel failed",
+                                                      self.job.id)
 
     @property
     def payload(self) -> dict[str, Any]:

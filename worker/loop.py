@@ -243,6 +243,7 @@ class Worker:
             try:
                 result = self._call_handler(ctx)
             except JobCancelled:
+                ctx.undo_written()  # no half-written file or artifact of it stays
                 reporter.log("cancelled by request")
                 reporter.flush()
                 outcome = "cancelled" if self._end(ctx, queue.acknowledge_cancel) else "lost"
@@ -275,5 +276,5 @@ class Worker:
         if outcome in ("succeeded", "failed", "cancelled"):
             from worker import notify
 
-            notify.run_ended(self.engine, job.id)  # a run's webhook, in its own thread
+            notify.run_ended(self.engine, job.id, self.settings)  # a run's webhook, own thread
         return outcome

@@ -247,7 +247,8 @@ def delete_run(engine: Engine, run_id: str) -> tuple[Run, list[Artifact], list[J
         busy = next((j for j in jobs if j.state in ACTIVE), None)
         if busy is not None:
             what = {"train": "its training job", "grpo": "its training job",
-                    "export": f"export {busy.id}"}.get(busy.kind, f"its {busy.kind} job {busy.id}")
+                    "export": f"export {busy.id}",
+                    "evaluate": f"evaluation {busy.id}"}.get(busy.kind, f"its {busy.kind} job {busy.id}")
             raise InUse(f"fine-tuning job {run_id!r} is in use: {what} is {busy.state}")
         arts = list(s.exec(select(Artifact).where(Artifact.run_id == run_id)).all())
         for a in arts:
@@ -359,6 +360,16 @@ def list_artifacts(engine: Engine, run_id: str, kind: str | None = None) -> list
         if kind:
             q = q.where(Artifact.kind == kind)
         return list(s.exec(q).all())
+
+
+def delete_job_artifacts(engine: Engine, job_id: int) -> list[Artifact]:
+    """Delete the artifact rows job ``job_id`` recorded (a cancelled export or eval); returns
+    them so the caller can remove their files."""
+    with session_scope(engine, immediate=True) as s:
+        arts = list(s.exec(select(Artifact).where(Artifact.job_id == job_id)).all())
+        for a in arts:
+            s.delete(a)
+        return arts
 
 
 def get_artifact(engine: Engine, artifact_id: str) -> Artifact:

@@ -217,6 +217,8 @@ class User(SQLModel, table=True):
     share_weight: float = 1.0
     # where the worker POSTs a run's end (succeeded, failed, cancelled); None: no notification
     webhook_url: str | None = Field(default=None, sa_column=Column(Text))
+    # the key that signs its deliveries (``whsec_...``, shown to the user once; migration 0008)
+    webhook_secret: str | None = Field(default=None, sa_column=Column(Text))
     created_at: float = Field(default_factory=now)
     last_seen_at: float | None = None
 

@@ -17,7 +17,7 @@ from sqlalchemy.engine import Engine
 from app.store import queue, repo
 from app.store.schema import Job, JobState, Run
 from app.store.specs import ALL_LINEAR
-from app.studio import access, audit
+from app.studio import access, audit, jobs
 from app.studio.errors import StudioError, invalid, not_found
 
 if TYPE_CHECKING:
@@ -116,7 +116,8 @@ def refusal(engine: Engine, run: Run, step: int, steps: list[int] | None = None,
         if job.state in (JobState.QUEUED, JobState.RUNNING) \
                 and (job.payload or {}).get("checkpoint_step") == step:
             return StudioError("conflict", f"checkpoint-{step} of run {run.id} is already being "
-                               f"evaluated (job {job.id}, {job.state})")
+                               f"evaluated (job {job.id}, {job.state}); cancel it (POST "
+                               f"/api/evaluations/{job.id}/cancel) to evaluate it again")
     return None
 
 
@@ -162,13 +163,23 @@ def eval_job(engine: Engine, actor: User, eval_id: int) -> Job:
         raise not_found("evaluation", eval_id) from None
 
 
+def cancel_eval(engine: Engine, actor: User, eval_id: int) -> Job:
+    """Cancel checkpoint eval ``eval_id`` while it is queued or running (its run's owner or an
+    admin); the worker stops it before it writes its table (:func:`app.studio.jobs.cancel`).
+    Raises StudioError: not_found (unknown, or another user's); conflict when it already
+    ended."""
+    return jobs.cancel(engine, actor, eval_job(engine, actor, eval_id),
+                       f"evaluation {eval_id}", "evaluation")
+
+
 def eval_info(job: Job) -> dict[str, Any]:
     """One checkpoint eval as the run page and ``/api`` show it: ``id``, ``checkpoint_step``,
-    ``samples``, ``status``, ``error``, timestamps, ``held_out`` and the table
+    ``samples``, ``status``, ``error``, ``cancel_requested``, timestamps, ``held_out`` and the table
     (``generation_eval`` or ``reward_eval``; None until it succeeded)."""
     payload, result = job.payload or {}, job.result or {}
     return {"id": job.id, "run_id": job.run_id, "checkpoint_step": payload.get("checkpoint_step"),
             "samples": payload.get("samples"), "status": job.state, "error": job.error,
+            "cancel_requested": bool(job.cancel_requested),
             "created_at": job.created_at, "finished_at": job.finished_at,
             "held_out": result.get("held_out"),
             "generation_eval": result.get("generation_eval"),

@@ -18,7 +18,7 @@ from app.settings import Settings
 from app.store import events, queue, repo
 from app.store.schema import Job, JobState
 from app.store.specs import GGUF_TYPES, ExportSpec
-from app.studio import access, audit
+from app.studio import access, audit, jobs
 from app.studio.datasets import is_under
 from app.studio.errors import StudioError, invalid
 from app.studio.runs import SpecError, field_errors
@@ -44,12 +44,21 @@ def export_job(engine: Engine, actor: User, export_id: int) -> Job:
         raise StudioError("not_found", f"no export with id {export_id}", "id") from None
 
 
+def cancel_export(engine: Engine, actor: User, export_id: int) -> Job:
+    """Cancel export ``export_id`` while it is queued or being built (its run's owner or an
+    admin); the worker stops it and removes its folder (:func:`app.studio.jobs.cancel`).
+    Raises StudioError: not_found (unknown, or another user's); conflict when it already
+    ended."""
+    return jobs.cancel(engine, actor, export_job(engine, actor, export_id),
+                       f"export {export_id}", "export")
+
+
 def export_info(engine: Engine, job: Job) -> dict[str, Any]:
     """One export as the API and the run page show it: ``id``, ``run_id``, ``format``,
     ``quantization``, ``dtype``, ``status``, ``error``, ``progress``, ``verification`` (the
     figures, or the diff of a failed check), ``files`` (``name``, ``size``, ``sha256``, ``url``),
-    ``ollama``, ``provenance`` (base model, revision, adapter, base weights merged into) and
-    timestamps (epoch seconds)."""
+    ``ollama``, ``provenance`` (base model, revision, adapter, base weights merged into),
+    ``cancel_requested`` and timestamps (epoch seconds)."""
     payload, result = job.payload or {}, job.result or {}
     export_key = result.get("export_id") or payload.get("export_id") or f"export-{job.id}"
     files = [{"name": a.name, "size": a.bytes, "sha256": a.sha256,
@@ -67,7 +76,7 @@ def export_info(engine: Engine, job: Job) -> dict[str, Any]:
             "format": payload.get("format"), "quantization": payload.get("quantization", []),
             "dtype": payload.get("dtype"), "checkpoint_step": payload.get("checkpoint_step"),
             "status": job.state, "error": job.error,
-            "created_at": job.created_at, "finished_at": job.finished_at,
+            "cancel_requested": bool(job.cancel_requested), "created_at": job.created_at, "finished_at": job.finished_at,
             "progress": prog.data if prog else None, "verification": verification,
             "files": files, "ollama": result.get("ollama"),
             "provenance": result.get("provenance"),

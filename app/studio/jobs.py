@@ -14,10 +14,12 @@ from typing import TYPE_CHECKING
 from sqlalchemy.engine import Engine
 from sqlmodel import select
 
+from app.store import queue
 from app.store.db import session_scope
 from app.store.queue import CPU_KINDS, claim_key
 from app.store.schema import Job, JobState, Run
-from app.studio import access
+from app.studio import access, audit
+from app.studio.errors import StudioError
 
 if TYPE_CHECKING:
     from app.store.schema import User
@@ -80,3 +82,21 @@ def list_jobs(engine: Engine, actor: User, recent: int = 20) -> list[JobRow]:
                      job.run_id, owner, job.created_at, job.error)
         (rows if job.state not in JobState.FINAL else finished).append(row)
     return rows + finished[:recent]
+
+
+def cancel(engine: Engine, actor: User, job: Job, what: str, object_type: str) -> Job:
+    """Ask ``job`` (already checked visible to ``actor``: :mod:`app.studio.access`) to stop: a
+    queued job ends ``cancelled`` at once; a running one gets its cancel flag, which its worker
+    reads at the next heartbeat and stops at its next check, removing what it had written (no
+    half-written file, nothing registered as an artifact). Records ``<object_type>.cancelled``
+    in the audit log. ``what`` names the job in the refusal, e.g. ``"export 12"``.
+
+    Raises StudioError conflict when the job already ended (``{what} is already succeeded``),
+    as cancelling a run's ended job does over /api."""
+    if job.state in JobState.FINAL:
+        raise StudioError("conflict", f"{what} is already {job.state}; only a queued or running "
+                                      "job can be cancelled")
+    job = queue.cancel(engine, job.id)
+    audit.record(engine, actor.id, f"{object_type}.cancelled", object_type, job.id,
+                 run=job.run_id)
+    return job

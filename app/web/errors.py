@@ -34,6 +34,19 @@ class ApiError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
 
+def conflict_of(action, *args) -> str | None:
+    """Call ``action(*args)`` for a page's card: None when it succeeds, the message of the
+    ``StudioError("conflict")`` it raises (shown on the card, answered 409); any other error
+    propagates (404 and the rest, as every page)."""
+    try:
+        action(*args)
+    except StudioError as exc:
+        if exc.kind != "conflict":
+            raise
+        return exc.message
+    return None
+
+
 def openai_error(status: int, message: str, param: str | None = None,
                  code: str | None = None) -> JSONResponse:
     """``{"error": {"message", "type", "param", "code"}}`` with ``status``."""

@@ -234,7 +234,9 @@ def test_anonymous_gets_401_or_the_sign_in_page(app, objs):
 
 
 def test_admin_gets_through_to_a_s_objects(app, objs):
-    for route in api_routes(app):
+    # the cancels last: a cancelled export or eval could then be deleted by a later DELETE,
+    # and the routes after it would answer 404 for an object that is gone, not hidden
+    for route in sorted(api_routes(app), key=lambda r: r.path.endswith("/cancel")):
         if not route.params:
             continue
         for method in sorted(route.methods - {"HEAD"}):

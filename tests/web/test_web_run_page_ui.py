@@ -1,7 +1,8 @@
 """The run page as a user meets it (issue 19): the export form is not reset while exports run,
-the page follows a live finish, warnings show beside the stats, verification reads as words,
-and nothing is off-screen at phone width. The worker is simulated through the store (claim,
-events, finish), the same channel it uses; the UI checks drive a real headless Chromium.
+the page follows a live finish, warnings show beside the stats, verification reads as words, an
+export in progress has a Cancel button that asks first, and nothing is off-screen at phone
+width. The worker is simulated through the store (claim, events, finish), the same channel it
+uses; the UI checks drive a real headless Chromium.
 """
 from __future__ import annotations
 
@@ -112,6 +113,21 @@ def test_export_choices_survive_list_refreshes(page, client, engine):  # noqa: F
     assert newest.payload["format"] == "ollama" and newest.payload["quantization"] == ["Q4_K_M"]
     page.select_option("#export_form select[name=format]", "merged_16bit")
     expect(page.locator("#export_form .export-dtype")).to_be_visible()
+    # Cancel beside a queued export asks first: dismissed, nothing happens; accepted, it ends
+    # cancelled and its button gives way to Delete; the other export keeps its Cancel
+    older = repo.list_run_jobs(engine, run_id, "export")[1]
+    asked: list[str] = []
+    page.once("dialog", lambda d: (asked.append(d.message), d.dismiss()))
+    page.click(f"#cancel-export-{newest.id}")
+    page.wait_for_timeout(300)
+    assert asked == [f"Cancel export {newest.id}? What it has written so far is removed."]
+    assert queue.get_job(engine, newest.id).state == "queued"
+    page.once("dialog", lambda d: (asked.append(d.message), d.accept()))
+    page.click(f"#cancel-export-{newest.id}")
+    expect(page.locator(f"#export-{newest.id} .state")).to_have_text("cancelled")
+    expect(page.locator(f"#cancel-export-{newest.id}")).to_have_count(0)
+    expect(page.locator(f"#cancel-export-{older.id}")).to_be_visible()
+    assert queue.get_job(engine, newest.id).state == "cancelled" and len(asked) == 2
 
 
 @pytest.mark.browser

@@ -11,6 +11,9 @@ against the end-of-run table (the same weights).
 from __future__ import annotations
 
 import json
+import threading
+import time
+from pathlib import Path
 
 import pytest
 
@@ -245,7 +248,9 @@ def test_refusals_and_ownership(studio) -> None:
     r = c.post(f"/api/runs/{run_id}/checkpoints/2/evaluations", json={})
     assert r.status_code == 409
     assert r.json()["error"]["message"] == (f"checkpoint-{2} of run {run_id} is already being evaluated "
-                                  f"(job {queued.json()['id']}, queued)")
+                                  f"(job {queued.json()['id']}, queued); cancel it (POST "
+                                  f"/api/evaluations/{queued.json()['id']}/cancel) to evaluate "
+                                  "it again")
     # the page says so instead of a button, and keeps polling while it is queued
     page = c.get(f"/runs/{run_id}").text
     assert 'id="evaluate-2"' not in page and "is already being evaluated" in page
@@ -261,8 +266,24 @@ def test_refusals_and_ownership(studio) -> None:
         assert r.status_code == 404, (url, r.text)
     r = bob.post(f"/runs/{run_id}/checkpoints/2/evaluate")
     assert r.status_code == 404
-    queue.cancel(engine, queued.json()["id"])
-    assert c.get(f"/api/evaluations/{queued.json()['id']}").json()["status"] == "cancelled"
+    # cancelling: the page shows a Cancel button beside the queued eval (asking first); another
+    # user's cancel is a 404 on both surfaces; the owner's ends it at once; a second is a 409
+    eval_id = queued.json()["id"]
+    assert f'id="cancel-eval-{eval_id}"' in page and f'hx-post="/evaluations/{eval_id}/cancel"' \
+        in page and "hx-confirm=\"Cancel the evaluation of checkpoint-2?" in page
+    assert bob.post(f"/api/evaluations/{eval_id}/cancel").status_code == 404
+    assert bob.post(f"/evaluations/{eval_id}/cancel").status_code == 404
+    assert queue.get_job(engine, eval_id).state == JobState.QUEUED
+    r = c.post(f"/evaluations/{eval_id}/cancel", headers={"HX-Request": "true"})
+    assert r.status_code == 200 and 'id="evaluation"' in r.text and "<html" not in r.text
+    assert f'id="cancel-eval-{eval_id}"' not in r.text and 'id="evaluate-2"' in r.text
+    assert c.get(f"/api/evaluations/{eval_id}").json()["status"] == "cancelled"
+    r = c.post(f"/api/evaluations/{eval_id}/cancel")
+    assert r.status_code == 409 and r.json()["error"]["message"] == (
+        f"evaluation {eval_id} is already cancelled; only a queued or running job can be "
+        "cancelled")
+    r = c.post(f"/evaluations/{eval_id}/cancel", headers={"HX-Request": "true"})
+    assert r.status_code == 409 and "is already cancelled" in r.text
 
 
 def test_sft_checkpoint_eval_and_no_held_out(studio) -> None:
@@ -288,3 +309,140 @@ def test_sft_checkpoint_eval_and_no_held_out(studio) -> None:
                                             "was created without validation_file or "
                                             "validation_split_percentage")
     queue.cancel(engine, repo.get_run(engine, bare).job_id)
+    studio["sft_run"] = run.id
+
+
+# ---- cancelling an export or an eval while the worker runs it ------------------------------
+# (trial finding: refusals said "cancel it", but only training could be.) The SFT run's export
+# and eval jobs run in the worker loop in a thread (the real lease keeper reads the cancel flag)
+# with their real job functions, each held at a chosen point by a gate that keeps calling the
+# job's own cancel check, so the cancel lands exactly there: the export after its adapter folder
+# is written (verification under way), the eval after its table file is written and registered
+# (the cancel arrives as the job returns). Either way nothing of it may stay.
+def _sft_run(studio) -> str:
+    if "sft_run" not in studio:
+        pytest.skip("needs the SFT run")
+    return studio["sft_run"]
+
+
+def _serve_in_thread(w) -> threading.Thread:
+    t = threading.Thread(target=w.serve, kwargs={"once": True}, daemon=True)
+    t.start()
+    return t
+
+
+def _hold(check, what: threading.Event, timeout: float = 30.0) -> None:
+    """Set ``what``, then keep calling the job's own ``check`` until it raises (the cancel)."""
+    what.set()
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        check()
+        time.sleep(0.02)
+    raise AssertionError("the job was never cancelled")
+
+
+def test_cancel_a_running_export_leaves_no_files(studio, monkeypatch) -> None:
+    from worker.jobs import export as export_job
+
+    c, bob, engine, run_id = studio["client"], studio["bob"], studio["engine"], _sft_run(studio)
+    real = export_job.export_run
+    written = threading.Event()
+
+    def gated(run_dir, spec, out, progress, **kw):
+        def gate(stage: str, frac: float) -> None:
+            if stage.startswith("verify") and not written.is_set():
+                _hold(lambda: progress(stage, frac), written)
+            progress(stage, frac)
+        return real(run_dir, spec, out, gate, **kw)
+
+    monkeypatch.setattr(export_job, "export_run", gated)
+    r = c.post(f"/api/runs/{run_id}/exports", json={"format": "adapter"})
+    assert r.status_code == 201, r.text
+    export_id = r.json()["id"]
+    t0 = time.monotonic()
+    t = _serve_in_thread(studio["worker"])
+    assert written.wait(60), "the export never got to its verification"
+    folder = studio["app"].state.settings.data_dir / "exports" / f"export-{export_id}"
+    assert (folder / "adapter" / "adapter_config.json").is_file()  # written, not yet verified
+    page = c.get(f"/runs/{run_id}/exports").text
+    assert f'id="cancel-export-{export_id}"' in page and f'hx-confirm="Cancel export {export_id}?' \
+        in page
+    # another user: 404 on both surfaces, and the export keeps running
+    assert bob.post(f"/api/exports/{export_id}/cancel").status_code == 404
+    assert bob.post(f"/exports/{export_id}/cancel").status_code == 404
+    assert queue.get_job(engine, export_id).state == JobState.RUNNING
+    r = c.post(f"/api/exports/{export_id}/cancel")
+    assert r.status_code == 200 and r.json()["id"] == export_id, r.text
+    assert r.json()["status"] == "running" and r.json()["cancel_requested"] is True
+    t.join(30)
+    assert not t.is_alive()
+    took = time.monotonic() - t0
+    job = queue.get_job(engine, export_id)
+    assert job.state == JobState.CANCELLED and job.result is None
+    assert not folder.exists()
+    assert [a for a in repo.list_artifacts(engine, run_id) if a.job_id == export_id] == []
+    info = c.get(f"/api/exports/{export_id}").json()
+    assert info["status"] == "cancelled" and info["files"] == []
+    r = c.post(f"/api/exports/{export_id}/cancel")
+    assert r.status_code == 409 and r.json()["error"]["message"] == (
+        f"export {export_id} is already cancelled; only a queued or running job can be cancelled")
+    page = c.get(f"/runs/{run_id}/exports").text
+    assert f'id="cancel-export-{export_id}"' not in page
+    assert f'action="/exports/{export_id}/delete"' in page
+    print(f"export queued -> cancelled in {took:.1f} s")
+
+
+def test_cancel_a_queued_export_from_the_run_page(studio) -> None:
+    c, engine, run_id = studio["client"], studio["engine"], _sft_run(studio)
+    r = c.post(f"/api/runs/{run_id}/exports", json={"format": "gguf"})
+    assert r.status_code == 201
+    export_id = r.json()["id"]
+    r = c.post(f"/exports/{export_id}/cancel", headers={"HX-Request": "true"})
+    assert r.status_code == 200 and 'id="exports"' in r.text and "<html" not in r.text
+    assert f'id="cancel-export-{export_id}"' not in r.text
+    assert queue.get_job(engine, export_id).state == JobState.CANCELLED
+    r = c.post(f"/exports/{export_id}/cancel", headers={"HX-Request": "true"})
+    assert r.status_code == 409 and f"export {export_id} is already cancelled" in r.text
+    # without htmx: back to the run page
+    r = c.post(f"/api/runs/{run_id}/exports", json={"format": "adapter"})
+    r = c.post(f"/exports/{r.json()['id']}/cancel", follow_redirects=False)
+    assert r.status_code == 303 and r.headers["location"] == f"/runs/{run_id}#exports"
+
+
+def test_cancel_an_eval_as_it_ends_keeps_no_table(studio, monkeypatch) -> None:
+    from worker.jobs import common
+
+    c, engine, run_id = studio["client"], studio["engine"], _sft_run(studio)
+    real = common.add_artifact
+    written = threading.Event()
+    seen: dict[str, Path] = {}
+
+    def gated(ctx, run, kind, path, **meta):
+        real(ctx, run, kind, path, **meta)
+        if kind == "checkpoint_eval":
+            seen["path"] = Path(path)
+            _hold(ctx.check, written)
+
+    monkeypatch.setattr(common, "add_artifact", gated)
+    r = c.post(f"/api/runs/{run_id}/checkpoints/1/evaluations", json={})
+    assert r.status_code == 202, r.text
+    eval_id = r.json()["id"]
+    t = _serve_in_thread(studio["worker"])
+    assert written.wait(60), "the eval never wrote its table"
+    assert seen["path"].is_file()
+    assert [a.kind for a in repo.list_artifacts(engine, run_id) if a.job_id == eval_id] == [
+        "checkpoint_eval"]
+    page = c.get(f"/runs/{run_id}").text
+    assert f'id="cancel-eval-{eval_id}"' in page
+    r = c.post(f"/evaluations/{eval_id}/cancel", headers={"HX-Request": "true"})
+    assert r.status_code == 200 and 'id="evaluation"' in r.text
+    assert f'id="cancel-eval-{eval_id}" disabled>Cancelling…</button>' in r.text  # stopping
+    t.join(30)
+    assert not t.is_alive()
+    job = queue.get_job(engine, eval_id)
+    assert job.state == JobState.CANCELLED and job.result is None
+    assert not seen["path"].exists() and not list(seen["path"].parent.glob(".*.tmp"))
+    assert [a for a in repo.list_artifacts(engine, run_id) if a.job_id == eval_id] == []
+    e = c.get(f"/api/evaluations/{eval_id}").json()
+    assert e["status"] == "cancelled" and e["generation_eval"] is None
+    assert c.post(f"/api/evaluations/{eval_id}/cancel").status_code == 409

@@ -2,9 +2,9 @@
 
 One module-scoped worker imports the demo model stories260K from shared/data, survives a job
 that raises, trains ~30 LoRA steps on real data (loss falls, the adapter loads in PEFT and
-changes greedy output) and stops a running training job within seconds of a cancel. Then
-SIGTERM puts a running job back in the queue (with a checkpoint) and exits 0; a new worker
-resumes that job from the checkpoint.
+changes greedy output), stops a running training job and a running export (its files removed)
+within seconds of a cancel. Then SIGTERM puts a running job back in the queue (with a
+checkpoint) and exits 0; a new worker resumes that job from the checkpoint.
 """
 from __future__ import annotations
 
@@ -217,6 +217,31 @@ def test_cancelled_run_exports_its_newest_checkpoint(env) -> None:
     got = load_file(out)
     want = load_file(str(folder / "adapter_model.safetensors"))
     assert set(got) == set(want) and all((got[k] == want[k]).all() for k in want)
+
+
+def test_cancel_running_export_removes_its_files(env) -> None:
+    """Cancelling an export the real worker is building (its GGUF files already on disk, more
+    being quantised and verified) stops it within seconds and leaves no file and no artifact."""
+    from app.store.specs import ExportSpec
+
+    eng = env["engine"]
+    run = next(r for r in repo.list_runs(eng) if repo.list_artifacts(eng, r.id, "checkpoint"))
+    step = max(a.meta["step"] for a in repo.list_artifacts(eng, run.id, "checkpoint"))
+    spec = ExportSpec(run_id=run.id, format="gguf", checkpoint_step=step,
+                      quantization=["F16", "Q8_0", "Q4_K_M", "Q5_K_M", "Q6_K"])
+    exp = queue.enqueue(eng, "export", spec.model_dump(mode="json"), run_id=run.id, priority=5)
+    folder = Path(env["dir"]) / "exports" / f"export-{exp.id}"
+    _wait(lambda: list(folder.glob("*.gguf")), 120, "the first GGUF file", env["proc"])
+    t0 = time.monotonic()
+    queue.cancel(eng, exp.id)
+    j = _wait(lambda: _ended(eng, exp.id), 30, "cancelled export", env["proc"])
+    assert j.state == JobState.CANCELLED and j.result is None
+    assert time.monotonic() - t0 < 10
+    assert not folder.exists()
+    assert [a for a in repo.list_artifacts(eng, run.id) if a.job_id == exp.id] == []
+    assert any(ev.data.get("message") == "cancelled by request"
+               for ev in events.since(eng, exp.id, types=["log"]))
+    assert env["proc"].poll() is None
 
 
 def test_sigterm_requeues_running_job_and_next_worker_resumes(env) -> None:

@@ -14,7 +14,8 @@ table the end of the run makes:
 Result: ``{"checkpoint_step", "checkpoint", "samples", "held_out", "generation_eval" |
 "reward_eval", "memory_peak"}``; the same JSON is written to
 ``runs/<run_id>/evals/checkpoint-<step>-job-<id>.json`` (artifact ``checkpoint_eval``, meta
-``{"step", "eval_job_id"}``).
+``{"step", "eval_job_id"}``). A cancelled eval (checked before each held-out prompt) removes
+that file and artifact, even when the cancel arrives as the job ends.
 """
 from __future__ import annotations
 
@@ -111,6 +112,14 @@ def run(ctx: JobContext) -> dict[str, Any]:
     if folder is None:
         raise JobError(f"checkpoint-{step} of run {run_row.id} is no longer on disk (the "
                        "trainer keeps only its newest checkpoints)")
+    path = Path(run_row.output_dir) / "evals" / f"{folder.name}-job-{ctx.job.id}.json"
+
+    def undo() -> None:  # a cancelled eval keeps no table: no file, no artifact
+        repo.delete_job_artifacts(ctx.engine, ctx.job.id)
+        path.unlink(missing_ok=True)
+        path.with_name(f".{path.name}.tmp").unlink(missing_ok=True)
+
+    ctx.on_cancel(undo)
     gpu.reset_peak()
     model_row, ds_row = common.job_inputs(ctx, spec)
     cuda = common.check_device(spec)
@@ -137,7 +146,6 @@ def run(ctx: JobContext) -> dict[str, Any]:
                                                   folder.name)
     ctx.check()
     out["memory_peak"] = gpu.peak()
-    path = Path(run_row.output_dir) / "evals" / f"{folder.name}-job-{ctx.job.id}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, json.dumps(out, indent=2))
     add_artifact(ctx, run_row.id, "checkpoint_eval", path, step=step, eval_job_id=ctx.job.id)

@@ -209,7 +209,8 @@ def run(ctx) -> dict:
 
     Payload: ExportSpec fields (+ optional ``export_id``, ``ollama_url``, ``model_name``).
     Files go to ``<data_dir>/exports/<export_id or job id>/``; each becomes an Artifact of kind
-    ``spec.format`` with size and sha256. A failed verification raises JobError with the first
+    ``spec.format`` with size and sha256. A cancel (checked at every progress step; a llama.cpp
+    child is killed) removes that folder and those artifacts. A failed verification raises JobError with the first
     diff; the full result (diffs included) is logged as an event ``verification``.
     """
     from app.store import repo
@@ -226,6 +227,14 @@ def run(ctx) -> dict:
     run_row = repo.get_run(ctx.engine, spec.run_id)
     run_dir = Path(run_row.output_dir or ctx.settings.data_dir / "runs" / spec.run_id)
     out = (ctx.settings.data_dir / "exports" / export_id).resolve()
+
+    def undo() -> None:  # a cancelled export leaves no folder and no artifact behind
+        import shutil
+
+        repo.delete_job_artifacts(ctx.engine, ctx.job.id)
+        shutil.rmtree(out, ignore_errors=True)
+
+    ctx.on_cancel(undo)
 
     def progress(stage: str, frac: float) -> None:
         ctx.check()

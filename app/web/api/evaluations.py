@@ -3,7 +3,8 @@ each checkpoint's on-demand eval), queueing a checkpoint's eval, reading one.
 
 ``POST /api/runs/{run_id}/checkpoints/{step}/evaluations`` (optional body ``{"samples": n}``)
 queues an ``evaluate`` job (202, the eval); ``GET /api/evaluations/{id}`` answers its status and,
-once it succeeded, its table; ``GET /api/runs/{run_id}/evaluations`` lists everything. The rules
+once it succeeded, its table; ``POST /api/evaluations/{id}/cancel`` stops one that is queued
+or running (409 once it ended); ``GET /api/runs/{run_id}/evaluations`` lists everything. The rules
 are in :mod:`app.studio.checkpoint_eval`.
 """
 from __future__ import annotations
@@ -39,3 +40,10 @@ async def evaluate_checkpoint(run_id: str, step: int, request: Request, engine: 
 def get_evaluation(eval_id: int, engine: EngineDep, user: CurrentUser):
     """One checkpoint eval: status, error and (once succeeded) its table."""
     return evals_uc.eval_info(evals_uc.eval_job(engine, user, eval_id))
+
+
+@router.post("/evaluations/{eval_id}/cancel", response_model=CheckpointEvalOut)
+def cancel_evaluation(eval_id: int, engine: EngineDep, user: CurrentUser):
+    """Stop a checkpoint eval that is queued or running (no table is written); answers the
+    eval (409 when it already ended)."""
+    return evals_uc.eval_info(evals_uc.cancel_eval(engine, user, eval_id))

@@ -4,6 +4,7 @@ events.
 ``POST /api/runs/{run_id}/exports`` with ``{"format", "quantization": str | [str], "dtype"?}``
 queues an ``export`` job and answers ``{"id", "status"}`` (201); ``GET /api/exports/{id}``
 returns ``status``, ``error``, ``progress``, ``verification`` and ``files``;
+``POST /api/exports/{id}/cancel`` stops one being built (409 once it ended);
 ``DELETE /api/exports/{id}`` deletes an export that has ended, with its files.
 """
 from __future__ import annotations
@@ -36,6 +37,13 @@ def list_exports(run_id: str, engine: EngineDep, user: CurrentUser):
 @router.get("/exports/{export_id}", response_model=ExportOut)
 def get_export(export_id: int, engine: EngineDep, user: CurrentUser):
     return exports_uc.export_info(engine, exports_uc.export_job(engine, user, export_id))
+
+
+@router.post("/exports/{export_id}/cancel", response_model=ExportOut)
+def cancel_export(export_id: int, engine: EngineDep, user: CurrentUser):
+    """Stop an export that is queued or being built (its partial files are removed); answers
+    the export (409 when it already ended)."""
+    return exports_uc.export_info(engine, exports_uc.cancel_export(engine, user, export_id))
 
 
 @router.delete("/exports/{export_id}", response_model=ExportOut)

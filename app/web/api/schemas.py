@@ -118,6 +118,7 @@ class ExportOut(BaseModel):
     checkpoint_step: int | None = None
     status: str
     error: str | None
+    cancel_requested: bool = False  # POST /api/exports/{id}/cancel seen; the worker is stopping it
     created_at: float
     finished_at: float | None
     progress: dict[str, Any] | None
@@ -209,6 +210,7 @@ class CheckpointEvalOut(BaseModel):
     samples: int | None
     status: str
     error: str | None
+    cancel_requested: bool = False  # POST /api/evaluations/{id}/cancel seen; it is stopping
     created_at: float
     finished_at: float | None
     held_out: dict[str, Any] | None = None

@@ -410,12 +410,44 @@ def api_key_revoke(request: Request, user: CurrentUser, key_id: str):
 @router.post("/account/webhook")
 def account_webhook(request: Request, user: CurrentUser,
                     webhook_url: Annotated[str, Form()] = ""):
-    """Set or clear one's webhook URL (where run ends are POSTed as JSON)."""
+    """Set or clear one's webhook URL (where run ends are POSTed as signed JSON); a new
+    signing secret is shown once on the page the form returns to."""
     from app.studio import notify
 
     try:
-        notify.set_webhook(_engine(request), user, webhook_url)
+        _, secret = notify.set_webhook(_engine(request), user, webhook_url,
+                                       request.app.state.settings.webhook_allow_private)
     except StudioError as exc:
         return _account(request, user, status_for(exc), webhook_error=exc.message,
                         webhook_value=webhook_url)
-    return _to("/account", request, webhook_ok=True)
+    return _to("/account", request, webhook_ok=True, webhook_secret=secret)
+
+
+class WebhookIn(BaseModel):
+    """``PUT /api/me/webhook`` body: the URL (empty or null clears it)."""
+    webhook_url: str | None = None
+
+
+class WebhookOut(BaseModel):
+    """The caller's webhook; ``secret`` (``whsec_...``, Standard Webhooks) only in the answer
+    that set it, shown this once."""
+    webhook_url: str | None
+    signed: bool
+    secret: str | None = None
+
+
+@router.get("/api/me/webhook", response_model=WebhookOut)
+def api_webhook(user: CurrentUser):
+    """The caller's webhook URL and whether its deliveries are signed (never the secret)."""
+    return WebhookOut(webhook_url=user.webhook_url, signed=bool(user.webhook_secret))
+
+
+@router.put("/api/me/webhook", response_model=WebhookOut)
+def api_webhook_set(request: Request, user: CurrentUser, body: WebhookIn):
+    """Set (or clear) the caller's webhook URL (422 naming ``webhook_url`` when it is not an
+    absolute http(s) URL of a public host); answers it with its new signing secret."""
+    from app.studio import notify
+
+    saved, secret = notify.set_webhook(_engine(request), user, body.webhook_url,
+                                       request.app.state.settings.webhook_allow_private)
+    return WebhookOut(webhook_url=saved.webhook_url, signed=secret is not None, secret=secret)

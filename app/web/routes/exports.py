@@ -1,11 +1,11 @@
 """The run page's Exports card (form + list, refreshed while an export is active) and the zip
-download of an export's files, deleting one. The rules are in :mod:`app.studio.exports`."""
+download of an export's files, cancelling and deleting one. The rules are in :mod:`app.studio.exports`."""
 from __future__ import annotations
 
 from pathlib import Path
 
 from fastapi import APIRouter, Request
-from fastapi.responses import FileResponse
+from fastapi.responses import FileResponse, RedirectResponse
 from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 
@@ -13,6 +13,7 @@ from app.studio import exports as exports_uc
 from app.studio import removal
 from app.studio.errors import StudioError
 from app.web.deps import CurrentUser, EngineDep, SettingsDep, is_htmx
+from app.web.errors import conflict_of
 from app.web.render import render
 from app.web.views import exports_view
 
@@ -49,13 +50,19 @@ def export_delete(request: Request, export_id: int, engine: EngineDep, settings:
     """Delete an export and its files (the card asks first); the run's Exports card again, with
     the reason (409) while the export is being built."""
     run_id = exports_uc.export_job(engine, user, export_id).run_id
-    error = None
-    try:
-        removal.delete_export(engine, settings, user, export_id)
-    except StudioError as exc:
-        if exc.kind != "conflict":
-            raise
-        error = exc.message
+    error = conflict_of(removal.delete_export, engine, settings, user, export_id)
+    return render(request, "_exports.html", exports_view(engine, user, run_id, error),
+                  block="exports", status_code=409 if error else 200)
+
+
+@router.post("/exports/{export_id}/cancel")
+def export_cancel(request: Request, export_id: int, engine: EngineDep, user: CurrentUser):
+    """Stop an export being built (the card asks first); the run's Exports card again, with the
+    reason (409) when it had already ended."""
+    run_id = exports_uc.export_job(engine, user, export_id).run_id
+    error = conflict_of(exports_uc.cancel_export, engine, user, export_id)
+    if not is_htmx(request) and error is None:
+        return RedirectResponse(f"/runs/{run_id}#exports", status_code=303)
     return render(request, "_exports.html", exports_view(engine, user, run_id, error),
                   block="exports", status_code=409 if error else 200)
 
