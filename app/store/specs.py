@@ -3,7 +3,7 @@
 Field names are the ones users know from PEFT (``r``, ``lora_alpha``, ``lora_dropout``,
 ``target_modules``, ``use_rslora``) and TRL/transformers (``learning_rate``,
 ``per_device_train_batch_size``, ``gradient_accumulation_steps``, ``num_train_epochs``,
-``max_steps``, ``warmup_ratio``, ``lr_scheduler_type``, ``seed``, ``packing``,
+``max_steps``, ``warmup_ratio``, ``lr_scheduler_type``, ``seed``, ``packing``, ``padding_free``,
 ``max_seq_length``). The worker saves the resolved spec as ``config.json`` in the run folder.
 """
 from __future__ import annotations
@@ -122,6 +122,10 @@ class TrainSpec(HeldOutFields, LoraTrainingFields):
     num_train_epochs: float = Field(default=1.0, gt=0.0, le=1000.0)
     train_on_responses_only: bool = True
     packing: bool = False
+    padding_free: bool = Field(
+        default=False, description="put each micro-batch's rows into one sequence with no "
+        "padding (TRL's padding_free; attention stays inside each row): no compute is spent on "
+        "pad tokens. packing implies it")
     add_template_tokens: bool = Field(
         default=False, description="add the chat template's special tokens the model's "
         "tokenizer lacks (e.g. <|im_start|>/<|im_end|> on a base model) as single tokens: the "

@@ -57,7 +57,11 @@ def test_create_run_and_page(client, engine):
     run = repo.get_run(engine, run_id)
     assert run.spec["r"] == 8 and run.spec["max_steps"] == 30
     assert run.spec["target_modules"] == ["q_proj", "v_proj"]
+    assert run.spec["packing"] is False and run.spec["padding_free"] is False  # unticked boxes
     assert "<|im_start|>" in run.spec["chat_template"]  # the chosen default is saved in full
+    r = client.post("/runs", data=_form(client, ds, padding_free="true"), follow_redirects=False)
+    assert repo.get_run(engine, r.headers["location"].rsplit("/", 1)[1]).spec["padding_free"] is True
+    assert 'name="padding_free"' in client.get("/runs/new").text
     page = client.get(f"/runs/{run_id}")
     assert page.status_code == 200 and "loss-chart" in page.text and "Cancel" in page.text
     assert run_id in client.get("/").text

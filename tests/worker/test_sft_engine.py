@@ -83,6 +83,60 @@ def test_loss_normalised_per_token_across_gradient_accumulation(stories_hf: Path
                for n, g in captured.items())
 
 
+def _one_step_grads(stories_hf: Path, out: Path, examples: list[dict], **spec_kw):
+    from datasets import Dataset
+    from transformers import TrainerCallback
+
+    torch.manual_seed(0)
+    spec = TrainSpec(model="m", dataset="d", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                     per_device_train_batch_size=2, max_steps=1, max_grad_norm=0.0,
+                     warmup_ratio=0.0, learning_rate=1e-3, max_seq_length=128, **spec_kw)
+    model = sft.add_lora(sft.load_model(str(stories_hf), False, False), spec)
+    for n, p in model.named_parameters():  # non-zero B so that A gets gradients too
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.02)
+    captured: dict[str, torch.Tensor] = {}
+    batches: list[dict] = []
+
+    class Grab(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kw):
+            captured.update({n: p.grad.detach().clone() for n, p in model.named_parameters()
+                             if p.requires_grad})
+
+    args = sft.sft_config(spec, str(out), cuda=False, optim="adamw_torch", save_strategy="no",
+                          logging_steps=1)
+    tok = sft.load_tokenizer(str(stories_hf), None)
+    trainer = sft.make_trainer(model, tok, Dataset.from_list(examples), args, [Grab()])
+    collate = trainer.data_collator
+    trainer.data_collator = lambda rows: batches.append(collate(rows)) or batches[-1]
+    trainer.train()
+    return captured, batches[0]
+
+
+def test_padding_free_batches_train_like_padded_ones(stories_hf: Path, tmp_path: Path) -> None:
+    """``padding_free``: the two rows of a micro-batch go into one sequence with no pad token
+    (position_ids restart, each row's first label masked), and the LoRA gradient is the padded
+    batch's: attention stays inside each row."""
+    tok = sft.load_tokenizer(str(stories_hf), None)
+    short = tok("Lily.")["input_ids"]
+    long = tok("Once upon a time there was a big dog who liked to run in the park.")["input_ids"]
+    examples = [{"input_ids": short, "labels": _labels(short, 1)},
+                {"input_ids": long, "labels": _labels(long, 3)}]
+    padded, pb = _one_step_grads(stories_hf, tmp_path / "a", examples)
+    free, fb = _one_step_grads(stories_hf, tmp_path / "b", examples, padding_free=True)
+    assert tuple(pb["input_ids"].shape) == (2, len(long)) and "attention_mask" in pb
+    assert tuple(fb["input_ids"].shape) == (1, len(short) + len(long))
+    assert "attention_mask" not in fb
+    pos = fb["position_ids"][0].tolist()  # the rows in the trainer's (shuffled) order
+    starts = [i for i, p in enumerate(pos) if p == 0]
+    assert len(starts) == 2 and pos == list(range(starts[1])) + list(range(len(pos) - starts[1]))
+    assert sorted([starts[1], len(pos) - starts[1]]) == sorted([len(short), len(long)])
+    assert (fb["labels"][0, starts] == -100).all()
+    assert padded.keys() == free.keys() and any(g.abs().sum() > 0 for g in free.values())
+    for n, g in padded.items():
+        assert torch.allclose(free[n], g, atol=1e-7, rtol=1e-4), n
+
+
 def test_eight_bit_optimizer_falls_back_on_cpu() -> None:
     optim, warn = sft.resolve_optim("paged_adamw_8bit", cuda=False)
     assert optim == "adamw_torch" and "paged_adamw_8bit" in warn

@@ -17,7 +17,10 @@ of attention time) and, with Q, K, V stashed, without the q/k/v projections eith
 stashed follows ``STASH`` (env ``WHETSTONE_ATTN_STASH``): by default :func:`stash_choice` per
 layer shape, since the offload competes for PCIe with the segment inputs' own copies.
 
-Masked attention (padding, packed sequences whose position_ids restart, sliding windows) runs
+Packed sequences (position_ids restart, no padding, no window) on CUDA run through
+FlashAttention-2's variable-length kernel (:mod:`~worker.engine.varlen`: ``mask`` is then a
+:class:`~worker.engine.varlen.Segments`, no [S, S] mask is made). Other masked attention (padding,
+sliding windows, packed rows elsewhere) runs
 through ``F.scaled_dot_product_attention`` with a boolean mask from :func:`build_mask`, and
 Gemma 2's soft-capped attention as an explicit softmax; both are recomputed as before.
 """
@@ -29,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from worker.engine import checkpointing as ckpt
+from worker.engine import varlen
 
 _CUDNN_OK = [True]  # set False after the cuDNN op raises once; then F.sdpa (recomputed) is used
 # what a checkpointed attention segment stashes: "auto" (default: :func:`stash_choice`), "qkvo",
@@ -171,6 +175,13 @@ def attention(q, k, v, mask, scaling, softcap, stash_qkv=False, stash_policy="qk
     """
     B, Hq, S, D = q.shape
     groups = Hq // k.shape[1]
+    if isinstance(mask, varlen.Segments):  # packed rows (padding-free): FlashAttention varlen
+        if varlen.usable(q, softcap, None):
+            try:
+                return varlen.varlen_attention(q, k, v, mask, scaling)
+            except RuntimeError:
+                varlen._WORKS[0] = False  # no flash varlen here: dense masks from now on
+        mask = varlen.dense_mask(mask, B, S)
     mode, stash = ckpt.stash_mode()
     replay = mode == "replay" and stash.pending()
     if replay or fused_ok(q, mask, softcap):

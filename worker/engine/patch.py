@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from worker.engine import checkpointing as ckpt
+from worker.engine import varlen
 from worker.engine.attention import attention, build_mask, mask_kind, stash_choice
 from worker.engine.checkpointing import recomputing
 from worker.engine.lora_ops import (CastCache, LoRAMLPFunction, LoRAProjFunction, make_proj,
@@ -167,7 +168,8 @@ def _mlp(x, mlp, activation, impl, step=None, need_y=True, residual=None):
 
 @dataclass
 class StepInputs:
-    """Per-forward tables shared by all layers: rope[type] = (cos, sin), mask[type] (bool or None),
+    """Per-forward tables shared by all layers: rope[type] = (cos, sin), mask[type] (bool, None, or
+    :class:`~worker.engine.varlen.Segments` for packed rows),
     and, made once per forward, the LoRA weights in the compute dtype (``casts``) and each
     projection group's fused-path description (``collected``), both reused by the recompute."""
 
@@ -255,6 +257,10 @@ def step_inputs(model, arch: ArchSpec, h, position_ids, attention_mask,
     else:
         rope["full_attention"] = inner.rotary_emb(h, position_ids)
     kind = mask_kind(None if arange_positions else position_ids, attention_mask, S)
-    masks = {t: build_mask(position_ids, attention_mask, S, arch.windows.get(t), h.device, kind)
+    seg = None  # packed rows without padding on CUDA: FlashAttention varlen (worker/engine/varlen)
+    if kind == (True, False) and h.is_cuda and varlen.ENABLED and arch.attn_softcap is None:
+        seg = varlen.segments(position_ids)
+    masks = {t: seg if seg is not None and arch.windows.get(t) is None else
+             build_mask(position_ids, attention_mask, S, arch.windows.get(t), h.device, kind)
              for t in set(arch.layer_types)}
     return StepInputs(rope, masks)

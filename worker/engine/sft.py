@@ -149,7 +149,10 @@ def sft_config(spec, output_dir: str, cuda: bool, optim: str, **overrides: Any):
 
     warmup = min(spec.warmup_ratio, 0.999)  # transformers 5: a float < 1 is a ratio of all steps
     kw: dict[str, Any] = dict(
-        output_dir=output_dir, max_length=spec.max_seq_length, packing=spec.packing,
+        output_dir=output_dir, packing=spec.packing, padding_free=spec.padding_free,
+        # rows are already cut to max_seq_length (worker.engine.data); TRL refuses a max_length
+        # with padding_free and no packing
+        max_length=None if spec.padding_free and not spec.packing else spec.max_seq_length,
         per_device_train_batch_size=spec.per_device_train_batch_size,
         gradient_accumulation_steps=spec.gradient_accumulation_steps,
         learning_rate=spec.learning_rate, num_train_epochs=spec.num_train_epochs,

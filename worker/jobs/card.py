@@ -22,7 +22,7 @@ LLAMA2C_ORIGIN = "karpathy/tinyllamas"
 CARD_SETTINGS = ("r", "lora_alpha", "lora_dropout", "target_modules", "use_rslora", "load_in_4bit",
                  "learning_rate", "lr_scheduler_type", "warmup_ratio", "max_steps",
                  "num_train_epochs", "per_device_train_batch_size", "gradient_accumulation_steps",
-                 "max_seq_length", "packing", "train_on_responses_only", "num_generations", "beta",
+                 "max_seq_length", "packing", "padding_free", "train_on_responses_only", "num_generations", "beta",
                  "max_completion_length", "seed")
 
 

@@ -23,7 +23,7 @@ from app.web.views import dataset_label, redirect_to_run, run_view, template_ctx
 
 router = APIRouter()
 
-_BOOL = ("train_on_responses_only", "packing", "load_in_4bit", "add_template_tokens")
+_BOOL = ("train_on_responses_only", "packing", "padding_free", "load_in_4bit", "add_template_tokens")
 
 
 def _defaults() -> dict:
