@@ -27,8 +27,11 @@ peak_alloc_gib = the result's memory_peak (allocator peak of the child).
 ``--tiny``: 2 layers, hidden 64, 40 rows, LoRA in fp32 on the CPU (the harness check).
 Prints ``LENGTHS`` and ``RESULT {json}`` lines; appends rows (bench="sft_job", impl, mode,
 max_seq_length, rows, real_tokens_per_s, wall_s, peak_alloc_gib, device, date, commit
-(WHETSTONE_COMMIT), call_id (CALL_ID)) to $OUT/results.jsonl. TODO (issue 17: "job path within
-10% of the bare engine step on the same packed batches"): not measured by this script.
+(WHETSTONE_COMMIT), call_id (CALL_ID)) to $OUT/results.jsonl.
+
+``--bare``: the bare engine step on the job's own batches (issue 17: "job path within 10% of the
+bare engine step on the same packed batches"), in this process, no supervisor (see ``bare``);
+rows bench="sft_bare" with collate_s apart. Compare with the job row of the same mode/seq.
 """
 from __future__ import annotations
 
@@ -147,6 +150,71 @@ def run_mode(engine, settings, admin, model, ds, mode: str, a, cuda: bool, sup) 
             "log_tail": [m[:300] for m in logs if m][:12]}
 
 
+def bare(a, modes: list[str], mdir: str, tokens_path: str) -> list[dict]:
+    """The bare engine step on the job's own batches: the model loaded and wrapped as the job
+    does (worker.engine.sft load_model + add_lora), the SFTTrainer built as the job builds it
+    (sft.sft_config + sft.make_trainer, same spec), its train dataloader collated up front
+    (collate_s), then per batch forward with labels + backward + the trainer's optimizer step,
+    synchronised, with no callbacks, events, logging or scheduler. real_tokens_per_s = the
+    batches' real tokens (attention_mask sum, else all) / the summed step times (2 warm-up
+    steps left out)."""
+    import tempfile
+
+    import torch
+    from datasets import Dataset
+
+    from worker.engine import sft
+
+    cuda = torch.cuda.is_available() and not a.tiny
+    t0 = time.monotonic()
+    spec0 = spec_for("m", "d", modes[0], a, cuda).model_copy(
+        update={"vram_budget_gib": a.bare_budget})  # the job's: its admitted GiB less context
+    model = sft.add_lora(sft.load_model(mdir, spec0.load_in_4bit, cuda), spec0)
+    tok = sft.load_tokenizer(mdir, None)
+    load_s = time.monotonic() - t0
+    ds = Dataset.from_list(sft17_data.load_tokens(tokens_path))
+    out = []
+    for mode in modes:
+        spec = spec_for("m", "d", mode, a, cuda)
+        args = sft.sft_config(spec, tempfile.mkdtemp(prefix="bare-"), cuda, "adamw_torch",
+                              **({"gradient_checkpointing": False} if sft.use_engine(cuda)
+                                 else {}))
+        trainer = sft.make_trainer(model, tok, ds, args)
+        opt = trainer.create_optimizer()
+        t1 = time.monotonic()
+        batches = list(trainer.get_train_dataloader())[:a.bare_steps]
+        collate_s = time.monotonic() - t1
+        dev = "cuda" if cuda else "cpu"
+        batches = [{k: v.to(dev) for k, v in b.items()} for b in batches]
+        model.train()
+        times, toks = [], []
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        for b in batches:
+            if cuda:
+                torch.cuda.synchronize()
+            ts = time.perf_counter()
+            loss = model(**b).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - ts)
+            m = b.get("attention_mask")
+            toks.append(int(m.sum()) if m is not None else b["input_ids"].numel())
+        tt, tk = sum(times[2:]), sum(toks[2:])
+        out.append({"mode": mode, "steps": len(times), "tokens": tk,
+                    "real_tokens_per_s": round(tk / tt, 1) if tt else None,
+                    "step_s_median": round(sorted(times[2:])[len(times[2:]) // 2], 4)
+                    if len(times) > 2 else None,
+                    "collate_s": round(collate_s, 2), "load_s": round(load_s, 1),
+                    "batch_size": spec.per_device_train_batch_size,
+                    "peak_alloc_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3)
+                    if cuda else None})
+    return out
+
+
 def device_name(cuda: bool) -> str:
     if not cuda:
         return "cpu"
@@ -170,6 +238,12 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--limit", type=int, default=None, help="rows (0 all; --tiny: 40)")
     ap.add_argument("--data-dir", default=os.path.join(sft17_data.WORK, "studio"))
+    ap.add_argument("--bare", action="store_true", help="the bare engine step on the job's "
+                    "batches (no supervisor, no job) for --modes; rows bench=sft_bare")
+    ap.add_argument("--bare-steps", type=int, default=40)
+    ap.add_argument("--bare-budget", type=float, default=None,
+                    help="vram_budget_gib of the bare model (a job runs with its admitted GiB "
+                    "less the CUDA context; see the job row's admitted_gib)")
     a = ap.parse_args(argv)
     a.packing_bs = a.packing_bs or max(1, 8192 // a.seq)
     a.max_steps = {k: int(v) for k, v in (p.split("=") for p in a.max_steps.split(",") if p)}
@@ -181,6 +255,17 @@ def main(argv=None) -> int:
     print("LENGTHS", json.dumps({"max_seq_length": a.seq, **lengths}), flush=True)
     prep_s = round(time.monotonic() - t0, 1)
 
+    if a.bare:
+        for r in bare(a, a.modes.split(","), p["model_dir"], p["tokens"][a.seq]):
+            row = dict(bench="sft_bare", impl="whetstone", max_seq_length=a.seq, **r,
+                       lengths=lengths, tiny=a.tiny, device=device_name(cuda),
+                       date=datetime.date.today().isoformat(),
+                       commit=os.environ.get("WHETSTONE_COMMIT", ""),
+                       call_id=os.environ.get("CALL_ID", ""))
+            print("RESULT", json.dumps(row), flush=True)
+            with open(os.path.join(out, "results.jsonl"), "a") as fh:
+                fh.write(json.dumps(row) + "\n")
+        return 0
     data_dir = os.path.abspath(a.data_dir + ("-tiny" if a.tiny else ""))
     os.environ.update(env_for(data_dir))
     from app.settings import get_settings

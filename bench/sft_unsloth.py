@@ -15,7 +15,8 @@ Modes: ``packing`` (packing=True: TRL BFD, padding-free), ``padding_free`` (padd
 ``default`` (both off: each batch padded to its longest row). Unsloth's best settings are the
 first two (Unsloth turns padding_free on by itself when it is left unset).
 
-Per mode, in its own process (so each peak is its own): real tokens/s = num_input_tokens_seen
+Per mode, in its own process (so each peak is its own): real tokens/s = the epoch's tokens (every
+row's input_ids; TRL's num_input_tokens_seen is kept as tokens_seen, and used with --max-steps)
 / the trainer.train wall time (wall_s); peak_alloc_gib = torch.cuda.max_memory_allocated()
 since the process started (the job's peak also counts its load).
 
@@ -120,10 +121,13 @@ def train(mode: str, a, tokens_path: str, mdir: str) -> dict:
     out = trainer.train()
     torch.cuda.synchronize()
     runtime = time.monotonic() - t0
-    tokens = int(trainer.state.num_input_tokens_seen or 0)
+    seen = int(trainer.state.num_input_tokens_seen or 0)
+    # a whole epoch: every row's tokens (TRL counts tokens != pad_token_id without an attention
+    # mask, and Unsloth may make the pad token a real one); else what TRL counted
+    tokens = sum(len(r) for r in ds["input_ids"]) if a.max_steps < 0 else seen
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     return {"state": "succeeded", "rows": len(ds), "steps": trainer.state.global_step,
-            "tokens": tokens, "real_tokens_per_s": round(tokens / runtime, 1),
+            "tokens": tokens, "tokens_seen": seen, "real_tokens_per_s": round(tokens / runtime, 1),
             "wall_s": round(runtime, 3), "train_runtime_hf": out.metrics.get("train_runtime"),
             "peak_alloc_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3),
             "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 3),
