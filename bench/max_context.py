@@ -8,7 +8,8 @@ budget (``torch.cuda.set_per_process_memory_fraction(80 GiB / total)``), one imp
   use_gradient_checkpointing="unsloth") from the sft17_data model folder.
 
 Search (one step per probe, OOM caught: torch.cuda.OutOfMemoryError or a RuntimeError saying
-"out of memory", then gc + empty_cache): probes at --ladder lengths (default 16k, 32k, 64k) give
+"out of memory", then gc + empty_cache; any other failure is recorded and ends the search),
+after one untimed warm-up step (--warmup tokens, compile and autotune): probes at --ladder lengths (default 16k, 32k, 64k) give
 peak GiB = a + b L and step seconds = c L + d L^2 (least squares); the next probe is the length
 the fit predicts for 97 % of the budget, rounded down to 1,024; then bisection between the
 longest success and the shortest failure until they are within --resolution tokens. A probe the
@@ -109,12 +110,11 @@ def real_step(pm, opt):
             return {"ok": True, "step_s": time.perf_counter() - t0,
                     "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
                     "loss": float(out.loss)}
-        except Exception as exc:  # noqa: BLE001
-            if not is_oom(exc):
-                raise
-            return {"ok": False, "step_s": time.perf_counter() - t0,
+        except Exception as exc:  # noqa: BLE001 - OOM, or whatever else broke (RoPE tables...)
+            return {"ok": False, "oom": is_oom(exc), "step_s": time.perf_counter() - t0,
                     "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
-                    "error": " ".join(str(exc).split())[:600], "where": where(exc)}
+                    "error": f"{type(exc).__name__}: " + " ".join(str(exc).split())[:600],
+                    "where": where(exc)}
         finally:
             del out, ids
             opt.zero_grad(set_to_none=True)
@@ -130,7 +130,7 @@ def fake_step(budget: float):
         t = n * 2e-5 + (n / 1e5) ** 2 * float(os.environ.get("FAKE_QUAD", "0.01"))
         time.sleep(t if peak <= budget else t / 2)
         if peak > budget:
-            return {"ok": False, "step_s": t / 2, "peak_gib": budget,
+            return {"ok": False, "oom": True, "step_s": t / 2, "peak_gib": budget,
                     "error": f"fake OOM at {n}: Tried to allocate {n / 2048:.2f} GiB",
                     "where": ["max_context.py fake_step"]}
         return {"ok": True, "step_s": t, "peak_gib": peak, "loss": 11.0}
@@ -182,6 +182,8 @@ def search(step, budget: float, ladder: list[int], cap_s: float, resolution: int
                  peak_gib=round(r["peak_gib"], 3))
         print("PROBE", json.dumps(r), flush=True)
         probes.append(r)
+        if not r["ok"] and not r.get("oom", True):  # not memory: the process may be unusable
+            capped = f"stopped: a non-OOM failure at {n} tokens"
         return r
 
     for n in ladder:
@@ -240,6 +242,7 @@ def main(argv=None) -> int:
     ap.add_argument("--time-cap", type=float, default=300.0, help="seconds for the probes")
     ap.add_argument("--resolution", type=int, default=4096, help="tokens")
     ap.add_argument("--max-seq", type=int, default=524_288, help="Unsloth's max_seq_length")
+    ap.add_argument("--warmup", type=int, default=4096, help="tokens of the untimed first step")
     ap.add_argument("--fake", action="store_true", help="simulated steps (CPU check)")
     a = ap.parse_args(argv)
     ladder = [int(x) for x in a.ladder.split(",")]
@@ -261,6 +264,8 @@ def main(argv=None) -> int:
             torch.cuda.set_per_process_memory_fraction(min(1.0, a.budget_gib / total), 0)
             row["mem_after_load_gib"] = round(torch.cuda.memory_allocated() / 2**30, 2)
             step = real_step(pm, opt)
+            row["warmup"] = step(a.warmup)  # compile/autotune outside the timed probes
+            print("WARMUP", json.dumps(row["warmup"]), flush=True)
         row["load_s"] = round(time.monotonic() - t0, 1)
 
         def rss_gib() -> float:

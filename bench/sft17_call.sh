@@ -43,7 +43,7 @@ stage() {  # NAME TIMEOUT SITE(s|u) CMD...
   echo "=== $name (timeout ${t}s, t=${SECONDS}s)"
   timeout "$t" env PYTHONPATH=$pp "$@" > "$OUT/$name.txt" 2>&1; local rc=$?
   echo "rc=$rc t=${SECONDS}s"
-  grep -E "^RESULT|^LENGTHS|^PROBE|ready in|Error|error" "$OUT/$name.txt" | cut -c1-${CUT:-1500} | tail -${TAIL:-14}
+  grep -E "^RESULT|^LENGTHS|^PROBE|^WARMUP|ready in|Turning padding|Error|error" "$OUT/$name.txt" | cut -c1-${CUT:-1500} | tail -${TAIL:-14}
 }
 versions() {
   PYTHONPATH=$1:$PWD $PY -c 'import torch,triton,transformers,peft,trl,datasets; print("torch",torch.__version__,"triton",triton.__version__,"tf",transformers.__version__,"peft",peft.__version__,"trl",trl.__version__,"datasets",datasets.__version__)' 2>&1 | tail -1

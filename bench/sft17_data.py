@@ -77,6 +77,8 @@ def make_model(tiny: bool) -> str:
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
     del model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the jobs this process starts get the memory back
     for f in os.listdir(TOK_DIR):
         shutil.copy(os.path.join(TOK_DIR, f), tmp)
     os.replace(tmp, out)

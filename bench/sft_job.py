@@ -155,9 +155,11 @@ def bare(a, modes: list[str], mdir: str, tokens_path: str) -> list[dict]:
     does (worker.engine.sft load_model + add_lora), the SFTTrainer built as the job builds it
     (sft.sft_config + sft.make_trainer, same spec), its train dataloader collated up front
     (collate_s), then per batch forward with labels + backward + the trainer's optimizer step,
-    synchronised, with no callbacks, events, logging or scheduler. real_tokens_per_s = the
+    synchronised, with no callbacks, events, logging, scheduler or gradient clipping (the job
+    clips at max_grad_norm 1.0). real_tokens_per_s = the
     batches' real tokens (attention_mask sum, else all) / the summed step times (2 warm-up
     steps left out)."""
+    import itertools
     import tempfile
 
     import torch
@@ -182,7 +184,7 @@ def bare(a, modes: list[str], mdir: str, tokens_path: str) -> list[dict]:
         trainer = sft.make_trainer(model, tok, ds, args)
         opt = trainer.create_optimizer()
         t1 = time.monotonic()
-        batches = list(trainer.get_train_dataloader())[:a.bare_steps]
+        batches = list(itertools.islice(trainer.get_train_dataloader(), a.bare_steps))
         collate_s = time.monotonic() - t1
         dev = "cuda" if cuda else "cpu"
         batches = [{k: v.to(dev) for k, v in b.items()} for b in batches]
