@@ -4,8 +4,9 @@
 # (bench/max_context.py). Carry .whl_studio (web stack, trl, datasets 4.8.5, bitsandbytes), .whl_bench
 # (unsloth, unsloth_zoo, torchao, cut_cross_entropy, tyro, ..., and tok-llama2/: the llama2 tokenizer
 # as tokenizer.json) and .seed (sft/). Two sites: /tmp/site (.whl_studio: whetstone stages) and
-# /tmp/site_u (.whl_studio + .whl_bench: unsloth stages; Unsloth refuses only datasets 4.4-4.5). Inputs (16 GB random model, rows, token rows,
-# the studio data dir) go to $SFT17_DIR (default $PWD/.sft17, git-ignored): a warm machine keeps them.
+# /tmp/site_u (.whl_studio + .whl_bench: unsloth stages; Unsloth refuses only datasets 4.4-4.5).
+# Inputs (16 GB random model, rows, token rows, the studio data dir) go to $SFT17_DIR (default
+# $PWD/.sft17, git-ignored): a warm machine keeps them between calls.
 #   STAGES="prep w2048 u2048" WHETSTONE_COMMIT=$(git rev-parse --short=12 HEAD) CALL_ID=... \
 #     bash bench/sft17_call.sh
 # Stages: prep (model + rows + token rows), w2048 w4096 (sft_job, W_MODES), b2048 b4096 (the bare
@@ -21,6 +22,8 @@ PY=${PY:-python3}
 # max_context); no wheels installed (PY=.venv/bin/python)
 T=(); TU=(); TC=(); [ -n "${TINY:-}" ] && { T=(--tiny); TU=(--tiny --dry); TC=(--fake); ROWS=${TINY_ROWS:-40}; }
 mkdir -p "$OUT" "$SFT17_DIR"
+capfor() {  # CAP LOAD: the probes' time cap that still fits the call (>= 30 s)
+  local t; t=$(tmo $(($1 + $2))); echo $((t - $2 > 30 ? t - $2 : 30)); }
 tmo() { local l=$((LIMIT - SECONDS - 5)); if ((l < $1)); then echo $((l > 0 ? l : 1)); else echo "$1"; fi; }
 site() {  # install the wheel set of /tmp/site (studio) or /tmp/site_u (unsloth) once
   [ -n "${TINY:-}" ] && return
@@ -63,10 +66,10 @@ for s in ${STAGES:-prep w2048 u2048}; do
              stage sft_unsloth_${s#u}_$m ${T_U:-150} u $PY bench/sft_unsloth.py --seq ${s#u} --mode $m "${TU[@]}" \
                --limit $ROWS --bs ${BS:-8} ${PACK_BS:+--packing-bs $PACK_BS}
            done ;;
-    ctx_w) CUT=4000 stage max_context_whetstone $((${CTX_CAP:-200} + 120)) s $PY bench/max_context.py \
-             --impl whetstone "${TC[@]}" --time-cap ${CTX_CAP:-200} ;;
-    ctx_u) CUT=4000 stage max_context_unsloth $((${CTX_CAP:-200} + 150)) u $PY bench/max_context.py \
-             --impl unsloth "${TC[@]}" --time-cap ${CTX_CAP:-200} ;;
+    ctx_w) c=$(capfor ${CTX_CAP:-200} 120); CUT=4000 stage max_context_whetstone $((c + 120)) s \
+             $PY bench/max_context.py --impl whetstone "${TC[@]}" --time-cap $c ;;
+    ctx_u) c=$(capfor ${CTX_CAP:-200} 150); CUT=4000 stage max_context_unsloth $((c + 150)) u \
+             $PY bench/max_context.py --impl unsloth "${TC[@]}" --time-cap $c ;;
   esac
 done
 tail -c 2500 $OUT/sft_job_supervisor_*.log 2>/dev/null | grep -v "worker.progress" | tail -6
