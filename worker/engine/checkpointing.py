@@ -16,7 +16,8 @@ of computing. Stashed tensors are offloaded like the input.
 Offload (:class:`Offloader`, CUDA only; elsewhere tensors stay where they are and nothing changes):
 forward copies each saved tensor to a pinned host buffer on a D2H side stream (``non_blocking``; the
 GPU copy is released once the copy is done via ``record_stream``; a permuted dense tensor travels in
-its memory order). Buffers come from a free list per (segment, shape, dtype), reused across steps.
+its memory order). Buffers are views of blocks of a best-fit :class:`~worker.engine.pinned.PinnedPool`,
+reused across steps whatever their shapes.
 Backward copies them back on a separate H2D side stream and prefetches: the saves of one forward form
 a chain (:meth:`Offloader.start_chain`, then every ``save`` in order), and each load also starts the
 H2D copies of the saves before it (what backward reaches next) until ``window`` bytes are in flight,
@@ -50,6 +51,8 @@ import threading
 import weakref
 
 import torch
+
+from worker.engine.pinned import PinnedPool
 
 _local = threading.local()
 
@@ -90,12 +93,12 @@ class _Saved:
     once started (``copy``, ``h2d`` event), a weak link to the handle saved before it, its size and
     the permutation that restores a non-contiguous tensor's layout (``perm``)."""
 
-    __slots__ = ("dev", "buf", "key", "d2h", "device", "prev", "copy", "h2d", "nbytes", "perm",
+    __slots__ = ("dev", "buf", "block", "d2h", "device", "prev", "copy", "h2d", "nbytes", "perm",
                  "__weakref__")
 
-    def __init__(self, dev=None, buf=None, key=None, d2h=None, device=None, prev=None,
+    def __init__(self, dev=None, buf=None, block=None, d2h=None, device=None, prev=None,
                  perm=None):
-        self.dev, self.buf, self.key, self.d2h = dev, buf, key, d2h
+        self.dev, self.buf, self.block, self.d2h = dev, buf, block, d2h
         self.device, self.prev, self.copy, self.h2d = device, prev, None, None
         self.nbytes = buf.numel() * buf.element_size() if buf is not None else 0
         self.perm = perm
@@ -143,7 +146,8 @@ def _dense_order(t: torch.Tensor):
 
 
 class Offloader:
-    """Pinned host buffers (a free list per (segment, shape, dtype)), a D2H and an H2D side stream.
+    """Pinned host buffers (:class:`~worker.engine.pinned.PinnedPool`), a D2H and an H2D side
+    stream. ``pool.allocs`` counts the blocks allocated.
 
     ``window``: bytes of H2D copies kept in flight ahead of the backward (set per chain to one
     layer's worth of saves: its two segments' inputs and stash).
@@ -151,7 +155,7 @@ class Offloader:
 
     def __init__(self, enabled: bool):
         self.enabled = enabled and torch.cuda.is_available()
-        self.free: dict = {}  # key -> [(pinned buffer, event of its last H2D or None)]
+        self.pool = PinnedPool()
         self.stream = torch.cuda.Stream() if self.enabled else None  # D2H
         self.h2d = torch.cuda.Stream() if self.enabled else None
         self._last = None  # weakref to the last handle saved in the current chain
@@ -166,6 +170,7 @@ class Offloader:
         """The next ``save`` starts a new forward's chain (no prefetch link to an older one)."""
         self._last = None
         self.ahead = self._chain_bytes = self._segments = 0
+        self.pool.trim()
 
     def note_segment(self):
         """One more checkpointed segment in this chain (sizes the prefetch window)."""
@@ -177,12 +182,7 @@ class Offloader:
         if not (self.enabled and h.is_cuda):
             return _Saved(dev=h)
         h, perm = _dense_order(h)
-        k = (key, tuple(h.shape), h.dtype)
-        pool = self.free.setdefault(k, [])
-        if pool:
-            buf, last_h2d = pool.pop()
-        else:
-            buf, last_h2d = torch.empty(h.shape, dtype=h.dtype, pin_memory=True), None
+        buf, block, last_h2d = self.pool.take(h.dtype, h.shape)
         self.stream.wait_stream(torch.cuda.current_stream())
         if last_h2d is not None:  # the previous H2D out of this buffer must have read it
             self.stream.wait_event(last_h2d)
@@ -191,7 +191,7 @@ class Offloader:
             ev = torch.cuda.Event()
             ev.record()
         h.record_stream(self.stream)
-        hd = _Saved(buf=buf, key=k, d2h=ev, device=h.device, prev=self._last, perm=perm)
+        hd = _Saved(buf=buf, block=block, d2h=ev, device=h.device, prev=self._last, perm=perm)
         self._last = weakref.ref(hd)
         self._chain_bytes += hd.nbytes
         return hd
@@ -222,8 +222,8 @@ class Offloader:
             hd.copy = hd.buf.to(hd.device, non_blocking=True)
             hd.h2d = torch.cuda.Event()
             hd.h2d.record()
-        self.free[hd.key].append((hd.buf, hd.h2d))
-        hd.buf = None
+        self.pool.give(hd.block, hd.h2d)
+        hd.buf = hd.block = None
 
     def load(self, hd: _Saved) -> torch.Tensor:
         """The saved tensor on its device, ready on the current stream, in its saved layout; starts
