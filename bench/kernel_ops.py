@@ -9,8 +9,8 @@ measured at the start of the same run (bytes read + written). Peak memory: max a
 fwd+bwd, absolute and above what was allocated before it. Each measurement is one JSON line appended to
 --out (default bench/results.jsonl); all lines of a run share call_id.
 
-    python bench/kernels.py [--tokens 4096 16384] [--ops rms_norm rope swiglu geglu cross_entropy nf4]
-    python bench/kernels.py --smoke      # CPU, tiny shapes, Triton interpreter: checks the script only
+    python bench/kernel_ops.py [--tokens 4096 16384] [--ops rms_norm rope swiglu geglu cross_entropy nf4]
+    python bench/kernel_ops.py --smoke      # CPU, tiny shapes, Triton interpreter: checks the script only
 """
 from __future__ import annotations
 
