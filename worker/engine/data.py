@@ -123,3 +123,12 @@ def dropped_note(dropped: list, shown: int = 5, listed: int = 200
     if n > listed:
         details.append(f"… and {n - listed} more rows")
     return summary, details
+
+
+def row_lengths(dataset) -> list[int]:
+    """Tokens per row of an encoded ``datasets.Dataset`` (its ``input_ids``), read from the Arrow
+    column (the index mapping of a selected or filtered set honoured) without making
+    Python lists of the ids."""
+    import pyarrow.compute as pc
+
+    return pc.list_value_length(dataset.with_format("arrow")["input_ids"]).to_pylist()
