@@ -261,7 +261,18 @@ class Worker:
                 outcome = "failed" if self._end(ctx, queue.fail, msg) else "lost"
             else:
                 reporter.flush()
-                outcome = "succeeded" if self._end(ctx, queue.finish, result or {}) else "lost"
+                if not ctx.undo:
+                    outcome = "succeeded" if self._end(ctx, queue.finish, result or {}) \
+                        else "lost"
+                else:  # a job that can undo what it wrote honours a cancel until its very end
+                    done = self._end(ctx, queue.finish_unless_cancelled, result or {})
+                    outcome = "succeeded" if done else "lost"
+                    if done is None:
+                        ctx.undo_written()
+                        reporter.log("cancelled by request")
+                        reporter.flush()
+                        outcome = "cancelled" if self._end(ctx, queue.acknowledge_cancel) \
+                            else "lost"
         except LeaseLost:  # the interrupt landed just after the handler returned
             outcome = "lost"
         finally:

@@ -237,12 +237,13 @@ def heartbeat(engine: Engine, job_id: int, worker_id: str, lease_seconds: float)
 
 def _fenced_end(engine: Engine, job_id: int, worker_id: str, state: str,
                 error: str | None = None, result: dict[str, Any] | None = None,
-                extra_sets: str = "") -> bool:
+                extra_sets: str = "", extra_where: str = "") -> bool:
     with session_scope(engine, immediate=True) as s:
         row = s.execute(
             text(f"UPDATE jobs SET state = :st, finished_at = :now, lease_expires_at = NULL{extra_sets} "
-                 "WHERE id = :id AND lease_owner = :w AND state = 'running' RETURNING id"),
-            {"st": state, "now": now(), "id": job_id, "w": worker_id},
+                 f"WHERE id = :id AND lease_owner = :w AND state = 'running'{extra_where} "
+                 "RETURNING id"),
+            {"st": state, "now": now(), "id": job_id, "w": worker_id, "f": False},
         ).first()
         if row is None:
             return False
@@ -262,6 +263,19 @@ def _fenced_end(engine: Engine, job_id: int, worker_id: str, state: str,
 def finish(engine: Engine, job_id: int, worker_id: str, result: dict[str, Any] | None = None) -> bool:
     """Mark a held job succeeded with ``result``; False if the lease was lost."""
     return _fenced_end(engine, job_id, worker_id, JobState.SUCCEEDED, result=result)
+
+
+def finish_unless_cancelled(engine: Engine, job_id: int, worker_id: str,
+                            result: dict[str, Any] | None = None) -> bool | None:
+    """:func:`finish`, in one statement only while no cancel was requested: True when it
+    succeeded, None when the job is still held but a cancel was requested (the caller undoes
+    what the job wrote and calls :func:`acknowledge_cancel`), False when the lease was lost."""
+    if _fenced_end(engine, job_id, worker_id, JobState.SUCCEEDED, result=result,
+                   extra_where=" AND cancel_requested = :f"):
+        return True
+    job = get_job(engine, job_id)
+    held = job.state == JobState.RUNNING and job.lease_owner == worker_id
+    return None if held and job.cancel_requested else False
 
 
 def fail(engine: Engine, job_id: int, worker_id: str, error: str) -> bool:
