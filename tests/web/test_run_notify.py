@@ -215,6 +215,10 @@ def test_webhook_url_must_be_a_public_http_url(client, settings):
     assert first not in client.get("/api/me").text and first not in client.get("/account").text
     again = client.put("/api/me/webhook", json={"webhook_url": good}).json()["secret"]
     assert again != first  # saving makes a new one
+    for body in ({"url": "https://hooks.example.com/x"}, {}):  # misspelt: 422, nothing cleared
+        r = client.put("/api/me/webhook", json=body)
+        assert r.status_code == 422, (body, r.text)
+    assert client.get("/api/me/webhook").json()["webhook_url"] == good
     r = client.put("/api/me/webhook", json={"webhook_url": None})
     assert r.status_code == 200 and r.json() == {"webhook_url": None, "signed": False,
                                                  "secret": None}

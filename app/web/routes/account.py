@@ -13,7 +13,7 @@ from urllib.parse import urlencode
 from fastapi import APIRouter, Depends, Form, Request
 from fastapi.responses import RedirectResponse, Response
 from fastapi.security import OAuth2PasswordRequestForm
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 from sqlalchemy.engine import Engine
 
 from app.store.schema import ApiKey, User
@@ -424,8 +424,10 @@ def account_webhook(request: Request, user: CurrentUser,
 
 
 class WebhookIn(BaseModel):
-    """``PUT /api/me/webhook`` body: the URL (empty or null clears it)."""
-    webhook_url: str | None = None
+    """``PUT /api/me/webhook`` body: ``webhook_url``, required (empty or null clears it); any
+    other field is a 422, so a misspelt body cannot clear a saved webhook."""
+    model_config = ConfigDict(extra="forbid")
+    webhook_url: str | None
 
 
 class WebhookOut(BaseModel):
