@@ -12,7 +12,7 @@
   const stopBtn = document.getElementById("pg-stop");
   const csrf = (document.querySelector('meta[name="csrf-token"]') || {}).content || "";
   const history = Object.fromEntries(sides.map((s) => [s, []]));
-  let session = null, source = null, lastId = 0, pending = null, ended = null;
+  let session = null, source = null, lastId = 0, pending = null, ended = null, waiting = false;
 
   function bubble(side, role, text) {
     const el = document.createElement("div");
@@ -71,6 +71,17 @@
     if (!pending) return;
     pending.stop = true;
     stopBtn.disabled = true;
+    if (waiting && session) {  // no model loaded yet: leave the queue (the whole session ends)
+      const id = session;
+      if (source) source.close();
+      source = null; session = null; waiting = false;
+      for (const s of sides) history[s].pop();  // the prompt was never answered
+      finish(" (stopped before the model loaded)");
+      statusEl.textContent = "Stopped: the session left the queue; the next prompt queues again.";
+      try { await api(`/api/playground/sessions/${id}/stop`, {}); }
+      catch (e) { if (!(e instanceof SignedOut)) showError(e.message); }
+      return;
+    }
     if (!pending.id) return;  // sent as soon as the prompt's POST answers
     try { await api(`/api/playground/sessions/${session}/prompts/${pending.id}/stop`, {}); }
     catch (e) { if (!(e instanceof SignedOut)) showError(e.message); }
@@ -88,6 +99,7 @@
         if (!pending) for (const s of sides) bubble(s, "note", d.message);
         return;
       }
+      waiting = false;
       statusEl.textContent = `Loaded on ${d.device} in ${d.load_seconds}s (load ${d.loads}); answering…`;
     });
     source.onerror = async () => {
@@ -104,7 +116,8 @@
     source.addEventListener("state", (ev) => {
       const d = data(ev);
       if (d.state === "failed") showError("The session failed: " + (d.error || d.reason || "see the queue page"));
-      else if (d.state === "queued" && d.reason) statusEl.textContent = "Waiting for a GPU again: " + d.reason;
+      else if (d.state === "queued" && d.reason) { waiting = true; statusEl.textContent = "Waiting in the queue again: " + d.reason; }
+      else if (d.state === "running") waiting = false;
     });
     source.addEventListener("end", () => {
       source.close(); source = null; session = null;
@@ -141,16 +154,21 @@
     }
   }
   async function send(body, retry) {
+    const mine = pending;  // Stop while queued ends this reply: then nothing below applies
     try {
       const s = await api("/api/playground/sessions", {model, temperature: body.temperature,
                                                         top_p: body.top_p, max_tokens: body.max_tokens});
+      if (pending !== mine) return;
       if (s.id !== session) { session = s.id; lastId = 0; listen(); }
-      statusEl.textContent = s.status === "ready" ? "Answering…" : (s.status === "queued" ? "Waiting for a GPU…" : "Loading the model…");
+      waiting = s.status === "queued";
+      statusEl.textContent = s.status === "ready" ? "Answering…" : (waiting ? "Waiting in the queue for a free slot…" : "Loading the model…");
       const r = await api(`/api/playground/sessions/${session}/prompts`, body);
+      if (pending !== mine) return;
       pending.id = r.request_id; pending.body = body; pending.retry = !!retry;
       if (pending.stop) stop();
       for (const [type, d] of pending.early.splice(0)) handle(type, d);
     } catch (e) {
+      if (pending !== mine) return;
       for (const s of sides) history[s].pop();
       if (e instanceof SignedOut) return;  // signedOut() said so and ended the reply
       showError(e.message);

@@ -339,7 +339,7 @@ def test_signing_out_in_another_tab_ends_the_waiting_reply(box):
         pg.goto(f"{box['base']}/playground?model={MODEL}")
         pg.fill("#pg-prompt", PROMPT[0]["content"])
         pg.click("#pg-send")
-        expect(pg.locator("#pg-status")).to_have_text("Waiting for a GPU…")
+        expect(pg.locator("#pg-status")).to_have_text("Waiting in the queue for a free slot…")
         # "Sign out" in another tab: the same POST /logout with this browser's cookie
         status = pg.evaluate("""() => fetch('/logout', {method: 'POST', headers: {
             'X-CSRF-Token': document.querySelector('meta[name=csrf-token]').content}})
@@ -360,4 +360,33 @@ def test_signing_out_in_another_tab_ends_the_waiting_reply(box):
             " (not answered: you were signed out)")
         expect(pg.locator("#pg-error")).to_be_hidden()
         expect(alert).to_have_count(1)
+    _release(box, held)
+
+
+@pytest.mark.browser
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed")
+def test_stop_while_waiting_for_the_slot_leaves_the_queue(box):
+    """Stop pressed while the session still waits for its slot (a trial finding: the page stayed
+    "Waiting…" until the slot freed, then loaded the model for nobody): the session leaves the
+    queue at once, the reply says it was stopped, and the page takes the next prompt."""
+    from playwright.sync_api import expect
+
+    held = _hold_slot(box)
+    with browser_page(box["base"]) as pg:
+        pg.goto(f"{box['base']}/playground?model={MODEL}")
+        pg.fill("#pg-prompt", PROMPT[0]["content"])
+        pg.click("#pg-send")
+        expect(pg.locator("#pg-status")).to_have_text("Waiting in the queue for a free slot…")
+        sid = max(j.id for j in _sessions(box["engine"]))
+        pg.click("#pg-stop")
+        reply = pg.locator("#pg-log-base .pg-msg.assistant")
+        expect(reply).to_have_text(" (stopped before the model loaded)")
+        expect(pg.locator("#pg-send")).to_be_enabled()
+        expect(pg.locator("#pg-stop")).to_be_hidden()
+        deadline = time.monotonic() + 10
+        while queue.get_job(box["engine"], sid).state == JobState.QUEUED \
+                and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert queue.get_job(box["engine"], sid).state == JobState.CANCELLED
+        expect(pg.locator("#pg-error")).to_be_hidden()
     _release(box, held)
