@@ -69,12 +69,12 @@ def delete_dataset(engine: Engine, dataset_id: str) -> Dataset:
             raise NotFound(f"no dataset with id {dataset_id!r}")
         used = s.exec(select(Run.id).where(Run.dataset_id == dataset_id).limit(1)).first()
         if used is not None:
-            raise InUse(f"dataset {dataset_id!r} is used by fine-tuning job {used!r}")
+            raise InUse(f"dataset {dataset_id!r} is used by fine-tuning job {used!r}", used)
         for run, state in s.exec(select(Run, Job.state).join(Job, Job.run_id == Run.id)
                                  .where(Job.state.in_(ACTIVE))).all():
             if (run.spec or {}).get("validation_file") == dataset_id:
                 raise InUse(f"dataset {dataset_id!r} is the validation_file of fine-tuning job "
-                            f"{run.id!r}, whose job is {state}")
+                            f"{run.id!r}, whose job is {state}", run.id)
         s.delete(ds)
         return ds
 
@@ -84,7 +84,12 @@ ACTIVE = (JobState.QUEUED, JobState.RUNNING)
 
 
 class InUse(ValueError):
-    """A row cannot be deleted because another row references it (message names it)."""
+    """A row cannot be deleted because another row references it (message names it;
+    ``run_id``: the run that holds it, when one does)."""
+
+    def __init__(self, message: str, run_id: str | None = None):
+        super().__init__(message)
+        self.run_id = run_id
 
 
 # ---- models -----------------------------------------------------------------------------

@@ -67,6 +67,26 @@ def list_datasets(engine: Engine, actor: User, limit: int = 200) -> list[Dataset
     return repo.list_datasets(engine, limit=limit, owner=access.owner_filter(actor))
 
 
+def pickable_datasets(engine: Engine, actor: User) -> list[Dataset]:
+    """The datasets a run form offers ``actor``: their own first (newest first), then, for an
+    admin, other users' (newest first). The form's default is the first, so an admin's run does
+    not pick up (and then hold) another user's upload unnoticed."""
+    return sorted(list_datasets(engine, actor), key=lambda d: d.owner != actor.id)
+
+
+def in_use_message(engine: Engine, actor: User, ds: Dataset, exc: repo.InUse) -> str:
+    """Why ``ds`` cannot be deleted, naming the run that holds it only when ``actor`` may see
+    that run (another user's run is not named: its id would answer 404 anyway)."""
+    try:
+        run = repo.get_run(engine, exc.run_id) if exc.run_id else None
+    except repo.NotFound:
+        run = None
+    if run is None or access.can_see(actor, run.owner):
+        return str(exc)
+    return (f"dataset {ds.id!r} is used by another user's fine-tuning job; an admin can delete "
+            "that run first")
+
+
 def usable_models(engine: Engine, actor: User) -> list[Model]:
     """The models ``actor`` may train on or preview with: :func:`app.studio.models.usable_models`
     (own and shared, all for an admin; not a failed import)."""
@@ -308,7 +328,8 @@ def delete_dataset(engine: Engine, settings: Settings, actor: User, dataset_id: 
     try:
         repo.delete_dataset(engine, ds.id)
     except repo.InUse as exc:
-        raise StudioError("conflict", str(exc), "file_id", "file_in_use") from None
+        raise StudioError("conflict", in_use_message(engine, actor, ds, exc), "file_id",
+                          "file_in_use") from None
     if is_under(ds.path, settings.data_dir / "uploads"):
         Path(ds.path).unlink(missing_ok=True)
     audit.record(engine, actor.id, "dataset.deleted", "dataset", ds.id, filename=ds.filename)

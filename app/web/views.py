@@ -119,15 +119,24 @@ def clone_values(clone, defaults: dict[str, Any]) -> dict[str, Any]:
     return {**defaults, **clone.spec, "name": clone.name}
 
 
-def dataset_label(ds) -> str:
+def dataset_label(ds, owners: dict[str, str] | None = None, me: str | None = None) -> str:
     """A dataset as a picker lists it, so that two files of one name can be told apart:
-    ``train.jsonl — GRPO prompts, 7,473 rows, 2026-12-01 14:03 · …9a3f1c``."""
+    ``train.jsonl — GRPO prompts, 7,473 rows, 2026-12-01 14:03 · …9a3f1c``; another user's
+    (an admin's pickers, ``owners`` from :func:`owner_names`, ``me`` the admin's id) ends with
+    `` · bob's``."""
     import datetime as dt
 
     kind = "GRPO prompts" if ds.format == "prompts" else f"SFT {ds.format or '?'}"
     rows = f"{ds.rows:,} rows" if isinstance(ds.rows, int) else "? rows"
     when = dt.datetime.fromtimestamp(ds.created_at).strftime("%Y-%m-%d %H:%M")
-    return f"{ds.filename} — {kind}, {rows}, {when} · …{ds.id[-6:]}"
+    whose = f" · {owners.get(ds.owner, 'another user')}'s" if owners and ds.owner != me else ""
+    return f"{ds.filename} — {kind}, {rows}, {when} · …{ds.id[-6:]}{whose}"
+
+
+def dataset_labeller(engine, user):
+    """:func:`dataset_label` for ``user``'s pickers (owners named on an admin's)."""
+    owners = owner_names(engine, user)
+    return lambda ds: dataset_label(ds, owners, user.id)
 
 
 def grpo_datasets(datasets: list, selected: str | None) -> list:

@@ -329,3 +329,33 @@ def test_dataset_pickers_tell_files_apart_and_grpo_lists_prompts(client):
     assert opt.startswith("train.jsonl — GRPO prompts, 30 rows, ") and opt.endswith(b_id[-6:])
     assert a_id not in grpo  # SFT files are not offered for GRPO by default
     assert a_id in client.get(f"/runs/new/grpo?dataset={a_id}").text
+
+
+def test_an_admins_pickers_put_own_datasets_first_and_name_other_owners(app, client, engine):
+    """A trial finding: the admin's run form defaulted to a member's newest upload (three
+    entries read alike), trained on it unnoticed, and the member could then not delete their own
+    dataset, told about a run id that answered 404 for them."""
+    from tests.web.conftest import signed_in
+
+    r = client.post("/api/users", json={"name": "bob", "password": "bob-password-1"})
+    assert r.status_code in (200, 201), r.text
+    mine = _upload(client)
+    with signed_in(app, "bob", "bob-password-1") as bob:
+        path = SHARED / "sft" / "alpaca_en_demo.json"
+        with path.open("rb") as fh:
+            r = bob.post("/v1/files", data={"purpose": "fine-tune"}, files={"file": (path.name, fh)})
+        theirs = r.json()["id"]
+        run_validations(app)
+        form = client.get("/runs/new").text
+        picked = re.search(r'<select name="dataset">(.*?)</select>', form, re.S).group(1)
+        options = re.findall(r'<option value="([^"]+)" ?(selected)?>([^<]*)</option>', picked)
+        assert [o[0] for o in options][:2] == [mine, theirs] and options[0][1] == "selected"
+        assert options[1][2].endswith("· bob&#39;s") and "bob" not in options[0][2]
+        assert "bob" not in bob.get("/runs/new").text.split('name="dataset"')[1].split("</select>")[0]
+        r = client.post("/runs", data=_form(client, theirs, name="on-bobs"), follow_redirects=False)
+        run_id = r.headers["location"].rsplit("/", 1)[1]
+        r = bob.delete(f"/api/datasets/{theirs}")
+        assert r.status_code == 409 and "another user's fine-tuning job" in r.text
+        assert run_id not in r.text
+        r = client.delete(f"/api/datasets/{theirs}")  # the admin sees the run: it is named
+        assert r.status_code == 409 and run_id in r.text

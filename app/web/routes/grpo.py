@@ -21,7 +21,7 @@ from app.web.deps import CurrentUser, EngineDep, SettingsDep, current_user, get_
 from app.web.render import render
 from app.web.uploads import UploadError, receive_upload
 from app.web import views
-from app.web.views import dataset_label, grpo_datasets, redirect_to_run
+from app.web.views import dataset_labeller, grpo_datasets, redirect_to_run
 
 router = APIRouter()
 
@@ -56,14 +56,15 @@ def _defaults() -> dict[str, Any]:
 def _form_ctx(request, values, errors=None, general=None) -> dict[str, Any]:
     engine, user = get_engine(request), current_user(request)
     models = datasets_uc.usable_models(engine, user)
-    datasets = grpo_datasets([d for d in datasets_uc.list_datasets(engine, user)
+    datasets = grpo_datasets([d for d in datasets_uc.pickable_datasets(engine, user)
                               if d.status == "processed"], values.get("dataset"))
     if not values.get("model") and models:
         values["model"] = ([m for m in models if m.status == "ready"] or models)[0].id
     if not values.get("dataset") and datasets:
         values["dataset"] = datasets[0].id
     return {"values": values, "errors": errors or {}, "general_errors": general or [],
-            "models": models, "datasets": datasets, "dataset_label": dataset_label,
+            "models": models, "datasets": datasets,
+            "dataset_label": dataset_labeller(engine, user),
             "all_modules": ALL_LINEAR,
             "schedulers": SCHEDULERS, "loss_types": GRPO_LOSS_TYPES, "scales": SCALE_REWARDS,
             "builtins": BUILTIN_FORM, "descriptions": REWARD_DESCRIPTIONS,

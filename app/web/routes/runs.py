@@ -19,7 +19,7 @@ from app.web.auth import still_signed_in
 from app.web.render import render
 from app.web.sse import job_event_stream, start_after, while_signed_in
 from app.web import views
-from app.web.views import dataset_label, redirect_to_run, run_view, template_ctx
+from app.web.views import dataset_labeller, redirect_to_run, run_view, template_ctx
 
 router = APIRouter()
 
@@ -38,7 +38,7 @@ def _form_ctx(engine, user, values: dict, errors: dict | None = None,
     # a failed model cannot train: usable_models leaves it out (its reason is on the Models page)
     models = datasets_uc.usable_models(engine, user)
     # GRPO prompt datasets have no answers to train on: they are for /runs/new/grpo
-    datasets = [d for d in datasets_uc.list_datasets(engine, user)
+    datasets = [d for d in datasets_uc.pickable_datasets(engine, user)
                 if d.status == "processed" and d.format != "prompts"]
     if not values.get("model") and models:
         ready = [m for m in models if m.status == "ready"]
@@ -46,7 +46,8 @@ def _form_ctx(engine, user, values: dict, errors: dict | None = None,
     if not values.get("dataset") and datasets:
         values["dataset"] = datasets[0].id
     return {"values": values, "errors": errors or {}, "general_errors": general or [],
-            "models": models, "datasets": datasets, "dataset_label": dataset_label,
+            "models": models, "datasets": datasets,
+            "dataset_label": dataset_labeller(engine, user),
             "all_modules": ALL_LINEAR,
             "schedulers": SCHEDULERS,
             "tmpl": tmpl or template_ctx(engine, user, values.get("model")),
