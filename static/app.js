@@ -8,6 +8,18 @@
   // a page rendered after the run ended already shows its final cards: the replayed "end"
   // event must not re-fetch them (that would reset an export form the user is filling in)
   const renderedFinal = FINAL.includes(($("m-state") || {}).textContent?.trim());
+  // A confirmation that depends on what the run has done by now (Cancel: "nothing is trained"
+  // while queued, "a checkpoint is saved at step N" once it trains) is asked of the server on
+  // click (data-confirm-url); the hx-confirm text rendered with the page is the fallback.
+  document.body.addEventListener("htmx:confirm", (evt) => {
+    const url = evt.detail.elt.getAttribute && evt.detail.elt.getAttribute("data-confirm-url");
+    if (!url || !evt.detail.question) return;
+    evt.preventDefault();
+    fetch(url, {credentials: "same-origin"})
+      .then((r) => (r.ok ? r.text() : evt.detail.question))
+      .catch(() => evt.detail.question)
+      .then((question) => { if (window.confirm(question)) evt.detail.issueRequest(true); });
+  });
   let chart = null;
   const points = [];
   const evalPoints = [];  // eval loss every eval_steps (metric events with eval_loss)

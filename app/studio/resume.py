@@ -74,6 +74,19 @@ def resume_run(engine: Engine, actor: User, run_id: str) -> tuple[Run, Job]:
     return run, new
 
 
+def cancel_question(engine: Engine, actor, run_id: str) -> str:
+    """The confirmation for cancelling ``run_id`` now (asked when the user clicks Cancel, so a
+    page loaded while the run was queued does not say "nothing is trained" after it has
+    trained): :func:`cancel_outcome` with the newest training step; a run that ended since
+    says so. Raises StudioError not_found (unknown or another user's run)."""
+    from app.studio import evaluation
+
+    run, job = access.run_with_job(engine, actor, run_id)
+    m = evaluation.latest_training_metric(engine, job.id) if job else None
+    return cancel_outcome(engine, run, job, (m or {}).get("step")) or \
+        "This run has ended; there is nothing to cancel."
+
+
 def cancel_outcome(engine: Engine, run: Run, job: Job | None, step: int | None) -> str | None:
     """What cancelling the run now keeps, for the confirmation a user answers (None when the run
     cannot be cancelled: no job, or it ended). ``step``: the newest training step reported

@@ -36,3 +36,19 @@ def test_the_confirmation_follows_the_runs_progress(client, engine, tmp_path):
     queue.acknowledge_cancel(engine, job.id, "w-test")
     run, job = repo.run_with_job(engine, run_id)
     assert resume.cancel_outcome(engine, run, job, 19) is None  # ended: nothing to cancel
+
+
+def test_the_question_is_asked_when_cancel_is_clicked(client, engine):
+    """A page loaded while the run was queued asks, on click, what a cancel keeps *now* (the
+    trial's dialog still said "nothing is trained" at step 13): GET /runs/{id}/cancel-question."""
+    run_id = _queued_run(client, engine)
+    job = queue.claim(engine, "w-test", 30, kinds=["train"])
+    events.append_many(engine, job.id, [("metric", {"step": 13, "total_steps": 40, "loss": 4.0})])
+    r = client.get(f"/runs/{run_id}/cancel-question")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    assert "(step 13 is done)" in r.text
+    assert client.get("/runs/ftjob-nope/cancel-question").status_code == 404
+    queue.cancel(engine, job.id)
+    queue.acknowledge_cancel(engine, job.id, "w-test")
+    assert client.get(f"/runs/{run_id}/cancel-question").text == (
+        "This run has ended; there is nothing to cancel.")

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-from fastapi.responses import RedirectResponse, Response
+from fastapi.responses import PlainTextResponse, RedirectResponse, Response
 from sse_starlette.sse import EventSourceResponse
 
 from app.data.chat_template import DEFAULT_TEMPLATES
@@ -185,6 +185,12 @@ async def create_run(request: Request, engine: EngineDep, settings: SettingsDep,
 @router.get("/runs/{run_id}")
 def run_page(request: Request, run_id: str, engine: EngineDep, user: CurrentUser):
     return render(request, "run.html", run_view(engine, user, run_id), block="artifacts")
+
+
+@router.get("/runs/{run_id}/cancel-question")
+def cancel_question(run_id: str, engine: EngineDep, user: CurrentUser):
+    """The Cancel button's confirmation as of now (text/plain; static/app.js asks it on click)."""
+    return PlainTextResponse(resume_uc.cancel_question(engine, user, run_id))
 
 
 @router.post("/runs/{run_id}/cancel")
