@@ -1,6 +1,26 @@
 // Whetstone run page: SSE (job events from the database) -> stats, log and a live loss chart.
 (function () {
   "use strict";
+  // Signed out elsewhere (another tab, an expired session) while a page's live stream or a fetch
+  // runs: show the studio's own message (app/web/signed_out.py, what htmx gets for this page,
+  // with its sign-in link) in #session-alert. Resolves to true when the caller is signed out.
+  // Used by this run page and static/playground.js.
+  async function showSignedOut() {
+    const alert = document.getElementById("session-alert");
+    if (alert && alert.querySelector("#signed-out")) return true;
+    const r = await fetch(location.pathname + location.search, {credentials: "same-origin",
+      headers: {"HX-Request": "true", "HX-Current-URL": location.href}}).catch(() => null);
+    if (!r || r.status !== 401) return false;
+    const box = document.createElement("div");
+    box.innerHTML = await r.text();
+    const msg = box.querySelector("#signed-out");
+    if (!alert) return true;
+    if (msg) alert.replaceChildren(msg);
+    else alert.textContent = "You were signed out: sign in again in another tab, then reload.";
+    return true;
+  }
+  window.whetstone = Object.assign(window.whetstone || {}, {showSignedOut});
+
   const root = document.getElementById("run");
   if (!root) return;
   const $ = (id) => document.getElementById(id);
@@ -105,6 +125,11 @@
   function stamp(ts) { return new Date(ts * 1000).toLocaleTimeString(); }
 
   const es = new EventSource(root.dataset.eventsUrl);
+  es.onerror = async () => {
+    // closed for good (not a reconnect): a signed-out browser's stream is refused (401)
+    if (es.readyState !== EventSource.CLOSED || FINAL.includes($("m-state").textContent)) return;
+    if (!(await showSignedOut())) log("live updates stopped: reload the page to continue");
+  };
   es.addEventListener("metric", (e) => {
     const d = JSON.parse(e.data);
     $("m-step").textContent = d.total_steps ? `${d.step} / ${d.total_steps}` : String(d.step);

@@ -30,15 +30,8 @@
     if (source) { source.close(); source = null; }
     session = null;
     const alert = document.getElementById("session-alert");
-    if (alert && !alert.querySelector("#signed-out")) {
-      const r = await fetch(location.pathname + location.search, {credentials: "same-origin",
-        headers: {"HX-Request": "true", "HX-Current-URL": location.href}}).catch(() => null);
-      const html = r && r.status === 401 ? await r.text() : "";
-      const box = document.createElement("div");
-      box.innerHTML = html;
-      const msg = box.querySelector("#signed-out");
-      if (msg) alert.replaceChildren(msg);
-      else alert.textContent = "You were signed out: sign in again in another tab, then retry here.";
+    if (!(await window.whetstone.showSignedOut()) && alert && !alert.textContent) {
+      alert.textContent = "You were signed out: sign in again in another tab, then retry here.";
     }
     statusEl.textContent = "Signed out: sign in again, then send the prompt again.";
     finish(" (not answered: you were signed out)");

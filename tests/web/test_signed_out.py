@@ -58,3 +58,25 @@ def test_signing_out_in_another_tab_keeps_the_form(server):
         expect(page.locator("#run_form input[name=r]")).to_have_value("32")
         # the link signs in elsewhere and comes back to the page, which a GET can show
         assert alert.locator("a").get_attribute("href") == "/login?next=%2Fruns%2Fnew"
+
+
+def test_a_live_run_page_says_so_when_signed_out_elsewhere(server, app, client):
+    """Trial finding: the run page's live stream got a 401 and the page sat at "running, Step —"
+    with no word. The stream ends within its re-check; the page shows the signed-out message."""
+    from playwright.sync_api import expect
+
+    from app.store import queue
+    from tests.web.test_web_exports import _queued_run
+
+    engine = app.state.engine
+    run_id = _queued_run(client, engine)
+    queue.claim(engine, "w-test", 300, kinds=["train"])  # running: the stream stays open
+    with browser_page(server) as page:
+        page.goto(f"{page.base}/runs/{run_id}")
+        status = page.evaluate("""() => fetch('/logout', {method: 'POST', headers: {
+            'X-CSRF-Token': document.querySelector('meta[name=csrf-token]').content}})
+            .then((r) => r.status)""")
+        assert status == 200
+        alert = page.locator("#session-alert #signed-out")
+        expect(alert).to_contain_text("You were signed out", timeout=30_000)
+        assert alert.locator("a").get_attribute("href") == f"/login?next=%2Fruns%2F{run_id}"
