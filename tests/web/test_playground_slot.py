@@ -31,7 +31,7 @@ from app.store.db import reset_engines
 from app.store.schema import JobState
 from tests.conftest import REPO, SHARED_DATA, STORIES
 from tests.web.conftest import ADMIN_PASSWORD, ADMIN_USER, served
-from tests.web.test_web_browser import CHROMIUM, browser_page
+from tests.web.test_web_browser import CHROMIUM, browser_page, sign_out_elsewhere
 
 pytestmark = pytest.mark.skipif(not (STORIES / "stories260K.bin").exists(),
                                 reason=f"no test data at {SHARED_DATA}")
@@ -340,11 +340,7 @@ def test_signing_out_in_another_tab_ends_the_waiting_reply(box):
         pg.fill("#pg-prompt", PROMPT[0]["content"])
         pg.click("#pg-send")
         expect(pg.locator("#pg-status")).to_have_text("Waiting in the queue for a free slot…")
-        # "Sign out" in another tab: the same POST /logout with this browser's cookie
-        status = pg.evaluate("""() => fetch('/logout', {method: 'POST', headers: {
-            'X-CSRF-Token': document.querySelector('meta[name=csrf-token]').content}})
-            .then((r) => r.status)""")
-        assert status == 200
+        sign_out_elsewhere(pg)
         alert = pg.locator("#session-alert #signed-out")
         expect(alert).to_contain_text("You were signed out", timeout=15_000)
         assert alert.locator("a").get_attribute("href") == \

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from fastapi.testclient import TestClient
 
-from tests.web.test_web_browser import browser_page
+from tests.web.test_web_browser import browser_page, sign_out_elsewhere
 
 PAGE = "http://127.0.0.1/runs/new"
 
@@ -44,11 +44,7 @@ def test_signing_out_in_another_tab_keeps_the_form(server):
     with browser_page(server) as page:
         page.goto(f"{page.base}/runs/new")
         page.fill("#run_form input[name=name]", "half-filled")
-        # "Sign out" in another tab: the same POST /logout with this browser's cookie
-        status = page.evaluate("""() => fetch('/logout', {method: 'POST', headers: {
-            'X-CSRF-Token': document.querySelector('meta[name=csrf-token]').content}})
-            .then((r) => r.status)""")
-        assert status == 200  # the sign-in page, after the 303
+        sign_out_elsewhere(page)
         page.fill("#run_form input[name=r]", "32")
         page.dispatch_event("#run_form input[name=r]", "change")  # the live memory estimate
         alert = page.locator("#session-alert #signed-out")
@@ -73,10 +69,7 @@ def test_a_live_run_page_says_so_when_signed_out_elsewhere(server, app, client):
     queue.claim(engine, "w-test", 300, kinds=["train"])  # running: the stream stays open
     with browser_page(server) as page:
         page.goto(f"{page.base}/runs/{run_id}")
-        status = page.evaluate("""() => fetch('/logout', {method: 'POST', headers: {
-            'X-CSRF-Token': document.querySelector('meta[name=csrf-token]').content}})
-            .then((r) => r.status)""")
-        assert status == 200
+        sign_out_elsewhere(page)
         alert = page.locator("#session-alert #signed-out")
         expect(alert).to_contain_text("You were signed out", timeout=30_000)
         assert alert.locator("a").get_attribute("href") == f"/login?next=%2Fruns%2F{run_id}"

@@ -268,3 +268,12 @@ def test_the_memory_estimate_asks_once_per_change(page):
     page.goto(f"{page.base}/runs/new/grpo")
     page.wait_for_timeout(2000)
     assert page.locator("#grpo_form #memory-estimate").count() == 1 and len(asked) == 3
+
+
+def sign_out_elsewhere(page) -> None:
+    """"Sign out" in another tab: the same POST /logout with this browser's cookie (its answer,
+    after the 303, is the sign-in page)."""
+    status = page.evaluate("""() => fetch('/logout', {method: 'POST', headers: {
+        'X-CSRF-Token': document.querySelector('meta[name=csrf-token]').content}})
+        .then((r) => r.status)""")
+    assert status == 200
