@@ -47,12 +47,15 @@ _LOCAL_NAMES = ("localhost", "localhost.localdomain", "ip6-localhost", "ip6-loop
 
 
 def internal_reason(address: str) -> str | None:
-    """Why IP ``address`` (v4 or v6, an IPv4-mapped v6 read as its v4) is internal —
+    """Why IP ``address`` (v4 or v6; an IPv4-mapped, 6to4 or Teredo v6 read as the v4 it
+    carries) is internal —
     ``"loopback"``, ``"link-local"``, ``"private"``, ... — or None for a public address.
     Raises ValueError for a string that is not an IP address."""
     ip = ipaddress.ip_address(address.split("%", 1)[0])
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
+    if isinstance(ip, ipaddress.IPv6Address):  # an IPv4 address carried inside an IPv6 one
+        inner = ip.ipv4_mapped or ip.sixtofour or (ip.teredo or (None, None))[1]
+        if inner is not None:
+            ip = inner
     for attr, reason in (("is_unspecified", "unspecified"), ("is_loopback", "loopback"),
                          ("is_link_local", "link-local, where cloud metadata lives"),
                          ("is_multicast", "multicast"), ("is_reserved", "reserved")):
@@ -124,6 +127,9 @@ def check_webhook_url(url: str | None, allow_private: bool = False) -> str | Non
     if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
         raise invalid("webhook_url", "must be an absolute http:// or https:// URL with a host, "
                                      "e.g. https://hooks.example.com/whetstone")
+    if "%" in parts.netloc:
+        raise invalid("webhook_url", "must not hold % in its host (percent-encoding or an "
+                                     "IPv6 zone); write the host plainly")
     if parts.username or parts.password:
         raise invalid("webhook_url", "must not hold a user name or password; put a token in "
                                      "the path or query instead")

@@ -185,6 +185,10 @@ REFUSED = [("/hook", "must be an absolute http:// or https:// URL with a host"),
            ("http://169.254.169.254/latest/meta-data/", "169.254.169.254 is link-local"),
            ("http://[fd12::1]/", "fd12::1 is private"),
            ("http://[::ffff:127.0.0.1]/", "::ffff:127.0.0.1 is loopback"),
+           # a trial's: an IPv6 zone, a percent-encoded 127.0.0.1, 6to4 of 127.0.0.1
+           ("http://[fe80::1%25eth0]/", "must not hold % in its host"),
+           ("http://%31%32%37.0.0.1:8099/", "must not hold % in its host"),
+           ("http://[2002:7f00:1::]/", "2002:7f00:1:: is loopback"),
            ("http://0.0.0.0:8000/", "0.0.0.0 is unspecified")]
 
 
