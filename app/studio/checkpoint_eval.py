@@ -116,8 +116,8 @@ def refusal(engine: Engine, run: Run, step: int, steps: list[int] | None = None,
         if job.state in (JobState.QUEUED, JobState.RUNNING) \
                 and (job.payload or {}).get("checkpoint_step") == step:
             return StudioError("conflict", f"checkpoint-{step} of run {run.id} is already being "
-                               f"evaluated (job {job.id}, {job.state}); cancel it (POST "
-                               f"/api/evaluations/{job.id}/cancel) to evaluate it again")
+                               f"evaluated (evaluation {job.id}, {job.state}); cancel that "
+                               "evaluation to evaluate it again")
     return None
 
 

@@ -226,6 +226,8 @@ def test_webhook_url_must_be_a_public_http_url(client, settings):
     r = client.put("/api/me/webhook", json={"webhook_url": None})
     assert r.status_code == 200 and r.json() == {"webhook_url": None, "signed": False,
                                                  "secret": None}
+    r = client.post("/account/webhook", data={"webhook_url": ""})  # the form's "clear"
+    assert r.status_code == 200 and "Webhook removed: no run end is sent." in r.text
     # the admin setting lets a team's internal receiver in
     settings.webhook_allow_private = True
     r = client.put("/api/me/webhook", json={"webhook_url": "http://10.0.0.7/hook"})

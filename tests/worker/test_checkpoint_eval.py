@@ -247,10 +247,9 @@ def test_refusals_and_ownership(studio) -> None:
     assert queued.status_code == 202 and queued.json()["samples"] == 3
     r = c.post(f"/api/runs/{run_id}/checkpoints/2/evaluations", json={})
     assert r.status_code == 409
-    assert r.json()["error"]["message"] == (f"checkpoint-{2} of run {run_id} is already being evaluated "
-                                  f"(job {queued.json()['id']}, queued); cancel it (POST "
-                                  f"/api/evaluations/{queued.json()['id']}/cancel) to evaluate "
-                                  "it again")
+    assert r.json()["error"]["message"] == (
+        f"checkpoint-{2} of run {run_id} is already being evaluated (evaluation "
+        f"{queued.json()['id']}, queued); cancel that evaluation to evaluate it again")
     # the page says so instead of a button, and keeps polling while it is queued
     page = c.get(f"/runs/{run_id}").text
     assert 'id="evaluate-2"' not in page and "is already being evaluated" in page
