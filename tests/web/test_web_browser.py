@@ -255,7 +255,9 @@ def test_the_memory_estimate_asks_once_per_change(page):
     a loop (a re-rendered panel carrying its own load trigger asked forever), and replaces only
     itself (it inherited the form's hx-target and replaced the whole form)."""
     asked: list[str] = []
+    errors: list[str] = []  # the form's hx-disabled-elt, inherited by the panel, found no button
     page.on("request", lambda r: asked.append(r.url) if r.url.endswith("/estimate") else None)
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
     page.goto(f"{page.base}/runs/new")
     page.wait_for_timeout(2500)
     assert len(asked) == 1, asked
@@ -268,6 +270,7 @@ def test_the_memory_estimate_asks_once_per_change(page):
     page.goto(f"{page.base}/runs/new/grpo")
     page.wait_for_timeout(2000)
     assert page.locator("#grpo_form #memory-estimate").count() == 1 and len(asked) == 3
+    assert not [e for e in errors if "hx-disabled-elt" in e], errors
 
 
 def sign_out_elsewhere(page) -> None:
