@@ -85,11 +85,11 @@ ACTIVE = (JobState.QUEUED, JobState.RUNNING)
 
 class InUse(ValueError):
     """A row cannot be deleted because another row references it (message names it;
-    ``run_id``: the run that holds it, when one does)."""
+    ``run_id``: the run that holds it, when one does; ``kind``: the busy job's kind)."""
 
-    def __init__(self, message: str, run_id: str | None = None):
+    def __init__(self, message: str, run_id: str | None = None, kind: str | None = None):
         super().__init__(message)
-        self.run_id = run_id
+        self.run_id, self.kind = run_id, kind
 
 
 # ---- models -----------------------------------------------------------------------------
@@ -253,8 +253,11 @@ def delete_run(engine: Engine, run_id: str) -> tuple[Run, list[Artifact], list[J
         if busy is not None:
             what = {"train": "its training job", "grpo": "its training job",
                     "export": f"export {busy.id}",
-                    "evaluate": f"evaluation {busy.id}"}.get(busy.kind, f"its {busy.kind} job {busy.id}")
-            raise InUse(f"fine-tuning job {run_id!r} is in use: {what} is {busy.state}")
+                    "evaluate": f"evaluation {busy.id}",
+                    "playground": "a playground session"}.get(busy.kind,
+                                                              f"its {busy.kind} job {busy.id}")
+            raise InUse(f"fine-tuning job {run_id!r} is in use: {what} is {busy.state}",
+                        run_id, busy.kind)
         arts = list(s.exec(select(Artifact).where(Artifact.run_id == run_id)).all())
         for a in arts:
             s.delete(a)

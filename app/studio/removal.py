@@ -55,6 +55,9 @@ def delete_run(engine: Engine, settings: Settings, actor: User, run_id: str) -> 
     try:
         run, arts, exports = repo.delete_run(engine, run.id)
     except repo.InUse as exc:
+        if exc.kind == "playground":
+            raise StudioError("conflict", f"{exc}; stop it on the Playground page (or let it end "
+                              "when idle), then delete the run", None, "run_in_use") from None
         raise StudioError("conflict", f"{exc}; cancel it or wait until it ends, then delete "
                                       "the run", None, "run_in_use") from None
     except repo.NotFound:

@@ -100,3 +100,16 @@ def test_a_validation_file_in_use_is_not_deleted(client, engine):
     queue.cancel(engine, job.id)
     assert queue.get_job(engine, job.id).state == JobState.CANCELLED
     assert client.delete(f"/api/datasets/{ids[1]}").status_code == 200
+
+
+def test_a_run_a_playground_session_uses_says_where_to_stop_it(client, engine):
+    """A trial deleted a run right after chatting with it over /v1: the refusal named
+    "playground job 65", an id the user never saw."""
+    run_id, job_id = _running_run(client, engine)
+    queue.finish(engine, job_id, queue.get_job(engine, job_id).lease_owner, {})
+    session = queue.enqueue(engine, "playground", {"run_id": run_id}, run_id=run_id)
+    r = client.delete(f"/api/runs/{run_id}")
+    assert r.status_code == 409 and r.json()["error"]["code"] == "run_in_use"
+    msg = r.json()["error"]["message"]
+    assert "a playground session is queued; stop it on the Playground page" in msg
+    assert str(session.id) not in msg.replace(run_id, "")
