@@ -227,6 +227,14 @@ class Worker:
                 log.warning("job %s: could not record its end (%s); retrying", ctx.job.id, cause)
                 time.sleep(backoff.delay())
 
+    def _end_cancelled(self, ctx: JobContext, reporter: Reporter) -> str:
+        """Record a cancelled job's end after undoing what it wrote (no half-written file or
+        artifact of it stays); ``cancelled``, or ``lost`` when the lease went first."""
+        ctx.undo_written()
+        reporter.log("cancelled by request")
+        reporter.flush()
+        return "cancelled" if self._end(ctx, queue.acknowledge_cancel) else "lost"
+
     def run_job(self, job: Job) -> str:
         """Run one claimed job to its end state; returns the state it ended in (or ``lost``)."""
         reporter = Reporter(self.engine, job.id)
@@ -243,10 +251,7 @@ class Worker:
             try:
                 result = self._call_handler(ctx)
             except JobCancelled:
-                ctx.undo_written()  # no half-written file or artifact of it stays
-                reporter.log("cancelled by request")
-                reporter.flush()
-                outcome = "cancelled" if self._end(ctx, queue.acknowledge_cancel) else "lost"
+                outcome = self._end_cancelled(ctx, reporter)
             except LeaseLost:
                 outcome = "lost"
             except (WorkerShutdown, KeyboardInterrupt):
@@ -266,13 +271,8 @@ class Worker:
                         else "lost"
                 else:  # a job that can undo what it wrote honours a cancel until its very end
                     done = self._end(ctx, queue.finish_unless_cancelled, result or {})
-                    outcome = "succeeded" if done else "lost"
-                    if done is None:
-                        ctx.undo_written()
-                        reporter.log("cancelled by request")
-                        reporter.flush()
-                        outcome = "cancelled" if self._end(ctx, queue.acknowledge_cancel) \
-                            else "lost"
+                    outcome = self._end_cancelled(ctx, reporter) if done is None \
+                        else "succeeded" if done else "lost"
         except LeaseLost:  # the interrupt landed just after the handler returned
             outcome = "lost"
         finally:

@@ -42,7 +42,7 @@ class PinnedPool:
     def take(self, dtype: torch.dtype, shape) -> tuple[torch.Tensor, torch.Tensor, object]:
         """(view of ``shape`` and ``dtype`` at the start of a block, the block, the event of the
         block's last H2D copy or None)."""
-        n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        n = torch.Size(shape).numel() * dtype.itemsize
         i = bisect.bisect_left(self._sizes, n)
         if i < len(self._sizes):
             self._sizes.pop(i)
