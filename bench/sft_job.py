@@ -10,9 +10,10 @@ per mode, a run created as the studio creates it (app.studio.runs.create_sft_run
 TrainSpec) and trained by ``python -m worker --supervise`` (admission by estimated memory, one
 child process, worker/jobs/train.py ``run``: TRL SFTTrainer, our callbacks, events in the DB).
 
-Modes: ``default`` (each batch padded to its longest row), ``packing`` (TrainSpec.packing: TRL
-BFD packing into max_seq_length rows, padding-free), ``padding_free`` (TrainSpec.padding_free,
-when the TrainSpec has the field; else the row says ``skipped``). QLoRA (load_in_4bit) r=16
+Modes: ``default`` (the TrainSpec's defaults: padding-free batches since call s18-c1; padded
+before), ``padded`` (padding_free=False: each batch padded to its longest row), ``packing``
+(TrainSpec.packing: TRL BFD packing into max_seq_length rows, padding-free), ``padding_free``
+(TrainSpec.padding_free=True; a TrainSpec without the field makes these rows ``skipped``). QLoRA (load_in_4bit) r=16
 alpha=16 on the 7 projections, gradient_accumulation_steps 1, one epoch (or ``--max-steps``),
 save_steps 100000 (no checkpoint inside the timing), everything else the TrainSpec default.
 
@@ -21,7 +22,7 @@ num_input_tokens_seen, "non_padding") / its ``train_runtime`` (the trainer.train
 wall_s = train_runtime; job_s = claim to end (load, quantise, adapter save included);
 peak_alloc_gib = the result's memory_peak (allocator peak of the child).
 
-    python3 bench/sft_job.py --seq 2048 [--modes default,packing,padding_free] [--bs 8]
+    python3 bench/sft_job.py --seq 2048 [--modes padded,packing,padding_free] [--bs 8]
                              [--packing-bs 4] [--max-steps default=100] [--tiny]
 
 ``--tiny``: 2 layers, hidden 64, 40 rows, LoRA in fp32 on the CPU (the harness check).
@@ -111,10 +112,10 @@ def spec_for(model_id: str, ds_id: str, mode: str, a, cuda: bool):
     extra = {}
     if mode == "packing":
         extra["packing"] = True
-    if mode == "padding_free":
+    if mode in ("padding_free", "padded"):
         if "padding_free" not in TrainSpec.model_fields:
             return None
-        extra["padding_free"] = True
+        extra["padding_free"] = mode == "padding_free"
     bs = a.packing_bs if mode == "packing" else a.bs
     return TrainSpec(model=model_id, dataset=ds_id, load_in_4bit=cuda, r=16, lora_alpha=16,
                      lora_dropout=0.0, target_modules=sft17_data.TARGETS,

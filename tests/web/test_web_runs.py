@@ -61,7 +61,8 @@ def test_create_run_and_page(client, engine):
     assert "<|im_start|>" in run.spec["chat_template"]  # the chosen default is saved in full
     r = client.post("/runs", data=_form(client, ds, padding_free="true"), follow_redirects=False)
     assert repo.get_run(engine, r.headers["location"].rsplit("/", 1)[1]).spec["padding_free"] is True
-    assert 'name="padding_free"' in client.get("/runs/new").text
+    form = client.get("/runs/new").text  # padding-free batches are the default: ticked
+    assert re.search(r'<input type="checkbox" name="padding_free" value="true" checked>', form)
     page = client.get(f"/runs/{run_id}")
     assert page.status_code == 200 and "loss-chart" in page.text and "Cancel" in page.text
     assert run_id in client.get("/").text

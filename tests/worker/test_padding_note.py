@@ -1,6 +1,7 @@
-"""The run-log hint of worker/engine/padding.py: the padding share of padded batches."""
+"""The run-log line of worker/engine/padding.py: how a run batches its rows, and the padding
+share padded batches spend."""
 from app.store.specs import TrainSpec
-from worker.engine.padding import padding_note, padding_share
+from worker.engine.padding import batching_note, padding_share
 
 
 def _spec(**kw):
@@ -16,14 +17,27 @@ def test_padding_share_counts_each_batch_padded_to_its_longest_row():
     assert padding_share(lengths, 8) == 1 - (140 + 2000) / 16000
 
 
-def test_the_note_names_the_share_and_the_fix_and_is_quiet_when_not_needed():
+def test_padding_free_is_the_default_and_the_log_says_what_it_saves():
+    assert TrainSpec.model_fields["padding_free"].default is True
     lengths = [50, 60, 2000, 70] * 10
-    note = padding_note(lengths, _spec(per_device_train_batch_size=4, seed=3))
     share = padding_share(lengths, 4, 3)
-    assert note and f"{share:.0%}" in note and "padding_free" in note and "packing" in note
-    assert padding_note(lengths, _spec(per_device_train_batch_size=4, padding_free=True)) is None
-    assert padding_note(lengths, _spec(per_device_train_batch_size=4, packing=True)) is None
-    assert padding_note([100] * 40, _spec(per_device_train_batch_size=4)) is None
+    text, level = batching_note(lengths, _spec(per_device_train_batch_size=4, seed=3))
+    assert level == "info" and "padding-free batches (the default)" in text
+    assert "4 rows go into one sequence" in text and f"about {share:.0%}" in text
+    text, _ = batching_note([100] * 40, _spec(per_device_train_batch_size=1))
+    assert "1 row goes" in text and "pad tokens" in text and "would have spent" not in text
+    assert batching_note(lengths, _spec(per_device_train_batch_size=4, packing=True)) is None
+
+
+def test_a_padded_run_is_told_its_padding_share_and_the_fix():
+    lengths = [50, 60, 2000, 70] * 10
+    text, level = batching_note(lengths, _spec(per_device_train_batch_size=4, seed=3,
+                                               padding_free=False))
+    share = padding_share(lengths, 4, 3)
+    assert level == "warning" and f"about {share:.0%}" in text and share > 0.5
+    assert "padding_free" in text and "packing" in text
+    assert batching_note([100] * 40, _spec(per_device_train_batch_size=4,
+                                           padding_free=False)) is None
 
 
 def test_row_lengths_read_the_arrow_column():

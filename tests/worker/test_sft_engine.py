@@ -122,7 +122,7 @@ def test_padding_free_batches_train_like_padded_ones(stories_hf: Path, tmp_path:
     long = tok("Once upon a time there was a big dog who liked to run in the park.")["input_ids"]
     examples = [{"input_ids": short, "labels": _labels(short, 1)},
                 {"input_ids": long, "labels": _labels(long, 3)}]
-    padded, pb = _one_step_grads(stories_hf, tmp_path / "a", examples)
+    padded, pb = _one_step_grads(stories_hf, tmp_path / "a", examples, padding_free=False)
     free, fb = _one_step_grads(stories_hf, tmp_path / "b", examples, padding_free=True)
     assert tuple(pb["input_ids"].shape) == (2, len(long)) and "attention_mask" in pb
     assert tuple(fb["input_ids"].shape) == (1, len(short) + len(long))

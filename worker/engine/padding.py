@@ -1,9 +1,11 @@
-"""How much of a padded run's compute goes to pad tokens (a hint for the run log).
+"""How much of a padded run's compute would go to pad tokens (a line for the run log).
 
-Without ``packing`` or ``padding_free`` every micro-batch is padded to its longest row. On real
-data (rows of 20 to 4,000 tokens) most of a batch can be padding: 1,000 rows of
-``../shared/data/sft`` at batch 8 and max_seq_length 2048 trained at 2,292 real tokens/s padded
-against 10,709 packed on an H200 (bench/RESULTS.md, call s17-c5).
+Padded micro-batches (``padding_free=False``, no ``packing``) are padded to their longest row. On
+real data (rows of 20 to 4,000 tokens) most of a batch can be padding: 1,000 rows of
+``../shared/data/sft`` (Llama-3.1-8B shape, QLoRA, batch 8, max_seq_length 2048, H200) trained at
+2,292 real tokens/s padded (call s17-c5) and 7,161 padding-free (s18-c1), the same rows per step.
+So ``padding_free`` is the default and the run log says what it saves; a padded run is told what
+it spends.
 """
 from __future__ import annotations
 
@@ -24,14 +26,22 @@ def padding_share(lengths: Sequence[int], batch_size: int, seed: int = 0) -> flo
     return 1.0 - sum(order) / computed
 
 
-def padding_note(lengths: Sequence[int], spec) -> str | None:
-    """A run-log line when a padded run (no ``packing``, no ``padding_free``) would spend at
-    least a fifth of its compute on padding; None otherwise."""
-    if spec.packing or spec.padding_free:
+def batching_note(lengths: Sequence[int], spec) -> tuple[str, str] | None:
+    """(run-log line, level) on how the run batches its rows, or None for packing and for padded
+    runs that would waste under a fifth of their compute. ``lengths``: tokens per training row;
+    ``spec``: the TrainSpec (packing, padding_free, per_device_train_batch_size, seed)."""
+    if spec.packing:
         return None
-    share = padding_share(lengths, spec.per_device_train_batch_size, spec.seed)
+    bs = spec.per_device_train_batch_size
+    share = padding_share(lengths, bs, spec.seed)
+    if spec.padding_free:
+        saved = (f"; padded batches would have spent about {share:.0%} of their compute on pad "
+                 f"tokens" if share >= 0.01 else "")
+        return (f"padding-free batches (the default): each step's {bs} row"
+                f"{'s go' if bs != 1 else ' goes'} into one sequence with no pad tokens, "
+                f"attention kept inside each row{saved}", "info")
     if share < 0.2:
         return None
     return (f"about {share:.0%} of the tokens each step computes will be padding (batches of "
-            f"{spec.per_device_train_batch_size} rows padded to their longest row); padding_free "
-            f"(the same rows per step, no pad tokens) or packing trains on the real tokens only")
+            f"{bs} rows padded to their longest row); padding_free (the default: the same rows "
+            f"per step, no pad tokens) or packing trains on the real tokens only", "warning")

@@ -211,10 +211,36 @@ def make_trainer(model, tokenizer, train_dataset, args, callbacks=(), eval_datas
 
     # The engine returns the fused loss and no logits, so Trainer.compute_loss drives it too.
     engine_on = getattr(getattr(model, "get_base_model", lambda: model)(), "_whetstone", None)
+    _quiet_flat_batch_warnings()
     cls = SFTTrainer if args.use_cpu is False and _on_cuda(model) and engine_on is None \
         else _CpuSFTTrainer
     return cls(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                processing_class=tokenizer, callbacks=list(callbacks))
+
+
+_FLAT_WARNINGS = ("Padding-free training is enabled, but the attention implementation",
+                  "You are using packing, but the attention implementation")
+
+
+class _FlatBatchFilter:
+    """Drops TRL's warning that padding-free/packed batches need a FlashAttention model: the
+    engine runs FlashAttention-2 varlen (worker/engine/varlen.py) and transformers' sdpa/eager
+    masks restart at each position_ids reset, so attention stays inside each row either way
+    (tests/worker/test_sft_engine.py, tests/gpu/test_attention_gpu.py). With padding-free
+    batches the default, the warning would otherwise open every run's worker log."""
+
+    @staticmethod
+    def filter(record) -> bool:
+        msg = record.getMessage()
+        return not any(w in msg for w in _FLAT_WARNINGS)
+
+
+def _quiet_flat_batch_warnings() -> None:
+    import logging
+
+    log = logging.getLogger("trl.trainer.sft_trainer")
+    if not any(isinstance(f, _FlatBatchFilter) for f in log.filters):
+        log.addFilter(_FlatBatchFilter())
 
 
 def _on_cuda(model) -> bool:

@@ -72,11 +72,11 @@ def run(ctx: JobContext) -> dict[str, Any]:
         ctx.log(dropped[0], "warning", details=dropped[1])
     ctx.log(f"{enc.rows} training rows, {enc.tokens} tokens ({enc.trained_tokens} trained)"
             + (f", {enc.truncated} truncated to {spec.max_seq_length}" if enc.truncated else ""))
-    from worker.engine.padding import padding_note
+    from worker.engine.padding import batching_note
 
-    note = padding_note(edata.row_lengths(enc.dataset), spec)
+    note = batching_note(edata.row_lengths(enc.dataset), spec)
     if note:
-        ctx.log(note, "warning")
+        ctx.log(*note)
     from worker.engine.evaluation import eval_arguments, eval_callbacks
     from worker.jobs import evaluation
 
