@@ -169,6 +169,45 @@ def test_offload_prefetch_matches_no_checkpointing(impl, dtype, rel, nf4, padded
             assert err <= rel * scale + 1e-6, (step, k, err, scale)
 
 
+@pytest.mark.parametrize("budget_mib, cap, loads_per_layer, on_device", [
+    (None, "qkvo", 6, 0), (30, "o", 3, 0), (20, "off", 2, 0), (8, "off", None, 4)])
+def test_host_budget_lowers_the_stash_then_keeps_saves_on_the_gpu(
+        budget_mib, cap, loads_per_layer, on_device, monkeypatch):
+    """A pinned host budget (WHETSTONE_OFFLOAD_HOST_GIB): 4 layers of 2 x 1024 tokens, hidden
+    512 in bf16 need 40 MiB with Q, K, V, O stashed, 24 with O only, 16 with the segment inputs
+    only (2 MiB blocks; K, V 1 MiB). Under 30 MiB the stash drops to O, under 20 to nothing
+    (attention recomputed), under 8 MiB half the inputs stay on the GPU. Loss and LoRA gradients
+    stay those of the plain run, and the pool never holds more than the budget."""
+    from worker.engine import attention
+
+    monkeypatch.setattr(attention, "STASH", "auto")
+    monkeypatch.setattr(attention, "STASH_MAX_LOAD", 1e9)  # "auto" would pick qkvo for any size
+    base = _deep_llama()
+    res = []
+    for ckpt_on, budget in ((False, None), (True, budget_mib)):
+        if budget is None:
+            monkeypatch.setenv("WHETSTONE_OFFLOAD_HOST_GIB", "none")
+        else:
+            monkeypatch.setenv("WHETSTONE_OFFLOAD_HOST_GIB", str(budget / 1024))
+        pm = engine.prepare(copy.deepcopy(base).to("cuda", torch.bfloat16), spec(),
+                            impl="triton", device="cuda", checkpointing=ckpt_on)
+        randomise_lora(pm)
+        pm.train()
+        ids = _batch(S=1024)[0]
+        res.append((_run(pm, ids, torch.ones_like(ids), ids), engine.engine_state(pm).offloader))
+    ((l0, g0), _), ((l1, g1), off) = res
+    assert off.stash_cap == cap, off.stash_cap
+    assert off.on_device == on_device, off.on_device
+    if loads_per_layer is not None:
+        assert off.loads == 4 * loads_per_layer, off.loads
+    if budget_mib is not None:
+        assert off.pool.peak_pinned_bytes <= budget_mib * 2**20
+    assert abs(l0 - l1) <= 3e-2 * abs(l0)
+    for k in g0:
+        scale = g0[k].abs().max().item()
+        assert (g0[k].float() - g1[k].float()).abs().max().item() <= 3e-2 * scale + 1e-6, k
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("nf4", [False, True])
 def test_packed_rows_take_varlen_and_match_each_row_alone(arch, nf4, monkeypatch):

@@ -52,7 +52,7 @@ import weakref
 
 import torch
 
-from worker.engine.pinned import PinnedPool
+from worker.engine.pinned import PinnedPool, block_bytes
 
 _local = threading.local()
 
@@ -145,16 +145,48 @@ def _dense_order(t: torch.Tensor):
     return base, back
 
 
+STASH_ORDER = ("off", "o", "qkvo")  # what an attention segment stashes, least to most
+
+
+def stash_bytes(policy: str, tokens: int, hidden: int, q_dim: int, kv_dim: int,
+                dtype_bytes: int = 2) -> int:
+    """Host bytes one checkpointed layer's offloaded saves take under a stash ``policy``: its two
+    segment inputs [tokens, hidden], plus O [tokens, q_dim] ("o"), plus Q, K, V ("qkvo"), each in
+    its own pool block (:func:`~worker.engine.pinned.block_bytes`)."""
+    def blk(width):
+        return block_bytes(tokens * width * dtype_bytes)
+    n = 2 * blk(hidden)
+    if policy in ("o", "qkvo"):
+        n += blk(q_dim)
+    if policy == "qkvo":
+        n += blk(q_dim) + 2 * blk(kv_dim)
+    return n
+
+
 class Offloader:
     """Pinned host buffers (:class:`~worker.engine.pinned.PinnedPool`), a D2H and an H2D side
     stream. ``pool.allocs`` counts the blocks allocated.
 
     ``window``: bytes of H2D copies kept in flight ahead of the backward (set per chain to one
     layer's worth of saves: its two segments' inputs and stash).
+
+    ``host_budget``: bytes of pinned host memory the pool may hold (None: no limit). Each chain
+    first lowers what attention stashes (:meth:`plan`, ``stash_cap``: "qkvo" -> "o" -> "off",
+    attention then recomputed in backward) until the chain fits; a save that still would pass
+    the budget frees free blocks, and if it still does not fit its tensor stays on the GPU
+    (``on_device``/``on_device_bytes`` count those; ``on_log`` hears of it once), so a long
+    sequence uses GPU memory instead of taking the host's last memory (on a shared box the
+    kernel's OOM killer ends whatever process it picks).
     """
 
-    def __init__(self, enabled: bool):
+    def __init__(self, enabled: bool, host_budget: int | None = None,
+                 on_log=None):
         self.enabled = enabled and torch.cuda.is_available()
+        self.host_budget = host_budget
+        self.on_log = on_log
+        self.stash_cap = "qkvo"
+        self.on_device = self.on_device_bytes = 0
+        self._told = False
         self.pool = PinnedPool()
         self.stream = torch.cuda.Stream() if self.enabled else None  # D2H
         self.h2d = torch.cuda.Stream() if self.enabled else None
@@ -172,6 +204,30 @@ class Offloader:
         self.ahead = self._chain_bytes = self._segments = 0
         self.pool.trim()
 
+    def plan(self, layers: int, tokens: int, hidden: int, q_dim: int, kv_dim: int) -> str:
+        """Set ``stash_cap`` for the next chain: the most a layer's attention may stash so that
+        ``layers`` checkpointed layers of ``tokens`` tokens fit the host budget ("off" when even
+        the segment inputs do not; the saves then fall back to the GPU)."""
+        self.stash_cap = "qkvo"
+        if self.enabled and self.host_budget is not None:
+            fit = [p for p in STASH_ORDER
+                   if layers * stash_bytes(p, tokens, hidden, q_dim, kv_dim) <= self.host_budget]
+            self.stash_cap = fit[-1] if fit else "off"
+        return self.stash_cap
+
+    def capped(self, policy: str) -> str:
+        """``policy`` lowered to at most ``stash_cap`` (see :data:`STASH_ORDER`)."""
+        return STASH_ORDER[min(STASH_ORDER.index(policy), STASH_ORDER.index(self.stash_cap))]
+
+    def _over_budget(self, nbytes: int) -> bool:
+        """A save of nbytes would pass the host budget even after freeing free blocks."""
+        if self.host_budget is None or self.pool.fits(nbytes):
+            return False
+        over = self.pool.pinned_bytes + block_bytes(nbytes) - self.host_budget
+        if over > 0:
+            self.pool.release(over)
+        return self.pool.pinned_bytes + block_bytes(nbytes) > self.host_budget
+
     def note_segment(self):
         """One more checkpointed segment in this chain (sizes the prefetch window)."""
         self._segments += 1
@@ -180,6 +236,15 @@ class Offloader:
         """Returns a handle; with offloading the GPU tensor may be freed by the caller at once.
         A non-contiguous tensor that is a permutation of a dense one travels in its memory order."""
         if not (self.enabled and h.is_cuda):
+            return _Saved(dev=h)
+        if self._over_budget(h.numel() * h.element_size()):
+            self.on_device += 1
+            self.on_device_bytes += h.numel() * h.element_size()
+            if not self._told and self.on_log is not None:
+                self._told = True
+                self.on_log(f"engine: offloaded activations reached the host memory budget "
+                            f"({self.host_budget / 2**30:.1f} GiB pinned); the rest stay on the "
+                            f"GPU (WHETSTONE_OFFLOAD_HOST_GIB sets the budget)")
             return _Saved(dev=h)
         h, perm = _dense_order(h)
         buf, block, last_h2d = self.pool.take(h.dtype, h.shape)

@@ -31,6 +31,7 @@ compute dtype. GRPO's policy and reference log-probs (:mod:`worker.engine.logps`
 from __future__ import annotations
 
 import logging
+import os
 import types
 from dataclasses import dataclass, field
 from functools import partial
@@ -138,15 +139,38 @@ def patch(model, impl: str, *, checkpointing=True, vram_budget_gib=None, offload
     except Unsupported as e:
         say(f"engine: {e}; training with PEFT's plain modules (no fused kernels)")
         return None
-    st = EngineState(arch, impl, checkpointing, vram_budget_gib, ckpt.Offloader(offload),
-                     model.forward, preserve_rng)
+    host = host_budget_bytes() if offload else None
+    st = EngineState(arch, impl, checkpointing, vram_budget_gib,
+                     ckpt.Offloader(offload, host, on_log=say), model.forward, preserve_rng)
     model._whetstone = st
     model.forward = types.MethodType(engine_forward, model)
     say(f"engine: fused {arch.model_type} path, impl={impl}, checkpointing="
         f"{'on' if checkpointing else 'off'}"
         + (f", VRAM budget {vram_budget_gib} GiB" if vram_budget_gib else "")
-        + (", activations offloaded to pinned CPU memory" if st.offloader.enabled else ""))
+        + (", activations offloaded to pinned CPU memory"
+           + (f" (host budget {host / 2**30:.1f} GiB)" if host is not None else "")
+           if st.offloader.enabled else ""))
     return st
+
+
+def host_budget_bytes() -> int | None:
+    """Pinned host memory the offloaded activations may take: ``WHETSTONE_OFFLOAD_HOST_GIB``
+    (GiB; "none" for no limit), else half the host memory available when the engine is built
+    (MemAvailable of /proc/meminfo; None where it cannot be read). Other jobs on the box keep the
+    other half, and a job started later sees what this one left."""
+    raw = os.environ.get("WHETSTONE_OFFLOAD_HOST_GIB", "").strip().lower()
+    if raw in ("none", "inf"):
+        return None
+    if raw:
+        return int(float(raw) * 2**30)
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024 // 2
+    except OSError:
+        pass
+    return None
 
 
 def unpatch(model) -> None:
@@ -215,6 +239,10 @@ def hidden_states(model, input_ids=None, attention_mask=None, position_ids=None,
     use_ckpt = st.checkpointing and torch.is_grad_enabled() and model.training
     if use_ckpt:  # the checkpointed layers below are one prefetch chain (backward: i -> i-1)
         st.offloader.start_chain()
+        cfg = model.config
+        hd = getattr(cfg, "head_dim", None) or H // cfg.num_attention_heads
+        st.offloader.plan(len(inner.layers) - kept, B * S, H, cfg.num_attention_heads * hd,
+                          getattr(cfg, "num_key_value_heads", cfg.num_attention_heads) * hd)
     for i, layer in enumerate(inner.layers):
         if use_ckpt and i >= kept:  # two segments: attention (stashes its output), MLP
             for j, block in enumerate((attn_block, mlp_block)):

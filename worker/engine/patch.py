@@ -215,7 +215,8 @@ def attn_block(layer, h, step: StepInputs, arch: ArchSpec, impl: str):
         params = sum(_in_out(m) for m in (
             attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, layer.mlp.gate_proj,
             layer.mlp.up_proj, layer.mlp.down_proj))
-        policy = stash_choice(B, S, h.shape[-1], q.shape[1] * D, k.shape[1] * D, params)
+        policy = stash.offloader.capped(  # within the host memory budget (Offloader.plan)
+            stash_choice(B, S, h.shape[-1], q.shape[1] * D, k.shape[1] * D, params))
     o = attention(q, k, v.transpose(1, 2), step.mask[ltype], attn.scaling, arch.attn_softcap,
                   stash_qkv=not arch.qk_norm, stash_policy=policy)
     del q, k, v

@@ -7,11 +7,15 @@ the worker's SFT job on 1,000 real rows ran at ~470 tokens/s on an H200 (call s1
 
 :class:`PinnedPool` keeps free blocks (flat uint8) sorted by size and hands out the smallest free
 block that holds a request (best fit), so a shorter batch reuses a longer one's blocks and new
-memory is allocated only when a batch needs more than any free block holds. Blocks are allocated
-at the request's size rounded up to ``ROUND`` bytes. :meth:`trim` (at each forward's start) frees
-the smallest blocks beyond the most that were ever in use at once, so the pool stays about one
-chain of the largest batch seen. A block comes back with the event of its last host-to-device
-copy; the caller waits for it before writing the block again.
+memory is allocated only when a batch needs more than any free block holds. A block is the
+request rounded up to a power of two (at least ``ROUND`` bytes): torch's pinned allocator rounds
+every ``pin_memory`` allocation so (``CachingHostAllocator``), so that is what the host really
+gives, and the pool counts it (``pinned_bytes``) and lets requests use all of it. :meth:`trim` (at
+each forward's start) frees the smallest blocks beyond the most that were ever in use at once, so
+the pool stays about one chain of the largest batch seen; :meth:`release` frees free blocks until
+a new one fits under a host budget. Freed blocks go back to the operating system (torch's pinned
+cache is emptied), not to a second cache. A block comes back with the event of its last
+host-to-device copy; the caller waits for it before writing the block again.
 """
 from __future__ import annotations
 
@@ -28,16 +32,34 @@ def pinned_bytes(n: int) -> torch.Tensor:
     return torch.empty(n, dtype=torch.uint8, pin_memory=True)
 
 
+def block_bytes(n: int) -> int:
+    """The bytes a block for an n-byte request holds: n rounded up to a power of two, >= ROUND."""
+    return max(ROUND, 1 << max(0, n - 1).bit_length())
+
+
+def empty_host_cache() -> None:
+    """Return torch's cached free pinned blocks to the operating system (CUDA builds only)."""
+    fn = getattr(torch._C, "_host_emptyCache", None)
+    if fn is not None and torch.cuda.is_available():
+        fn()
+
+
 class PinnedPool:
     """Best-fit pool of host blocks. ``alloc(n)`` makes a uint8 tensor of n bytes (pinned by
     default; tests pass a plain one). Counters: ``allocs`` (blocks made), ``in_use``,
-    ``max_in_use``, ``pooled_bytes`` (free blocks' bytes)."""
+    ``max_in_use``, ``pooled_bytes`` (free blocks' bytes), ``pinned_bytes`` (all blocks' bytes,
+    free and in use) and ``peak_pinned_bytes``."""
 
     def __init__(self, alloc: Callable[[int], torch.Tensor] = pinned_bytes):
         self.alloc = alloc
         self._sizes: list[int] = []  # ascending, parallel to _free
         self._free: list[tuple[torch.Tensor, object]] = []
         self.allocs = self.in_use = self.max_in_use = self.pooled_bytes = 0
+        self.pinned_bytes = self.peak_pinned_bytes = 0
+
+    def fits(self, n: int) -> bool:
+        """A free block holds n bytes (``take`` of n bytes allocates nothing)."""
+        return bool(self._sizes) and self._sizes[-1] >= n
 
     def take(self, dtype: torch.dtype, shape) -> tuple[torch.Tensor, torch.Tensor, object]:
         """(view of ``shape`` and ``dtype`` at the start of a block, the block, the event of the
@@ -49,8 +71,10 @@ class PinnedPool:
             block, event = self._free.pop(i)
             self.pooled_bytes -= block.numel()
         else:
-            block, event = self.alloc(max(ROUND, -(-n // ROUND) * ROUND)), None
+            block, event = self.alloc(block_bytes(n)), None
             self.allocs += 1
+            self.pinned_bytes += block.numel()
+            self.peak_pinned_bytes = max(self.peak_pinned_bytes, self.pinned_bytes)
         self.in_use += 1
         self.max_in_use = max(self.max_in_use, self.in_use)
         return block[:n].view(dtype).view(shape), block, event
@@ -65,6 +89,29 @@ class PinnedPool:
 
     def trim(self) -> None:
         """Free the smallest free blocks while more blocks exist than were ever in use at once."""
+        freed = False
         while self._free and self.in_use + len(self._free) > self.max_in_use:
-            self._sizes.pop(0)
-            self.pooled_bytes -= self._free.pop(0)[0].numel()
+            self._drop(0)
+            freed = True
+        if freed:
+            empty_host_cache()
+
+    def release(self, nbytes: int) -> int:
+        """Free free blocks, largest first, until at least ``nbytes`` are freed or none is left
+        (waiting for each one's last H2D copy); returns the bytes freed."""
+        freed = 0
+        while self._free and freed < nbytes:
+            event = self._free[-1][1]
+            if event is not None:
+                event.synchronize()
+            freed += self._drop(len(self._free) - 1)
+        if freed:
+            empty_host_cache()
+        return freed
+
+    def _drop(self, i: int) -> int:
+        self._sizes.pop(i)
+        n = self._free.pop(i)[0].numel()
+        self.pooled_bytes -= n
+        self.pinned_bytes -= n
+        return n
