@@ -212,3 +212,42 @@ def test_an_api_key_works_until_revoked(server, client):
     assert exc.value.body["type"] == "authentication_error"
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server + "/v1", api_key="wk-not-a-key", max_retries=0).models.list()
+
+
+def test_the_readme_api_example_runs_as_written(app, server, admin_key):
+    """The README's /v1 snippet, run as written (its URL, key and file swapped for this server's):
+    the upload is validated in the background (here by a thread standing in for the worker)
+    while ``files.wait_for_processing`` polls, then the job is accepted and lists its events."""
+    import re
+    import threading
+    import time
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = re.search(r"### API.*?```python\n(.*?)```", readme, re.S).group(1)
+    assert "wait_for_processing" in block
+    code = (block.replace("http://127.0.0.1:8000/v1", server + "/v1")
+            .replace('"wk-…"', repr(admin_key))
+            .replace('"train.jsonl"', repr(str(SHARED / "sft" / "alpaca_en_demo.json"))))
+    done = threading.Event()
+
+    def worker():  # the validate_dataset job, once the upload has queued it
+        while not done.is_set():
+            if run_validations(app):
+                return
+            time.sleep(0.2)
+
+    t = threading.Thread(target=worker, daemon=True)
+    t.start()
+    printed: list[str] = []
+    scope = {"print": lambda *a: printed.append(" ".join(map(str, a)))}
+    try:
+        exec(compile(code, "README.md", "exec"), scope)  # noqa: S102 - the README's own code
+    finally:
+        done.set()
+        t.join(5)
+    job = scope["job"]
+    assert job.id.startswith("ftjob-") and job.status == "queued" and job.model == "stories260K"
+    assert scope["f"].status == "processed"
+    assert job.model_extra["whetstone"]["spec"]["max_steps"] == 60
+    assert printed and any("queued" in m.lower() for m in printed), printed
