@@ -326,6 +326,21 @@ def cancel(engine: Engine, job_id: int) -> Job:
         return job
 
 
+def cancel_if_queued(engine: Engine, job_id: int) -> bool:
+    """Cancel the job only while it is still queued (one transaction); True when it was. A job
+    a worker claimed meanwhile is left running."""
+    with session_scope(engine, immediate=True) as s:
+        job = s.get(Job, job_id)
+        if job is None or job.state != JobState.QUEUED:
+            return False
+        job.state = JobState.CANCELLED
+        job.cancel_requested = True
+        job.finished_at = now()
+        _state_event(s, job_id, JobState.CANCELLED)
+        s.add(job)
+        return True
+
+
 def _memory_note(session: Session, job_id: int) -> str:
     """``"; last measured memory 1.23 GiB RSS, 20.1 GiB GPU"`` from the job's newest
     ``resource`` event (see :func:`record_memory`), or ``""`` when none was recorded."""

@@ -396,6 +396,21 @@ def cancel_prompt(engine: Engine, job_id: int, request_id: str) -> dict:
     return {"request_id": request_id, "session": job_id, "stopped": stopped}
 
 
+def abandon_prompt(engine: Engine, job_id: int, request_id: str) -> bool:
+    """:func:`cancel_prompt` for a caller who went away (a ``/v1`` request that disconnected),
+    and a session still waiting in the queue leaves it when no other prompt waits on it: nobody
+    would read its answers, yet once admitted it would load the model and hold a slot. A
+    running session stays (its model loaded for the caller's retry). Returns True when the
+    session left the queue. Raises StudioError not_found for an unknown ``request_id``."""
+    cancel_prompt(engine, job_id, request_id)
+    with session_scope(engine) as s:
+        rows = s.exec(select(JobEvent.type, JobEvent.data).where(
+            JobEvent.job_id == job_id, JobEvent.type.in_(["prompt", "answer", "cancel"]))).all()
+    ended = {(d or {}).get("request_id") for t, d in rows if t in ("answer", "cancel")}
+    waiting = [d for t, d in rows if t == "prompt" and (d or {}).get("request_id") not in ended]
+    return not waiting and queue.cancel_if_queued(engine, job_id)
+
+
 def poll_answer(engine: Engine, job_id: int, request_id: str, side: str, after: int
                 ) -> tuple[list[str], dict[str, Any] | None, int, str | None]:
     """One read of a prompt's progress on ``side``: ``(new text pieces, the answer event's

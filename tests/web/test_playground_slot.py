@@ -261,17 +261,20 @@ def test_a_disconnected_v1_caller_stops_waiting_and_its_retry_reuses_the_session
     import openai
 
     engine, base = box["engine"], box["base"]
+    from app.studio import playground as pg
+
     _stop_all(box)  # a new session starts: the callers wait while it loads
     before = {j.id for j in _sessions(engine)}
     headers = {"Authorization": f"Bearer {box['key']}"}
     body = {"model": MODEL, "messages": PROMPT, "temperature": 0, "max_tokens": 8}
-    # 1. a non-streaming caller gives up while its new session starts (a worker child loads it)
+    # 1. a non-streaming caller gives up while its new session starts (a worker child loads it;
+    # a session still queued would leave the queue instead: the next test)
+    sid = pg.open_session(engine, Settings(), box["admin"], MODEL)[0].id
+    wait(lambda: queue.get_job(engine, sid).state == JobState.RUNNING, 30, "the session's claim")
     with httpx.Client(base_url=base, headers=headers, timeout=0.5) as quick, \
-            pytest.raises(httpx.ReadTimeout):
-        quick.post("/v1/chat/completions", json=body)
-    new = [j for j in _sessions(engine) if j.id not in before]
-    assert len(new) == 1, new
-    sid = new[0].id
+            pytest.raises(httpx.ReadTimeout):  # a long answer: not done in 0.5 s even if loaded
+        quick.post("/v1/chat/completions", json={**body, "max_tokens": 8192, "temperature": 1})
+    assert [j.id for j in _sessions(engine) if j.id not in before] == [sid]
     first = wait(lambda: _prompts(engine, sid), 5, "the first prompt")[0]
     # the server saw the disconnect: it stopped waiting and stopped the answer
     wait(lambda: first in _cancelled(engine, sid), 3, "the first prompt's cancel")
@@ -292,6 +295,38 @@ def test_a_disconnected_v1_caller_stops_waiting_and_its_retry_reuses_the_session
                                                                    types=["answer"])}
     assert answers[first]["finish_reason"] == "stopped"  # never generated for nobody
     _stop_all(box)
+
+
+def test_a_v1_caller_who_leaves_while_its_session_is_queued_takes_it_out_of_the_queue(box):
+    """Nobody would read the answers: admitted later, the session would load the model and hold
+    the slot for its idle time (trial finding). A queued session another prompt still waits on
+    stays."""
+    engine, base = box["engine"], box["base"]
+    held = _hold_slot(box)
+    try:
+        headers = {"Authorization": f"Bearer {box['key']}"}
+        body = {"model": MODEL, "messages": PROMPT, "max_tokens": 8}
+        with httpx.Client(base_url=base, headers=headers, timeout=1.0) as quick, \
+                pytest.raises(httpx.ReadTimeout):
+            quick.post("/v1/chat/completions", json=body)
+        sid = max(j.id for j in _sessions(engine))
+        wait(lambda: queue.get_job(engine, sid).state == JobState.CANCELLED, 5,
+             "the abandoned session to leave the queue")
+        assert _prompts(engine, sid) and queue.get_job(engine, sid).started_at is None
+        # two callers on one queued session: the first leaving keeps it for the second
+        from app.studio import playground as pg
+
+        s2 = pg.open_session(engine, Settings(), box["admin"], MODEL)[0]
+        waiting = pg.send_prompt(engine, box["admin"], s2.id, {"messages": PROMPT})
+        with httpx.Client(base_url=base, headers=headers, timeout=1.0) as quick, \
+                pytest.raises(httpx.ReadTimeout):
+            quick.post("/v1/chat/completions", json=body)
+        assert len(_prompts(engine, s2.id)) == 2
+        wait(lambda: len(_cancelled(engine, s2.id)) == 1, 5, "the leaver's prompt cancelled")
+        assert waiting["request_id"] not in _cancelled(engine, s2.id)
+        assert queue.get_job(engine, s2.id).state == JobState.QUEUED
+    finally:
+        _release(box, held)
 
 
 def test_a_session_waiting_for_the_slot_is_listed_on_the_queue_and_opened_once(box):

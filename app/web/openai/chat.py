@@ -91,10 +91,11 @@ class Asked:
             return
 
     def abandon(self) -> None:
-        """The caller went away: stop the answer (the session stays for its retry). Blocking;
-        never raises (it runs while the request is torn down)."""
+        """The caller went away: stop the answer; a session still queued for nobody else leaves
+        the queue, a running one stays for the caller's retry (:func:`pg.abandon_prompt`).
+        Blocking; never raises (it runs while the request is torn down)."""
         with contextlib.suppress(Exception):
-            pg.cancel_prompt(self.engine, self.session, self.request_id)
+            pg.abandon_prompt(self.engine, self.session, self.request_id)
 
     async def follow(self, gone: Callable[[], Awaitable[bool]] | None = None
                      ) -> AsyncIterator[tuple[str | None, dict[str, Any] | None]]:
