@@ -4,7 +4,7 @@ Protocol (DESIGN.md, "The queue protocol"):
 
 * **claim** is one ``UPDATE ... WHERE id = (SELECT ... LIMIT 1) RETURNING id`` inside
   ``BEGIN IMMEDIATE`` on SQLite (``FOR UPDATE SKIP LOCKED`` on Postgres), so two workers can
-  never claim the same job;
+  never claim the same job; its ``ORDER BY`` takes turns by owner (:data:`KIND_RANK`);
 * **heartbeat**, **finish**, **fail** and **acknowledge_cancel** are fenced by
   ``lease_owner = me AND state = 'running'``: zero rows means the lease was lost and the
   worker must stop writing for that job;
@@ -38,22 +38,53 @@ from app.store.schema import Job, JobEvent, JobState, now
 CPU_KINDS = ("export", "import_model", "validate_dataset")
 
 #: Claim order, decided here once (``claim``'s SQL and every page that shows a queue position use
-#: it): a kind's rank first, then ``priority`` (higher first), then age (id). Dataset validations
-#: rank first: one takes about a second to a few minutes and its user waits at the upload page,
-#: while an export takes minutes (15 on a loaded 2-core box), so uploads queued behind exports
-#: (priority 5) started 17 minutes late. Other kinds keep their priority order.
+#: it): a kind's rank first, then the owner's turn (below), then ``priority`` (higher first), then
+#: age (id). Dataset validations rank first: one takes about a second to a few minutes and its
+#: user waits at the upload page, while an export takes minutes (15 on a loaded 2-core box), so
+#: uploads queued behind exports (priority 5) started 17 minutes late.
+#:
+#: Within a rank the lane takes turns by owner (``jobs.owner``; jobs without one are one owner):
+#: the next job is one of the owner whose newest ``started_at`` among the lane's kinds is oldest
+#: (never started: first). Each claim sets its job's ``started_at``, so a user who queues ten
+#: exports gets every other turn, not the next ten (the trial: everyone else waited behind one
+#: user's exports). :func:`claim_order` replays it for the pages.
 KIND_RANK = {"validate_dataset": 0}
 OTHER_RANK = 1
 
 
 def claim_key(job: Job) -> tuple[int, int, int]:
-    """The sort key of ``job`` in its lane's claim order (:data:`KIND_RANK`); lower claims first."""
+    """The sort key of ``job`` by rank, priority and age alone (:data:`KIND_RANK`), before turns
+    by owner (:func:`claim_order`); lower claims first."""
     return (KIND_RANK.get(job.kind, OTHER_RANK), -(job.priority or 0), job.id or 0)
 
 
-def _rank_sql() -> str:
+def _rank_sql(col: str = "kind") -> str:
     whens = " ".join(f"WHEN '{k}' THEN {r}" for k, r in KIND_RANK.items())
-    return f"CASE kind {whens} ELSE {OTHER_RANK} END"
+    return f"CASE {col} {whens} ELSE {OTHER_RANK} END"
+
+
+def last_turns(session: Session, kinds: Collection[str]) -> dict[str | None, float]:
+    """owner -> newest ``started_at`` (epoch seconds) of a job of ``kinds`` (the owner's last
+    turn); owners who never started one are absent."""
+    rows = session.exec(select(Job.owner, func.max(Job.started_at))
+                        .where(Job.kind.in_(list(kinds)), Job.started_at.is_not(None))
+                        .group_by(Job.owner)).all()
+    return {o: t for o, t in rows}
+
+
+def claim_order(queued: list[Job], last: dict[str | None, float]) -> list[Job]:
+    """``queued`` jobs of one lane in the order :func:`claim` takes them, given ``last``
+    (:func:`last_turns`): each pick is the least key (rank, owner's last turn, -priority, id),
+    then its owner's last turn becomes the newest."""
+    last, left, out = dict(last), list(queued), []
+    clock = max(last.values(), default=0.0)
+    while left:
+        job = min(left, key=lambda j: (claim_key(j)[0], last.get(j.owner, 0.0), *claim_key(j)[1:]))
+        left.remove(job)
+        out.append(job)
+        clock += 1.0
+        last[job.owner] = clock
+    return out
 
 
 class JobNotFound(LookupError):
@@ -124,26 +155,30 @@ def enqueue_unless(engine: Engine, kind: str, payload: dict[str, Any],
 
 def claim(engine: Engine, worker_id: str, lease_seconds: float,
           kinds: list[str] | None = None) -> Job | None:
-    """Atomically claim the first queued job of ``kinds`` in claim order (:func:`claim_key`),
-    or return None when there is none.
+    """Atomically claim the first queued job of ``kinds`` (None: any kind) in claim order
+    (:data:`KIND_RANK`: rank, turns by owner among ``kinds``, priority, age), or return None
+    when there is none.
 
     The job becomes ``running`` with ``lease_owner = worker_id`` and a lease of
-    ``lease_seconds`` seconds; ``attempts`` is incremented.
+    ``lease_seconds`` seconds; ``attempts`` is incremented. The owner's turn is a correlated
+    subquery in the one ``UPDATE``'s ``ORDER BY``, so the pick and the write stay one statement.
     """
-    kind_sql = ""
+    kind_sql = turn_kinds = ""
     params: dict[str, Any] = {"w": worker_id, "now": now()}
     params["exp"] = params["now"] + lease_seconds
     if kinds:
-        names = [f":k{i}" for i in range(len(kinds))]
-        kind_sql = f" AND kind IN ({', '.join(names)})"
+        names = ", ".join(f":k{i}" for i in range(len(kinds)))
+        kind_sql, turn_kinds = f" AND q.kind IN ({names})", f" AND o.kind IN ({names})"
         params.update({f"k{i}": k for i, k in enumerate(kinds)})
-    lock = "" if is_sqlite(engine) else " FOR UPDATE SKIP LOCKED"
+    lock = "" if is_sqlite(engine) else " FOR UPDATE OF q SKIP LOCKED"
+    turn = ("(SELECT COALESCE(MAX(o.started_at), 0) FROM jobs o WHERE o.started_at IS NOT NULL"
+            f" AND COALESCE(o.owner, '') = COALESCE(q.owner, ''){turn_kinds})")
     sql = text(
         "UPDATE jobs SET state = 'running', lease_owner = :w, lease_expires_at = :exp, "
         "attempts = attempts + 1, started_at = COALESCE(started_at, :now) "
-        "WHERE id = (SELECT id FROM jobs WHERE state = 'queued' AND cancel_requested = :f"
-        f"{kind_sql} ORDER BY {_rank_sql()}, priority DESC, id LIMIT 1{lock}) "
-        "AND state = 'queued' "
+        "WHERE id = (SELECT q.id FROM jobs q WHERE q.state = 'queued' AND q.cancel_requested = :f"
+        f"{kind_sql} ORDER BY {_rank_sql('q.kind')}, {turn}, q.priority DESC, q.id "
+        f"LIMIT 1{lock}) AND state = 'queued' "
         "RETURNING id"
     )
     params["f"] = False

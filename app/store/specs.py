@@ -178,7 +178,8 @@ class ExportSpec(BaseModel):
                 raise ValueError(f"unknown GGUF type {q!r}; use one of {', '.join(GGUF_TYPES)}")
         return list(dict.fromkeys(out))
     dtype: Literal["bf16", "fp16", "fp32"] | None = Field(
-        default=None, description="merged_16bit weights; None: the base model's own dtype")
+        default=None,
+        description="merged_16bit weights; None: the base's own when bf16/fp16, else bf16")
 
 
 class ImportModelSpec(BaseModel):

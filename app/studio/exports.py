@@ -55,7 +55,8 @@ def cancel_export(engine: Engine, actor: User, export_id: int) -> Job:
 
 def export_info(engine: Engine, job: Job) -> dict[str, Any]:
     """One export as the API and the run page show it: ``id``, ``run_id``, ``format``,
-    ``quantization``, ``dtype``, ``status``, ``error``, ``progress``, ``verification`` (the
+    ``quantization``, ``dtype`` (a merged export's written dtype once done, else the requested
+    one or None), ``status``, ``error``, ``progress``, ``verification`` (the
     figures, or the diff of a failed check), ``files`` (``name``, ``size``, ``sha256``, ``url``),
     ``ollama``, ``provenance`` (base model, revision, adapter, base weights merged into),
     ``cancel_requested`` and timestamps (epoch seconds)."""
@@ -74,7 +75,8 @@ def export_info(engine: Engine, job: Job) -> dict[str, Any]:
     prog = events.latest(engine, job.id, "progress")
     return {"id": job.id, "object": "export", "run_id": job.run_id,
             "format": payload.get("format"), "quantization": payload.get("quantization", []),
-            "dtype": payload.get("dtype"), "checkpoint_step": payload.get("checkpoint_step"),
+            "dtype": (result.get("merged") or {}).get("dtype") or payload.get("dtype"),
+            "checkpoint_step": payload.get("checkpoint_step"),
             "status": job.state, "error": job.error,
             "cancel_requested": bool(job.cancel_requested),
             "created_at": job.created_at, "finished_at": job.finished_at,

@@ -3,7 +3,8 @@
 A worker process runs two lanes (see worker/loop.py): ``gpu`` (train, grpo) and ``cpu``
 (exports, model imports, dataset validation, :data:`app.store.queue.CPU_KINDS`), so a queued job's
 position counts only the jobs ahead of it in its own lane, in claim order
-(:func:`app.store.queue.claim_key`: dataset validations first, then priority, then age), across
+(:func:`app.studio.queue_cpu.in_claim_order`: dataset validations first, then priority, then
+age; the CPU lane takes turns by owner), across
 every user; the list shows the caller's own jobs (an admin's: everyone's).
 """
 from __future__ import annotations
@@ -16,10 +17,11 @@ from sqlmodel import select
 
 from app.store import queue
 from app.store.db import session_scope
-from app.store.queue import CPU_KINDS, claim_key
+from app.store.queue import CPU_KINDS
 from app.store.schema import Job, JobState, Run
 from app.studio import access, audit
 from app.studio.errors import StudioError
+from app.studio.queue_cpu import in_claim_order
 
 if TYPE_CHECKING:
     from app.store.schema import User
@@ -57,9 +59,8 @@ def list_jobs(engine: Engine, actor: User, recent: int = 20) -> list[JobRow]:
     """The jobs ``actor`` may see: every queued or running one (queued in claim order, with
     its position in its lane), then the ``recent`` newest finished ones."""
     with session_scope(engine) as s:
-        active = sorted(s.exec(select(Job).where(Job.state.in_([JobState.QUEUED,
-                                                                JobState.RUNNING]))).all(),
-                        key=claim_key)
+        active = in_claim_order(s, s.exec(select(Job).where(
+            Job.state.in_([JobState.QUEUED, JobState.RUNNING]))).all())
         done = list(s.exec(select(Job).where(Job.state.in_(JobState.FINAL))
                            .order_by(Job.id.desc()).limit(recent * 5)).all())
         run_ids = {j.run_id for j in active + done if j.run_id}

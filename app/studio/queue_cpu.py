@@ -3,7 +3,9 @@ claims (:data:`app.store.queue.CPU_KINDS`: exports, model imports, dataset valid
 and waiting, each waiting one with why it waits and an estimated start.
 
 Every live worker has one CPU lane (its worker row's device ends with :data:`LANE_SUFFIX`) that
-runs one job at a time, taking jobs in claim order (:func:`app.store.queue.claim_key`). A running
+runs one job at a time, taking jobs in claim order, with turns by owner
+(:data:`app.store.queue.KIND_RANK`, replayed by :func:`in_claim_order`); a job that waits while
+newer jobs of other owners take their turn says so. A running
 job frees its lane at its ETA: its newest ``eta_seconds`` metric, else the median duration of
 recent succeeded jobs of its kind less the time it has run (0 when overdue). The waiting jobs are
 replayed over the lanes in claim order: each takes the lane that frees first and holds it for
@@ -20,6 +22,7 @@ from typing import Any
 
 from sqlmodel import select
 
+from app.store.queue import CPU_KINDS, claim_key, claim_order, last_turns
 from app.store.schema import Job, JobState
 
 #: The device suffix of a worker row that is a CPU lane (worker/loop.py ``start_cpu_lane``).
@@ -48,13 +51,27 @@ def typical_seconds(s, kind: str, on_gpu: bool = False) -> float | None:
     return median(spans) if spans else None
 
 
+def in_claim_order(s, jobs: list[Job]) -> list[Job]:
+    """``jobs`` (queued and running, any lane) sorted by :func:`app.store.queue.claim_key`, with
+    the queued CPU-lane jobs reordered in place into the lane's turns by owner (session ``s``
+    reads each owner's last turn), so positions follow what the lane will really claim."""
+    jobs = sorted(jobs, key=claim_key)
+    at = [i for i, j in enumerate(jobs) if j.state == JobState.QUEUED and j.kind in CPU_KINDS]
+    if len(at) > 1:
+        turns = claim_order([jobs[i] for i in at], last_turns(s, CPU_KINDS))
+        for i, job in zip(at, turns):
+            jobs[i] = job
+    return jobs
+
+
 def _plural(n: int, word: str) -> str:
     return f"{n} {word}{'s' if n != 1 else ''}"
 
 
 def cpu_lane(lanes: int, jobs: list[Job], typical: dict[str, float | None], t: float,
              eta_of: Callable[[Job], float | None], slot_of: Callable[..., Any]) -> CpuLaneView:
-    """The CPU lane view from the queued and running CPU-lane ``jobs`` in claim order.
+    """The CPU lane view from the queued and running CPU-lane ``jobs`` in claim order
+    (:func:`in_claim_order`).
 
     Args:
         lanes: live CPU lanes (each runs one job at a time).
@@ -74,7 +91,8 @@ def cpu_lane(lanes: int, jobs: list[Job], typical: dict[str, float | None], t: f
         free_in.append(eta)
     free_in += [0.0] * max(0, lanes - len(free_in))
     ahead = len(view.running)
-    for pos, job in enumerate((j for j in jobs if j.state == JobState.QUEUED), 1):
+    queued = [j for j in jobs if j.state == JobState.QUEUED]
+    for pos, job in enumerate(queued, 1):
         start = None
         if not lanes:
             reason = "no worker is running"
@@ -90,6 +108,10 @@ def cpu_lane(lanes: int, jobs: list[Job], typical: dict[str, float | None], t: f
                 each = "runs one job at a time" if lanes == 1 else \
                     f"has {lanes} lanes, each running one job at a time"
                 reason = f"behind {_plural(ahead, 'job')}: the CPU lane {each}"
+                newer = sum(claim_key(j) > claim_key(job) for j in queued[:pos - 1])
+                if newer:
+                    reason += (f"; waits for its turn: the lane takes turns by owner, "
+                               f"{_plural(newer, 'newer job')} of other owners first")
         view.waiting.append(slot_of(job, None, reason=reason, start_in_seconds=start,
                                     position=pos))
         ahead += 1

@@ -28,10 +28,11 @@ from sqlmodel import select
 from app.settings import Settings
 from app.store import admission, events, workers
 from app.store.db import session_scope
-from app.store.queue import CPU_KINDS, claim_key
+from app.store.queue import CPU_KINDS
 from app.store.schema import Job, JobState, Run, User, now
 from app.studio import access
-from app.studio.queue_cpu import LANE_SUFFIX, CpuLaneView, cpu_lane, typical_seconds
+from app.studio.queue_cpu import (LANE_SUFFIX, CpuLaneView, cpu_lane, in_claim_order,
+                                  typical_seconds)
 
 #: Kinds that wait for a slot (a GPU's memory, or the CPU slot of a box without one): a
 #: playground session holds one while its model is loaded, so it waits like a training job.
@@ -121,9 +122,8 @@ def queue_view(engine: Engine, settings: Settings, actor: User,
         snap = admission.snapshot(s, t, kinds, settings.gpu_admit_margin,
                                   settings.fair_share_hours)
         ordered = admission.order(snap)
-        cpu_jobs = sorted(s.exec(select(Job).where(
-            Job.kind.in_(CPU_KINDS), Job.state.in_([JobState.QUEUED, JobState.RUNNING]))).all(),
-            key=claim_key)
+        cpu_jobs = in_claim_order(s, s.exec(select(Job).where(
+            Job.kind.in_(CPU_KINDS), Job.state.in_([JobState.QUEUED, JobState.RUNNING]))).all())
         ids = {j.run_id for j in snap.running + ordered + cpu_jobs if j.run_id}
         run_owner = {r.id: r.owner for r in s.exec(select(Run).where(Run.id.in_(ids)))} \
             if ids else {}

@@ -65,7 +65,8 @@ def test_merged_has_the_new_vocabulary_and_stops(run, tmp_path):
     from worker.jobs.export import export_run
 
     run_dir, tok, (start, end) = run
-    res = export_run(run_dir, {"run_id": "r", "format": "merged_16bit"}, tmp_path)
+    res = export_run(run_dir, {"run_id": "r", "format": "merged_16bit", "dtype": "fp32"},
+                     tmp_path)
     assert res["verification"]["passed"], res["verification"]
     folder = tmp_path / "merged-fp32"
     cfg = json.loads((folder / "config.json").read_text())

@@ -66,9 +66,10 @@ def test_merged_generation_stops_at_end_of_turn(trained, tmp_path):
     from worker.jobs.export import export_run
 
     arch, run, tok = trained
-    res = export_run(run, {"run_id": "r", "format": "merged_16bit"}, tmp_path, base=BASE)
+    res = export_run(run, {"run_id": "r", "format": "merged_16bit", "dtype": "fp32"}, tmp_path,
+                     base=BASE)  # fp32 on request (the default for an fp32 base is bf16)
     assert res["verification"]["passed"], res["verification"]
-    assert res["merged"]["dtype"] == "fp32" and res["merged"]["dtype_from"] == "base"
+    assert res["merged"]["dtype"] == "fp32" and res["merged"]["dtype_from"] == "requested"
     assert "float32" in res["verification"]["checks"]["merged"]["dtype_rounding"]
     folder = tmp_path / "merged-fp32"
     eot_text, eot_id = _eot(arch, tok)

@@ -68,3 +68,26 @@ def test_nf4_roundtrip_is_a_projection():
     err = (q - w).abs().view(-1)
     assert err.max() < 0.2 * w.abs().max()
     assert len(torch.unique(q.view(-1, 64)[0])) <= 16
+
+
+@pytest.mark.parametrize("config_dtype, stored, want, why", [
+    ("bfloat16", "F32", "bf16", "the base model's weights are bf16"),
+    ("float16", "F32", "fp16", "the base model's weights are fp16"),
+    (None, "BF16", "bf16", "the base model's weights are bf16"),  # no dtype in config.json
+    ("float32", "F32", "bf16", "the base model's weights are fp32 and a merged 16-bit export "
+                               "is 16-bit")])
+def test_merged_dtype_is_16_bit(tmp_path, config_dtype, stored, want, why):
+    """The default merged dtype: the base's own 16-bit dtype (config.json, else the stored
+    tensors), bf16 for an fp32 base; an explicit request wins."""
+    import torch
+    from safetensors.torch import save_file
+
+    from worker.export.merged import merged_dtype
+    cfg = {"model_type": "llama", **({"dtype": config_dtype} if config_dtype else {})}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    torch_dtype = {"F32": torch.float32, "BF16": torch.bfloat16}[stored]
+    save_file({"a.int": torch.zeros(2, dtype=torch.int64), "b": torch.zeros(2, dtype=torch_dtype)},
+              tmp_path / "model.safetensors")
+    dtype, reason = merged_dtype(tmp_path)
+    assert dtype == want and reason.startswith(why), reason
+    assert merged_dtype(tmp_path, "fp32") == ("fp32", "fp32 was requested")

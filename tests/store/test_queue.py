@@ -153,3 +153,29 @@ def test_release_returns_job_without_counting_the_attempt(engine) -> None:
     assert queue.release(engine, job.id, "w", "shutdown")
     j = queue.get_job(engine, job.id)
     assert j.state == JobState.QUEUED and j.attempts == 0 and j.lease_owner is None
+
+
+def test_the_cpu_lane_takes_turns_by_owner(engine) -> None:
+    """alice queues 5 exports, bob 1 after them: one CPU lane claims bob's second, not sixth;
+    the page's replay (:func:`queue.claim_order`) predicts the same order before any claim."""
+    from app.store.db import session_scope
+
+    def export(owner: str):
+        return queue.enqueue(engine, "export", {"format": "adapter"}, priority=5, owner=owner)
+
+    alice = [export("alice") for _ in range(5)]
+    bob = export("bob")
+    with session_scope(engine) as s:
+        predicted = [j.id for j in queue.claim_order(queue.list_jobs(engine, limit=50)[::-1],
+                                                     queue.last_turns(s, queue.CPU_KINDS))]
+    claimed = []
+    while (job := queue.claim(engine, "lane-cpu", 60, kinds=list(queue.CPU_KINDS))) is not None:
+        claimed.append(job.id)
+        assert queue.finish(engine, job.id, "lane-cpu")
+    assert claimed == [alice[0].id, bob.id, *(j.id for j in alice[1:])]
+    assert predicted == claimed
+    # bob comes back later: his new job goes before alice's newer ones (she had the last turn)
+    more = [export("alice"), export("alice")]
+    late = export("bob")
+    first = queue.claim(engine, "lane-cpu", 60, kinds=list(queue.CPU_KINDS))
+    assert first.id == late.id, (first.id, late.id, [j.id for j in more])

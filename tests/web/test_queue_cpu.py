@@ -81,3 +81,36 @@ def test_cpu_only_queue_gives_true_reasons_and_estimates(app, client, engine) ->
             (True, check.id, "carol"), (False, None, None)]
         text = c.get("/queue").text
         assert "another user's job" in text and f"job {export.id}" not in text
+
+
+def test_cpu_lane_takes_turns_by_owner_and_says_so(app, client, engine) -> None:
+    """alice queues 3 exports, then bob 1: the queue page and the dashboard's job list put bob's
+    second (the lane's next claim after alice's first), and alice's later ones say they wait for
+    their turn; the real claim takes the same order."""
+    from app.studio import accounts
+    from app.studio import jobs as jobs_uc
+    from tests.web.conftest import ADMIN_PASSWORD, ADMIN_USER
+
+    alice, bob = _member(client, "alice"), _member(client, "bob")
+    with session_scope(engine) as s:  # the seeded demo model's import: done, out of the way
+        for job in s.exec(select(Job).where(Job.state == JobState.QUEUED)):
+            job.state = JobState.SUCCEEDED
+    workers.register(engine, "vm-cpu", "vm", 1, "cpu (2 cores, x86_64) (cpu lane)")
+    a = [queue.enqueue(engine, "export", {}, owner=alice, priority=5) for _ in range(3)]
+    b = queue.enqueue(engine, "export", {}, owner=bob, priority=5)
+    cpu = client.get("/api/queue").json()["cpu"]
+    turn = "; waits for its turn: the lane takes turns by owner, 1 newer job of other owners first"
+    assert [(w["job_id"], w["position"], w["reason"]) for w in cpu["waiting"]] == [
+        (a[0].id, 1, "starts at the next poll"),
+        (b.id, 2, "behind 1 job: the CPU lane runs one job at a time"),
+        (a[1].id, 3, "behind 2 jobs: the CPU lane runs one job at a time" + turn),
+        (a[2].id, 4, "behind 3 jobs: the CPU lane runs one job at a time" + turn)]
+    assert "waits for its turn: the lane takes turns by owner" in client.get("/queue").text
+    admin = accounts.authenticate(engine, ADMIN_USER, ADMIN_PASSWORD)
+    rows = {r.id: r.position for r in jobs_uc.list_jobs(engine, admin)}
+    assert [rows[j.id] for j in (a[0], b, a[1], a[2])] == [1, 2, 3, 4]
+    claimed = []
+    while (job := queue.claim(engine, "vm-cpu", 60, list(queue.CPU_KINDS))) is not None:
+        claimed.append(job.id)
+        assert queue.finish(engine, job.id, "vm-cpu")
+    assert claimed == [a[0].id, b.id, a[1].id, a[2].id]

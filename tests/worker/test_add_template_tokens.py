@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from app.store import queue, repo
+from app.store import events, queue, repo
 from app.store.schema import JobState
 from tests.conftest import SHARED_DATA, STORIES
 from tests.worker.conftest import inline_studio
@@ -100,6 +100,21 @@ def test_the_merged_export_has_the_new_vocabulary_and_stops_at_im_end(trained):
     end = mtok.convert_tokens_to_ids("<|im_end|>")
     assert len(mtok) == 514 and end == 513
     assert json.loads((folder / "config.json").read_text())["vocab_size"] == 514
+    # "merged 16-bit" is 16-bit: the demo base is fp32, so every tensor is written as bf16,
+    # and the job's log, the export's record and the model card say which and why
+    from safetensors import safe_open
+    merged = ej.result["merged"]
+    assert (merged["dtype"], merged["dtype_from"], folder.name) == ("bf16", "default",
+                                                                     "merged-bf16")
+    with safe_open(folder / "model.safetensors", "pt") as f:
+        dtypes = {f.get_slice(k).get_dtype() for k in f.keys()}
+    assert dtypes == {"BF16"}
+    assert json.loads((folder / "config.json").read_text())["dtype"] == "bfloat16"
+    why = "the base model's weights are fp32 and a merged 16-bit export is 16-bit"
+    assert f"saved as bfloat16 ({why}" in (folder / "README.md").read_text()
+    logs = [e.data["message"] for e in events.since(w.engine, ej.id, types=["log"])]
+    assert any(m.startswith(f"merged weights written as bf16: {why}") for m in logs), logs
+    assert c.get(f"/api/exports/{ej.id}").json()["dtype"] == "bf16"
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
     assert model.get_input_embeddings().weight.shape[0] == 514
     text = mtok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
@@ -111,6 +126,22 @@ def test_the_merged_export_has_the_new_vocabulary_and_stops_at_im_end(trained):
                              eos_token_id=end)[0, len(ids):].tolist()
     assert out[-1] == end and len(out) < 24, mtok.decode(out)  # stopped at the new token
     assert mtok.decode(out[:-1]).strip() == ANSWER
+    # the same greedy tokens as fp32 base + adapter (PEFT, unmerged); the bf16 weights (computed
+    # in fp32) keep the reference's top-k logits within the rounding verification allows
+    from worker.export.run import load_run, load_trained_model
+    from worker.export.verify import LOGIT_TOL, TOP_K, logit_error
+    run = repo.get_run(w.engine, trained["run_id"])
+    ref = load_trained_model(load_run(run.output_dir, trained["model"].path, run.spec),
+                             dtype=torch.float32)
+    model32 = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = ref.generate(input_ids=torch.tensor([ids]), max_new_tokens=24, do_sample=False,
+                            eos_token_id=end)[0, len(ids):].tolist()
+        seq = torch.tensor([ids + out])
+        got_logits, want_logits = model32(seq).logits[0], ref(input_ids=seq).logits[0]
+    assert out == want
+    tops = [[[int(i), float(row[i])] for i in row.topk(TOP_K).indices] for row in want_logits]
+    assert 0 < logit_error(tops, got_logits) < LOGIT_TOL["bfloat16"]
     # the adapter export reloads base + adapter at the new size and verifies the same answers
     r = c.post(f"/api/runs/{trained['run_id']}/exports", json={"format": "adapter"})
     w.serve(once=True)

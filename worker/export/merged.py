@@ -9,9 +9,14 @@
   on CPU (its error is ~1e-3 of the scale).
 * The delta ``B @ A * scaling`` is added with peft's ``merge_and_unload`` in fp32, then the
   weights are cast to the chosen dtype and saved with ``save_pretrained`` (safetensors). The
-  default dtype is the base's own (``config.json`` ``dtype``/``torch_dtype``; fp32 when unset):
-  bf16 of an fp32 base alone can change greedy continuations of a small model. The result
-  states the rounding that dtype implies (:data:`ROUNDING`).
+  default dtype is 16-bit, as the format's name promises (:func:`merged_dtype`): the base's own
+  when it is bf16 or fp16 (``config.json`` ``dtype``/``torch_dtype``, else the dtype of the
+  base's stored tensors), and bf16 for an fp32 base, the field's usual choice (Unsloth's
+  ``save_method="merged_16bit"``, LLaMA-Factory's export dtype): fp32's exponent range, so no
+  overflow, at 8 significant bits; a near tie between two tokens may then break the other way,
+  which verification accepts and reports (:mod:`worker.export.verify`). ``fp32`` is written only
+  when asked for. The result states the dtype, why (``dtype_reason``) and the rounding it
+  implies (:data:`ROUNDING`); the model card says the same.
 * Tied embeddings (:func:`merge_adapter`): PEFT computes a LoRA on ``embed_tokens`` of a tied
   model with the trained embedding on the input side only; the output head keeps the base
   matrix. Merging into the shared tensor would make the head the trained embedding too (a
@@ -43,13 +48,47 @@ ROUNDING = {"bf16": "bfloat16 keeps 8 significant bits: each weight rounded by u
             "fp32": "float32: the fp32 merge is stored without further rounding"}
 
 
+#: safetensors' dtype names of the floating types an export dtype key stands for.
+_STORED = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
+
+
+def _stored_tensor_dtype(base_dir: Path) -> str | None:
+    """The export dtype key of the first floating tensor in the base's safetensors, or None."""
+    from safetensors import safe_open
+
+    for path in sorted(Path(base_dir).glob("*.safetensors")):
+        with safe_open(path, "pt") as f:
+            for key in f.keys():
+                found = _STORED.get(f.get_slice(key).get_dtype())
+                if found:
+                    return found
+    return None
+
+
 def base_dtype(base_dir: Path) -> str:
     """The base's stored dtype as an export dtype key (``bf16``/``fp16``/``fp32``), read from
-    ``config.json`` (``dtype`` or ``torch_dtype``); ``fp32`` when unset or another type."""
+    ``config.json`` (``dtype`` or ``torch_dtype``); when unset, the dtype of its first floating
+    safetensors tensor; ``fp32`` when neither says, or for another type."""
     cfg_p = Path(base_dir) / "config.json"
     cfg = json.loads(cfg_p.read_text()) if cfg_p.is_file() else {}
-    stored = str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
-    return {v: k for k, v in DTYPES.items()}.get(stored.removeprefix("torch."), "fp32")
+    stored = cfg.get("dtype") or cfg.get("torch_dtype")
+    if not stored:
+        return _stored_tensor_dtype(base_dir) or "fp32"
+    return {v: k for k, v in DTYPES.items()}.get(str(stored).removeprefix("torch."), "fp32")
+
+
+def merged_dtype(base_dir: Path, requested: str | None = None) -> tuple[str, str]:
+    """``(dtype key, why)`` the merged 16-bit export writes: ``requested`` when given (``bf16``,
+    ``fp16`` or ``fp32``), else the base's own when 16-bit (:func:`base_dtype`), else ``bf16``
+    (see the module docstring). ``why`` is one sentence for the log and the model card."""
+    if requested:
+        return requested, f"{requested} was requested"
+    base = base_dtype(base_dir)
+    if base in ("bf16", "fp16"):
+        return base, f"the base model's weights are {base}"
+    return "bf16", ("the base model's weights are fp32 and a merged 16-bit export is 16-bit: "
+                    "bf16 keeps fp32's range (no overflow), as Unsloth's and LLaMA-Factory's "
+                    "16-bit merges do")
 
 
 def nf4_roundtrip(w, blocksize: int = 64):
@@ -190,18 +229,21 @@ def _set_tied(config, tied: bool) -> None:
 
 def export_merged(info: RunInfo, out_dir: str | Path, dtype: str | None = None,
                   progress: ProgressFn = noop_progress, provenance: dict | None = None) -> dict:
-    """Write ``out_dir`` (atomically) and return ``{"path", "dtype", "dtype_from", "rounding",
-    "eos_token_id", ...}``.
+    """Write ``out_dir`` (atomically) and return ``{"path", "dtype", "dtype_from",
+    "dtype_reason", "rounding", "eos_token_id", ...}``; ``dtype_from``: ``requested``, ``base``
+    (the base's own 16-bit dtype) or ``default`` (bf16 for an fp32 base).
 
-    ``dtype``: ``bf16``/``fp16``/``fp32``, None for the base's own (:func:`base_dtype`).
+    ``dtype``: ``bf16``/``fp16``/``fp32``, None for the default (:func:`merged_dtype`: the
+    base's own when 16-bit, else bf16).
     ``provenance`` (:func:`worker.export.provenance.provenance`) goes into ``config.json``
     (``merged_from``) and the model card ``README.md``. Raises :class:`ExportError`."""
     import torch
 
-    dtype_from = "requested" if dtype else "base"
-    dtype = dtype or base_dtype(info.base_dir)
-    if dtype not in DTYPES:
+    if dtype and dtype not in DTYPES:
         raise ExportError(f"merged dtype must be one of {sorted(DTYPES)}, not {dtype!r}")
+    dtype_from = "requested" if dtype else None
+    dtype, why = merged_dtype(info.base_dir, dtype)
+    dtype_from = dtype_from or ("base" if base_dtype(info.base_dir) == dtype else "default")
     progress("load", 0.05)
     model = load_trained_model(info, dtype=torch.float32)
     tok = load_tokenizer(info)
@@ -221,9 +263,10 @@ def export_merged(info: RunInfo, out_dir: str | Path, dtype: str | None = None,
         if provenance:
             from .provenance import write_merged_provenance
 
-            write_merged_provenance(tmp, provenance, DTYPES[dtype])
+            write_merged_provenance(tmp, provenance, DTYPES[dtype], why)
     progress("save", 1.0)
     return {"path": str(out_dir), "dtype": dtype, "dtype_from": dtype_from,
-            "rounding": ROUNDING[dtype], "tied_embeddings": tied, "untied": untied,
+            "dtype_reason": why, "rounding": ROUNDING[dtype], "tied_embeddings": tied,
+            "untied": untied,
             "eos_token_id": ends, "end_of_turn": [t for t, _ in eot],
             "dequantized_from_nf4": info.load_in_4bit}

@@ -52,8 +52,9 @@ def provenance(info: RunInfo, base: dict | None = None, run_id: str | None = Non
                         else targets}}
 
 
-def write_merged_provenance(folder: Path, prov: dict, dtype: str) -> None:
-    """Add ``merged_from`` to ``folder/config.json`` and write the model card ``README.md``."""
+def write_merged_provenance(folder: Path, prov: dict, dtype: str, why: str | None = None) -> None:
+    """Add ``merged_from`` to ``folder/config.json`` and write the model card ``README.md``,
+    which says the weights are saved as ``dtype`` (``float32``...) and ``why`` (a clause)."""
     cfg_p = folder / "config.json"
     cfg = json.loads(cfg_p.read_text())
     cfg["merged_from"] = prov
@@ -69,5 +70,6 @@ def write_merged_provenance(folder: Path, prov: dict, dtype: str) -> None:
             "", f"Base model: `{prov['base_model']}`{rev} ({prov['base_model_source']}).",
             f"Adapter: run `{a['run_id']}`, r={a['r']}, lora_alpha={a['lora_alpha']}, "
             f"target modules {a['target_modules']}, adapter_model.safetensors sha256 "
-            f"`{a['sha256']}`.", f"Merged into {weights}; saved as {dtype}.", ""]
+            f"`{a['sha256']}`.",
+            f"Merged into {weights}; saved as {dtype}" + (f" ({why})." if why else "."), ""]
     (folder / "README.md").write_text("\n".join(front + body), encoding="utf-8")

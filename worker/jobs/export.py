@@ -5,7 +5,9 @@ worker loop (payload dict in, result dict out, progress through a callback). Fil
 ``<out_dir>/`` (written to temp names and renamed, so a retried job simply redoes them):
 
 * adapter      -> ``adapter/``                      (PEFT folder, tokenizer, chat template)
-* merged_16bit -> ``merged-<dtype>/``               (safetensors, config, tokenizer)
+* merged_16bit -> ``merged-<dtype>/``               (safetensors, config, tokenizer; bf16 or
+  fp16: the base's own when 16-bit, bf16 for an fp32 base, fp32 only when asked; the log
+  says which and why, :func:`worker.export.merged.merged_dtype`)
 * gguf         -> ``<name>-<TYPE>.gguf`` per requested type (default F16)
 * ollama       -> ``<name>-<TYPE>.gguf`` + ``Modelfile`` (+ creation on a server if a URL is given)
 
@@ -98,9 +100,9 @@ def export_run(run_dir: str | Path, spec, out_dir: str | Path,
                  != r["continuation"]]
         checks["adapter"] = {"passed": not fails, "peft": res, "failures": fails}
     elif fmt == "merged_16bit":
-        from worker.export.merged import base_dtype, export_merged
+        from worker.export.merged import export_merged, merged_dtype
 
-        dtype = s.get("dtype") or base_dtype(info.base_dir)
+        dtype = merged_dtype(info.base_dir, s.get("dtype"))[0]
         folder = out / f"merged-{dtype}"
         result["merged"] = export_merged(info, folder, s.get("dtype"),
                                          lambda st, f: progress(st, 0.1 + 0.6 * f),
@@ -260,6 +262,10 @@ def run(ctx) -> dict:
                        "(the diff is under Verification → details)") from e
     except ExportError as e:
         raise JobError(str(e)) from e
+    if res.get("merged"):
+        m = res["merged"]
+        ctx.log(f"merged weights written as {m['dtype']}: {m['dtype_reason']}", "info",
+                dtype=m["dtype"], dtype_reason=m["dtype_reason"])
     for f in res["files"]:
         repo.add_artifact(ctx.engine, Artifact(
             run_id=spec.run_id, job_id=ctx.job.id, kind=spec.format, name=f["name"],
