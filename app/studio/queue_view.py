@@ -25,6 +25,7 @@ only; a playground session's note without its owner or id); an admin sees everyt
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -136,7 +137,7 @@ def session_notes(state: tuple[str, float | None], yield_s: float, waiter: str |
                f"now (after {_secs(yield_s)} idle)")
     else:
         own = (f"idle playground session (idle {_secs(idle)}): gives its slot to {waiter} "
-               f"in {_secs(yield_s - idle)} unless it gets a prompt")
+               f"in {_secs(math.ceil(yield_s - idle))} unless it gets a prompt")
     if waiter is None:
         return own, None
     now_ = {"loading": "it is loading its model now", "busy": "it is answering a prompt now",
@@ -216,8 +217,9 @@ def queue_view(engine: Engine, settings: Settings, actor: User,
         waiter = admission.waits_for(snap, job, slots)
         name = None if waiter is None else (f"job {waiter.id}" if slot_of(waiter, None).visible
                                             else "a waiting job")
+        where = "the CPU slot" if view.capacity_gib is None else (view.device or view.id)
         holder = (f"playground session job {job.id}" if row.visible
-                  else "another user's playground session") + f" on {view.device or view.id}"
+                  else "another user's playground session") + f" on {where}"
         row.note, theirs = session_notes(session_state(engine, job, t), yield_s, name, holder)
         if waiter is not None and waiter.id in by_id and theirs:
             waits_on[waiter.id] = theirs

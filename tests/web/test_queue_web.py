@@ -141,3 +141,29 @@ def test_queue_says_an_idle_playground_session_gives_its_slot_to_a_waiting_job(
             "jobs after 15 s idle")
         assert seen["waiting"][0]["note"].startswith(
             "waits for another user's playground session on cuda:0 NVIDIA test:")
+
+
+def test_on_a_cpu_slot_the_waiting_job_hears_when_the_session_yields(app, client,
+                                                                     engine) -> None:
+    from sqlalchemy import text
+
+    from app.store import events
+
+    admin_id = client.get("/api/me").json()["id"]
+    cpu = Slot("box-main", "box", None, None, None)
+    workers.register(engine, cpu.id, cpu.host, 1, "cpu slot (2 cores, one job at a time)")
+    sid = queue.enqueue(engine, "playground", {}, owner=admin_id, estimate_gib=0.1).id
+    assert queue.admit(engine, cpu, 300, ["playground"], 0.1, 24.0).id == sid
+    events.append_many(engine, sid, [("session", {"status": "ready"})])
+    with engine.begin() as c:  # idle for 5 s
+        c.execute(text("UPDATE job_events SET ts = ts - 5 WHERE job_id = :j"), {"j": sid})
+    train = queue.enqueue(engine, "train", {}, owner=admin_id, estimate_gib=1.0).id
+    data = client.get("/api/queue").json()
+    assert data["gpus"][0]["running"][0]["note"] == (
+        f"idle playground session (idle 5 s): gives its slot to job {train} in 10 s unless it "
+        "gets a prompt")
+    assert data["waiting"][0]["reason"] == (
+        "behind 1 job: the CPU slot (no GPU) runs one job at a time")
+    assert data["waiting"][0]["note"] == (
+        f"waits for playground session job {sid} on the CPU slot: an idle playground session "
+        "gives its slot to waiting jobs after 15 s idle; it has been idle 5 s")
