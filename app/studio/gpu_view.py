@@ -20,7 +20,7 @@ from app.settings import Settings
 from app.store import admission, gpu_samples, workers
 from app.store.db import session_scope
 from app.store.schema import GpuSample, Job, JobState, Run, User, now
-from app.studio import access
+from app.studio import access, worker_view
 
 if TYPE_CHECKING:
     from app.store.schema import User as Actor
@@ -75,7 +75,8 @@ def dashboard(engine: Engine, settings: Settings, actor: Actor,
               ) -> dict[str, Any]:
     """The dashboard as JSON-ready data: ``{"gpus": [...], "window_seconds", "sample_seconds",
     "now"}``. Each GPU has ``id`` (its slot), ``host``, ``index``, ``name``, ``source``
-    (nvml | simulated | cpu), ``live``, ``capacity_gib``, ``current`` (the newest sample's
+    (nvml | simulated | cpu), ``live``, ``role`` (``gpu_slot`` | ``cpu_slot``), ``supervisor``
+    (the id of the supervisor whose slot it is), ``capacity_gib``, ``current`` (the newest sample's
     figures and its ``ts``/``age_seconds``, or None before the first sample), ``jobs`` (see the
     module docstring) and ``history``: parallel lists ``ts`` (epoch seconds) and one per figure
     (None where unknown), plus ``jobs``, the number of jobs running at each sample.
@@ -87,18 +88,23 @@ def dashboard(engine: Engine, settings: Settings, actor: Actor,
     for row in gpu_samples.since(engine, t - window_seconds):
         by_slot.setdefault(row.slot, []).append(row)
     running = _jobs(engine, actor)
+    of = {p.id: g.id for g in worker_view.worker_groups(list(live.values()))
+          for p in g.parts}
     gpus = []
     for sid in set(slots) | set(by_slot):
         rows, slot = by_slot.get(sid, []), slots.get(sid)
         last = rows[-1] if rows else None
         shown = _thin(rows, max_points)
+        index = slot.index if slot else last.gpu_index
         gpus.append({
             "id": sid,
             "host": slot.host if slot else last.host,
-            "index": slot.index if slot else last.gpu_index,
+            "index": index,
             "name": (last.name if last else "") or (live[sid].device if sid in live else sid),
             "source": last.source if last else None,
             "live": sid in slots,
+            "role": "gpu_slot" if index is not None else "cpu_slot",
+            "supervisor": of.get(sid, sid.rsplit("-", 1)[0]),
             "capacity_gib": slot.capacity_gib if slot else None,
             "current": None if last is None else {
                 "ts": last.ts, "age_seconds": round(max(0.0, t - last.ts), 1),

@@ -40,6 +40,7 @@ from app.studio.errors import StudioError, invalid
 from app.studio.estimate import GIB, lora_params, model_shape, weight_bytes
 from app.studio.playground_params import (  # noqa: F401 - part of the playground's API
     DEFAULT_MAX_TOKENS, MAX_TOKENS, ROLES, messages, params, prompt_params)
+from app.studio.playground_targets import targets  # noqa: F401 - the page's model picker
 
 if TYPE_CHECKING:
     from app.store.schema import User
@@ -436,29 +437,6 @@ def poll_answer(engine: Engine, job_id: int, request_id: str, side: str, after: 
             if not events.since(engine, job_id, after, 1, types=["token", "answer"]):
                 ended = job.state
     return pieces, answer, after, ended
-
-
-def targets(engine: Engine, actor: User) -> list[dict[str, Any]]:
-    """What the caller may chat with, for the page's picker: ``{"model", "label", "group"}``
-    for each ready base model, each finished run's final adapter, each run's checkpoints and
-    GGUF exports (newest runs first); only checkpoints still on disk."""
-    out = [{"model": m.name, "label": f"{m.name} (base model)", "group": "Base models"}
-           for m in repo.list_models(engine, owner=access.owner_filter(actor))
-           if m.status == "ready"]
-    names = {m.id: m.name for m in repo.list_models(engine)}
-    for run in repo.list_runs(engine, 50, owner=access.owner_filter(actor)):
-        r, job = repo.run_with_job(engine, run.id)
-        base = f"{names.get(run.model_id, run.model_id)}:ft:{run.id}"
-        group = f"{run.name or run.id} ({names.get(run.model_id, '?')})"
-        if job is not None and job.state == JobState.SUCCEEDED:
-            out.append({"model": base, "label": "final adapter", "group": group})
-        for step in ckpt_eval.checkpoint_steps(engine, run.id):
-            out.append({"model": f"{base}:checkpoint-{step}", "label": f"checkpoint {step}",
-                        "group": group})
-        for a in repo.list_artifacts(engine, run.id, kind="gguf"):
-            out.append({"model": f"{base}:{a.id}", "label": f"GGUF {a.name} (llama.cpp)",
-                        "group": group})
-    return out
 
 
 def context_note(t: Target) -> str:

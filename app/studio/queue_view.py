@@ -14,11 +14,18 @@ waits for it (not for GPU memory), and starts when the running job's ETA and the
 of the jobs placed before it have passed. The CPU lane (exports, imports, dataset validations;
 :mod:`app.studio.queue_cpu`) is shown beside, with its own running and waiting jobs.
 
+A running playground session holds its slot while its model is loaded; idle
+``settings.playground_yield_seconds`` (default 15) while a job waits for that slot, it gives the
+slot up (worker/jobs/playground.py). Its row's ``note`` says so in plain words (loading, answering
+a prompt, or idle for how long, and which job it would give its slot to), and a waiting job held
+up by a session has a ``note`` naming it (:func:`session_notes`).
+
 A member sees their own jobs in full and other users' as anonymous slots (memory, state and ETA
-only); an admin sees everything.
+only; a playground session's note without its owner or id); an admin sees everything.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +61,8 @@ class JobSlot:
     start_in_seconds: float | None = None
     position: int | None = None
     front: bool = False
+    #: plain words about a playground session this row is or waits behind (None: none)
+    note: str | None = None
 
 
 @dataclass
@@ -78,6 +87,8 @@ class QueueView:
     waiting: list[JobSlot]
     is_admin: bool
     cpu: CpuLaneView = field(default_factory=lambda: CpuLaneView(0))
+    #: seconds an idle playground session keeps a slot a waiting job needs
+    playground_yield_seconds: float = 15.0
 
 
 def _eta(engine: Engine, job: Job, t: float) -> float | None:
@@ -85,6 +96,54 @@ def _eta(engine: Engine, job: Job, t: float) -> float | None:
     if ev is None or ev.data.get("eta_seconds") is None:
         return None
     return max(0.0, float(ev.data["eta_seconds"]) - (t - ev.ts))
+
+
+def _secs(x: float) -> str:
+    """``x`` seconds in plain words: ``"15 s"`` under two minutes, else ``"3 min"``."""
+    return f"{int(x)} s" if x < 120 else f"{int(x // 60)} min"
+
+
+def session_state(engine: Engine, job: Job, t: float) -> tuple[str, float | None]:
+    """A running playground session's state from its events: ``("loading", None)`` before its
+    model is loaded, ``("busy", None)`` while a prompt is unanswered, else ``("idle", seconds
+    since its last answer or its load)``."""
+    ready = events.latest(engine, job.id, "session")
+    if ready is None:
+        return "loading", None
+    prompt = events.latest(engine, job.id, "prompt")
+    answer = events.latest(engine, job.id, "answer")
+    if prompt is not None and (answer is None or answer.id < prompt.id):
+        return "busy", None
+    last = max(ready.ts, answer.ts if answer is not None else 0.0)
+    return "idle", max(0.0, t - last)
+
+
+def session_notes(state: tuple[str, float | None], yield_s: float, waiter: str | None,
+                  holder: str) -> tuple[str, str | None]:
+    """(note of the session's own row, note of the job waiting for its slot or None).
+
+    ``state`` is :func:`session_state`'s; ``yield_s`` the settings'
+    ``playground_yield_seconds``; ``waiter`` names the first job waiting for the session's
+    slot (``"job 7"``; None: none waits); ``holder`` names the session for that job's row."""
+    what, idle = state
+    rule = f"gives its slot to waiting jobs after {_secs(yield_s)} idle"
+    if what == "loading":
+        own = f"playground session, loading its model; once idle it {rule}"
+    elif what == "busy":
+        own = f"playground session, answering a prompt; once idle it {rule}"
+    elif waiter is None:
+        own = f"idle playground session (idle {_secs(idle)}): {rule}; no job waits for it now"
+    elif idle >= yield_s:
+        own = (f"idle playground session (idle {_secs(idle)}): gives its slot to {waiter} "
+               f"now (after {_secs(yield_s)} idle)")
+    else:
+        own = (f"idle playground session (idle {_secs(idle)}): gives its slot to {waiter} "
+               f"in {_secs(math.ceil(yield_s - idle))} unless it gets a prompt")
+    if waiter is None:
+        return own, None
+    now_ = {"loading": "it is loading its model now", "busy": "it is answering a prompt now",
+            "idle": f"it has been idle {_secs(idle or 0.0)}"}[what]
+    return own, (f"waits for {holder}: an idle playground session {rule}; {now_}")
 
 
 def _frees_in(ends: list[float | None], t: float) -> float | None:
@@ -138,7 +197,7 @@ def queue_view(engine: Engine, settings: Settings, actor: User,
                            **extra)
         return JobSlot(False, None, None, None, None, need, **extra)
 
-    gpus, holds = [], {}
+    gpus, holds, sessions = [], {}, []
     for slot in slots:
         view = GpuView(slot.id, slot.host, slot.index, labels.get(slot.id, ""), slot.total_gib,
                        slot.capacity_gib, round(snap.held(slot.id)[0], 2))
@@ -147,7 +206,23 @@ def queue_view(engine: Engine, settings: Settings, actor: User,
             eta = _eta(engine, job, t)
             holds[slot.id].append((job.admitted_gib or 0.0, t + eta if eta is not None else None))
             view.running.append(slot_of(job, job.admitted_gib, eta_seconds=eta))
+            if job.kind == "playground":
+                sessions.append((view, view.running[-1], job))
         gpus.append(view)
+    # playground sessions: their state, and the job each keeps waiting (before the replay)
+    by_id = {j.id: j for j in ordered}
+    waits_on: dict[int, str] = {}
+    yield_s = settings.playground_yield_seconds
+    for view, row, job in sessions:
+        waiter = admission.waits_for(snap, job, slots)
+        name = None if waiter is None else (f"job {waiter.id}" if slot_of(waiter, None).visible
+                                            else "a waiting job")
+        where = "the CPU slot" if view.capacity_gib is None else (view.device or view.id)
+        holder = (f"playground session job {job.id}" if row.visible
+                  else "another user's playground session") + f" on {where}"
+        row.note, theirs = session_notes(session_state(engine, job, t), yield_s, name, holder)
+        if waiter is not None and waiter.id in by_id and theirs:
+            waits_on[waiter.id] = theirs
     # replay admission over the waiting jobs
     owners = {k: admission.Owner(**vars(v)) for k, v in snap.owners.items()}
     free_now = {sl.id: snap.free(sl) for sl in slots}
@@ -234,10 +309,11 @@ def queue_view(engine: Engine, settings: Settings, actor: User,
                       front=job.front_at is not None)
         if not row.visible and quota:
             row.reason = "over its owner's quota"
+        row.note = waits_on.get(job.id)
         waiting.append(row)
     lanes = sum(1 for w in live if w.device.endswith(LANE_SUFFIX))
     cpu = cpu_lane(lanes, cpu_jobs, typical, t, lambda j: _eta(engine, j, t), slot_of)
-    return QueueView(gpus, waiting, access.is_admin(actor), cpu)
+    return QueueView(gpus, waiting, access.is_admin(actor), cpu, yield_s)
 
 
 def as_json(view: QueueView) -> dict[str, Any]:
@@ -249,5 +325,6 @@ def as_json(view: QueueView) -> dict[str, Any]:
     return {"gpus": [{**{k: v for k, v in vars(g).items() if k != "running"},
                       "running": [job(j) for j in g.running]} for g in view.gpus],
             "waiting": [job(j) for j in view.waiting],
+            "playground_yield_seconds": view.playground_yield_seconds,
             "cpu": {"lanes": view.cpu.lanes, "running": [job(j) for j in view.cpu.running],
                     "waiting": [job(j) for j in view.cpu.waiting]}}

@@ -19,6 +19,7 @@ from sqlalchemy import text
 from app.settings import Settings, get_settings
 from app.store import workers as workers_store
 from app.store.db import get_engine, session_scope
+from app.studio import worker_view
 from app.web import docs, errors
 from app.web.deps import get_engine as dep_engine
 
@@ -75,7 +76,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     def healthz(request: Request) -> JSONResponse:
         """Public: ``{"status": "ok"|"degraded", "database": {"ok", "kind"}, "live_workers": n,
         "reason"?}`` (what a HEALTHCHECK or a monitor needs). A signed-in admin also gets the
-        database's ``migration`` and ``error`` and the ``workers`` (host, pid, device, job)."""
+        database's ``migration`` and ``error`` and the ``workers`` (host, pid, device, job, and
+        ``role``: supervisor | gpu_slot | cpu_slot | cpu_lane | worker, ``group``: its process)."""
         engine = dep_engine(request)
         db = {"ok": False, "kind": engine.dialect.name, "migration": None}
         live = []
@@ -84,9 +86,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 s.execute(text("SELECT 1"))
             db["ok"] = True
             db["migration"] = _migration_head(engine)
-            live = [{"id": w.id, "host": w.host, "pid": w.pid, "device": w.device,
-                     "last_seen": w.last_seen, "current_job_id": w.current_job_id}
-                    for w in workers_store.live(engine, settings.worker_stale_seconds)]
+            live = worker_view.health_rows(
+                workers_store.live(engine, settings.worker_stale_seconds))
         except Exception as exc:  # noqa: BLE001
             db["error"] = str(exc)
         body = {"status": "ok", "database": {"ok": db["ok"], "kind": db["kind"]},

@@ -90,3 +90,80 @@ def test_admin_sets_quotas_and_downloads_gpu_hours(app, client, engine) -> None:
     rows = list(csv.DictReader(io.StringIO(client.get("/admin/usage.csv").text)))
     assert [(r["job_id"], r["user"], r["gpu"], r["gpu_hours"]) for r in rows] == [
         (str(job.id), "bea", "box-gpu0", "1.5000")]
+
+
+def test_queue_says_an_idle_playground_session_gives_its_slot_to_a_waiting_job(
+        app, client, engine, monkeypatch) -> None:
+    from sqlalchemy import text
+
+    from app.store import events
+
+    monkeypatch.setattr(app.state.settings, "gpu_admit_margin", 0.1)
+    admin_id = client.get("/api/me").json()["id"]
+    _member(client)
+    workers.register(engine, GPU.id, GPU.host, 1, "cuda:0 NVIDIA test", 24.0, 0, 22.0)
+    sid = queue.enqueue(engine, "playground", {}, owner=admin_id, estimate_gib=15.0).id
+    assert queue.admit(engine, GPU, 300, ["playground"], 0.1, 24.0).id == sid
+    # loading, nothing waits: the rule is said all the same
+    row = client.get("/api/queue").json()["gpus"][0]["running"][0]
+    assert row["note"] == ("playground session, loading its model; once idle it gives its "
+                           "slot to waiting jobs after 15 s idle")
+    events.append_many(engine, sid, [("session", {"status": "ready"})])
+    with engine.begin() as c:  # loaded 40 s ago, no prompt since
+        c.execute(text("UPDATE job_events SET ts = ts - 40 WHERE job_id = :j"), {"j": sid})
+    data = client.get("/api/queue").json()
+    assert data["playground_yield_seconds"] == 15.0
+    assert data["gpus"][0]["running"][0]["note"] == (
+        "idle playground session (idle 40 s): gives its slot to waiting jobs after 15 s idle; "
+        "no job waits for it now")
+    # a training job that fits only once the session ended waits behind it
+    train = queue.enqueue(engine, "train", {}, owner=admin_id, estimate_gib=10.0).id
+    data = client.get("/api/queue").json()
+    assert data["gpus"][0]["running"][0]["note"] == (
+        f"idle playground session (idle 40 s): gives its slot to job {train} now "
+        "(after 15 s idle)")
+    wait = data["waiting"][0]
+    assert wait["job_id"] == train and wait["reason"].startswith("no GPU has room")
+    assert wait["note"] == (
+        f"waits for playground session job {sid} on cuda:0 NVIDIA test: an idle playground "
+        "session gives its slot to waiting jobs after 15 s idle; it has been idle 40 s")
+    page = client.get("/queue").text
+    assert f"gives its slot to job {train} now" in page and wait["note"] in page
+    # a prompt in flight: the session is busy
+    events.append_many(engine, sid, [("prompt", {"request_id": "r1"})])
+    data = client.get("/api/queue").json()
+    assert data["waiting"][0]["note"].endswith("it is answering a prompt now")
+    # a member sees the rule without whose session it is
+    with signed_in(app, "bea", "member-password-1") as c:
+        seen = c.get("/api/queue").json()
+        assert seen["gpus"][0]["running"][0]["note"].startswith(
+            "playground session, answering a prompt; once idle it gives its slot to waiting "
+            "jobs after 15 s idle")
+        assert seen["waiting"][0]["note"].startswith(
+            "waits for another user's playground session on cuda:0 NVIDIA test:")
+
+
+def test_on_a_cpu_slot_the_waiting_job_hears_when_the_session_yields(app, client,
+                                                                     engine) -> None:
+    from sqlalchemy import text
+
+    from app.store import events
+
+    admin_id = client.get("/api/me").json()["id"]
+    cpu = Slot("box-main", "box", None, None, None)
+    workers.register(engine, cpu.id, cpu.host, 1, "cpu slot (2 cores, one job at a time)")
+    sid = queue.enqueue(engine, "playground", {}, owner=admin_id, estimate_gib=0.1).id
+    assert queue.admit(engine, cpu, 300, ["playground"], 0.1, 24.0).id == sid
+    events.append_many(engine, sid, [("session", {"status": "ready"})])
+    with engine.begin() as c:  # idle for 5 s
+        c.execute(text("UPDATE job_events SET ts = ts - 5 WHERE job_id = :j"), {"j": sid})
+    train = queue.enqueue(engine, "train", {}, owner=admin_id, estimate_gib=1.0).id
+    data = client.get("/api/queue").json()
+    assert data["gpus"][0]["running"][0]["note"] == (
+        f"idle playground session (idle 5 s): gives its slot to job {train} in 10 s unless it "
+        "gets a prompt")
+    assert data["waiting"][0]["reason"] == (
+        "behind 1 job: the CPU slot (no GPU) runs one job at a time")
+    assert data["waiting"][0]["note"] == (
+        f"waits for playground session job {sid} on the CPU slot: an idle playground session "
+        "gives its slot to waiting jobs after 15 s idle; it has been idle 5 s")

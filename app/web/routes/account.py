@@ -21,6 +21,7 @@ from app.studio import accounts, audit, first_start
 from app.studio.errors import StudioError
 from app.web import auth, flash
 from app.web.auth import AdminUser, CurrentUser
+from app.web.deps import is_htmx
 from app.web.errors import error_response
 from app.web.render import render
 
@@ -301,7 +302,10 @@ def admin_user_change(request: Request, actor: AdminUser, user_id: str,
         if exc.kind == "not_found":
             raise
         return _admin(request, actor, status_for(exc), change_error=exc.message)
-    return _to("/admin", request, notice=f"Updated {target.name}.")
+    done = _to("/admin", request, notice=f"Updated {target.name}.")
+    if is_htmx(request):  # the confirmed Disable button: reload the admin page
+        return Response(status_code=200, headers={"HX-Redirect": "/admin"})
+    return done
 
 
 # ---- JSON ----------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from app.studio import access
 from app.studio import jobs as jobs_uc
 from app.studio.evaluation import latest_training_metric
 from app.studio import runs as runs_uc
+from app.studio import worker_view
 from app.web.deps import CurrentUser, EngineDep, SettingsDep
 from app.web.render import render
 from app.web.views import owner_names
@@ -56,6 +57,7 @@ def dashboard(request: Request, engine: EngineDep, settings: SettingsDep, user: 
     owners = owner_names(engine, user)
     return render(request, "dashboard.html",
                   {"runs": run_rows(engine, user), "workers": workers, "owners": owners,
+                   "worker_groups": worker_view.worker_groups(workers),
                    "jobs": jobs_uc.list_jobs(engine, user),
                    "job_runs": _job_runs(engine, user, [w.current_job_id for w in workers])},
                   block="runs")

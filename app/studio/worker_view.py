@@ -1,0 +1,141 @@
+"""The live workers as a user should read them (the dashboard's Workers card, ``/healthz``).
+
+One process registers several worker rows (``app.store.workers``); on their own they read as
+look-alike "workers". Each row has a *role*:
+
+* ``supervisor``: a supervisor process's own row (``python -m worker --supervise``,
+  worker/supervisor.py): it admits queued GPU jobs onto its slots and runs none itself;
+* ``gpu_slot``: one GPU of a supervisor (``<id>-gpu<i>``, ``gpu_capacity_gib`` set): training,
+  evaluation and playground jobs share it by memory;
+* ``cpu_slot``: a supervisor's slot on a box without a GPU (``<id>-main``, device ``cpu slot …``):
+  one such job at a time;
+* ``cpu_lane``: the second claim loop of a process (``<id>-cpu``, device ending
+  :data:`app.studio.queue_cpu.LANE_SUFFIX`): exports, model imports, dataset validations, one at
+  a time, beside the slots;
+* ``worker``: a plain worker process (``python -m worker``) that claims and runs jobs itself.
+
+:func:`worker_groups` puts the rows of one process (same host and pid) together: one
+:class:`WorkerGroup` per supervisor or plain worker, its slots and lane named as such.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from app.store.schema import Worker
+from app.studio.queue_cpu import LANE_SUFFIX
+
+ROLES = ("supervisor", "gpu_slot", "cpu_slot", "cpu_lane", "worker")
+
+
+@dataclass
+class WorkerPart:
+    """One worker row: ``id``, ``role`` (see :data:`ROLES`), ``name`` (``"GPU 0 slot"``,
+    ``"CPU lane"``, …), ``what`` (plain words: what it runs), ``device``, ``job_id`` (the job
+    its heartbeat last reported, None: idle), ``last_seen`` (epoch seconds)."""
+
+    id: str
+    role: str
+    name: str
+    what: str
+    device: str
+    job_id: int | None
+    last_seen: float
+
+
+@dataclass
+class WorkerGroup:
+    """One process: ``id`` (its own row's id), ``kind`` (``supervisor`` | ``worker``),
+    ``host``, ``pid``, ``what`` (plain words), ``parts`` (its own row first, then its slots by
+    index, then its CPU lane) and ``last_seen`` (the newest of its rows, epoch seconds)."""
+
+    id: str
+    kind: str
+    host: str
+    pid: int
+    what: str
+    parts: list[WorkerPart] = field(default_factory=list)
+    last_seen: float = 0.0
+
+    @property
+    def slots(self) -> list[WorkerPart]:
+        """The GPU or CPU slots of a supervisor (empty for a plain worker)."""
+        return [p for p in self.parts if p.role in ("gpu_slot", "cpu_slot")]
+
+    @property
+    def lane(self) -> WorkerPart | None:
+        """Its CPU lane, if it runs one."""
+        return next((p for p in self.parts if p.role == "cpu_lane"), None)
+
+
+def _is_slot(w: Worker) -> bool:
+    return w.gpu_capacity_gib is not None or w.device.startswith("cpu slot")
+
+
+def role_of(w: Worker, slot_processes: set[tuple[str, int]]) -> str:
+    """The role of row ``w`` (see the module docstring); ``slot_processes`` are the (host, pid)
+    of the processes that registered a slot (their other, non-lane row is their supervisor)."""
+    if w.gpu_capacity_gib is not None:
+        return "gpu_slot"
+    if w.device.startswith("cpu slot"):
+        return "cpu_slot"
+    if w.device.endswith(LANE_SUFFIX):
+        return "cpu_lane"
+    return "supervisor" if (w.host, w.pid) in slot_processes else "worker"
+
+
+def _part(w: Worker, role: str) -> WorkerPart:
+    if role == "gpu_slot":
+        name = f"GPU {w.gpu_index} slot" if w.gpu_index is not None else "GPU slot"
+        total = f" of {w.gpu_total_gib:.1f}" if w.gpu_total_gib else ""
+        what = (f"{w.gpu_capacity_gib:.1f}{total} GiB admissible: training, evaluation and "
+                "playground jobs share it by memory")
+    elif role == "cpu_slot":
+        name, what = "CPU slot (no GPU)", "one training, evaluation or playground job at a time"
+    elif role == "cpu_lane":
+        name, what = ("CPU lane", "exports, model imports and dataset validations, one at a "
+                      "time, beside the slots")
+    elif role == "supervisor":
+        name, what = "supervisor", "admits queued jobs onto its slots; runs none itself"
+    else:
+        name, what = "main loop", "claims queued jobs and runs them one at a time"
+    device = w.device[:-len(LANE_SUFFIX)].strip() if role == "cpu_lane" else w.device
+    return WorkerPart(w.id, role, name, what, device, w.current_job_id, w.last_seen)
+
+
+def worker_groups(rows: list[Worker]) -> list[WorkerGroup]:
+    """The live worker ``rows`` grouped by process (see the module docstring), ordered by host
+    and id."""
+    slot_processes = {(w.host, w.pid) for w in rows if _is_slot(w)}
+    by_process: dict[tuple[str, int], list[WorkerPart]] = {}
+    for w in rows:
+        by_process.setdefault((w.host, w.pid), []).append(_part(w, role_of(w, slot_processes)))
+    order = {r: i for i, r in enumerate(("supervisor", "worker", "gpu_slot", "cpu_slot",
+                                         "cpu_lane"))}
+    groups = []
+    for (host, pid), parts in by_process.items():
+        parts.sort(key=lambda p: (order[p.role], p.id))
+        head = parts[0]
+        kind = "supervisor" if (host, pid) in slot_processes else "worker"
+        n = sum(1 for p in parts if p.role == "gpu_slot")
+        if kind == "supervisor":
+            slots = (f"{n} GPU slot{'s' if n != 1 else ''}" if n else "a CPU slot (no GPU)")
+            what = f"supervisor with {slots}" + (" and a CPU lane" if any(
+                p.role == "cpu_lane" for p in parts) else "")
+        else:
+            what = "plain worker: runs the jobs it claims itself" + (
+                ", with a CPU lane" if any(p.role == "cpu_lane" for p in parts) else "")
+        groups.append(WorkerGroup(head.id if head.role in ("supervisor", "worker") else
+                                  head.id.rsplit("-", 1)[0], kind, host, pid, what, parts,
+                                  max(p.last_seen for p in parts)))
+    groups.sort(key=lambda g: (g.host, g.id))
+    return groups
+
+
+def health_rows(rows: list[Worker]) -> list[dict]:
+    """The ``/healthz`` ``workers`` entries, in ``rows``' order: each row's ``id``, ``host``,
+    ``pid``, ``device``, ``last_seen``, ``current_job_id`` and, added, its ``role`` and
+    ``group`` (the id of the process it belongs to)."""
+    of = {p.id: (p.role, g.id) for g in worker_groups(rows) for p in g.parts}
+    return [{"id": w.id, "host": w.host, "pid": w.pid, "device": w.device,
+             "last_seen": w.last_seen, "current_job_id": w.current_job_id,
+             "role": of[w.id][0], "group": of[w.id][1]} for w in rows]
