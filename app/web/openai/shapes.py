@@ -14,6 +14,7 @@ from typing import Any
 from app.store import events, queue, repo
 from app.store.schema import Artifact, Dataset, JobState, Run
 from app.store.specs import GrpoSpec, TrainSpec
+from app.studio import artifacts
 
 #: ``organization_id`` of every fine-tuning job, and ``owned_by`` of its fine-tuned model.
 ORGANIZATION = "whetstone"
@@ -67,7 +68,7 @@ def job_object(engine, run: Run, job=None, model_name: str | None = None) -> dic
     error = None
     if job is not None and job.state == JobState.FAILED:
         error = {"code": "training_failed", "message": job.error or "the job failed", "param": None}
-    arts = repo.list_artifacts(engine, run.id) if status == "succeeded" else []
+    arts = artifacts.present(engine, run.id) if status == "succeeded" else []
     metric = events.latest(engine, job.id, "metric") if job is not None else None
     return {
         "id": run.id, "object": "fine_tuning.job", "created_at": int(run.created_at),

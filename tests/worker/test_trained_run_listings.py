@@ -1,0 +1,67 @@
+"""What users see of a real trained run (stories260K on the CPU, the real ``train`` job in an
+in-process worker loop, everything read over HTTP): checkpoints the trainer rotated away
+(``save_total_limit=2``) are no longer listed, and no /api or /v1 answer shows a server path.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from app.store import repo
+from app.store.schema import JobState
+from tests.conftest import SHARED_DATA, STORIES
+from tests.worker.conftest import inline_studio
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not (STORIES / "stories260K.bin").exists(),
+                                 reason=f"no test data at {SHARED_DATA}")]
+
+IDENTITY = SHARED_DATA / "sft" / "identity_alpaca.json"
+#: 24 rows at batch 4: 6 steps an epoch; 4 steps with a checkpoint each, the trainer keeps 2.
+SPEC = {"model": "stories260K", "max_steps": 4, "save_steps": 1, "logging_steps": 1,
+        "per_device_train_batch_size": 4, "gradient_accumulation_steps": 1, "r": 4,
+        "lora_alpha": 8, "max_seq_length": 96, "chat_template": "chatml", "seed": 3}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    d = tmp_path_factory.mktemp("listings")
+    rows = d / "identity24.json"
+    rows.write_text(json.dumps(json.loads(IDENTITY.read_text())[:24]))
+    with inline_studio(d / "data", [rows], "w-listings") as studio:
+        c = studio["client"]
+        r = c.post("/api/runs", json={**SPEC, "dataset": studio["ids"][rows.name]})
+        assert r.status_code == 201, r.text
+        studio["worker"].serve(once=True)
+        run = c.get(f"/api/runs/{r.json()['id']}").json()
+        assert run["state"] == JobState.SUCCEEDED, run
+        yield {**studio, "run": run, "data_dir": d / "data"}
+
+
+def test_rotated_checkpoints_are_not_listed(trained):
+    c, run, eng = trained["client"], trained["run"], trained["engine"]
+    folder = trained["data_dir"] / "runs" / run["id"] / "checkpoints"
+    assert sorted(p.name for p in folder.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-4"]
+    ckpts = [a for a in run["artifacts"] if a["kind"] == "checkpoint"]
+    assert sorted(a["name"] for a in ckpts) == ["checkpoint-3", "checkpoint-4"]
+    assert sorted(a.meta["step"] for a in repo.list_artifacts(eng, run["id"], "checkpoint")) \
+        == [3, 4]  # the rows of checkpoint-1 and -2 were deleted when the trainer removed them
+    assert all(a["download_url"] is None for a in ckpts)  # folders: not served as one file
+    for a in run["artifacts"]:
+        if a["download_url"]:
+            assert c.get(a["download_url"]).status_code == 200, a
+    listed = c.get(f"/v1/fine_tuning/jobs/{run['id']}/checkpoints").json()["data"]
+    assert [x["step_number"] for x in listed] == [4, 3]
+
+
+def test_no_server_path_in_api_or_v1_answers(trained):
+    c, run = trained["client"], trained["run"]
+    adapter = next(a for a in run["artifacts"] if a["kind"] == "adapter")
+    assert adapter["meta"] == {"format": "peft"} and "path" not in adapter
+    assert repo.get_artifact(trained["engine"], adapter["id"]).meta["folder"].endswith("adapter")
+    root = str(trained["data_dir"].resolve())
+    for url in (f"/api/runs/{run['id']}", "/api/runs", f"/v1/fine_tuning/jobs/{run['id']}",
+                f"/v1/fine_tuning/jobs/{run['id']}/checkpoints", f"/v1/files/{adapter['id']}"):
+        r = c.get(url)
+        assert r.status_code == 200 and root not in r.text, (url, r.text[:2000])
