@@ -1,11 +1,14 @@
 """What users see of a real trained run (stories260K on the CPU, the real ``train`` job in an
-in-process worker loop, everything read over HTTP): checkpoints the trainer rotated away
-(``save_total_limit=2``) are no longer listed, and no /api or /v1 answer shows a server path.
+in-process worker loop, everything read over HTTP, /v1 with the openai client): checkpoints the
+trainer rotated away (``save_total_limit=2``) are no longer listed, no /api or /v1 answer shows
+a server path, every checkpoint id chat accepts is a model GET /v1/models/{id} knows, a bad
+``after`` cursor is an error naming it, and ``n_epochs`` is the epochs a max_steps run does.
 """
 from __future__ import annotations
 
 import json
 
+import openai
 import pytest
 
 from app.store import repo
@@ -18,8 +21,9 @@ pytestmark = [pytest.mark.slow,
                                  reason=f"no test data at {SHARED_DATA}")]
 
 IDENTITY = SHARED_DATA / "sft" / "identity_alpaca.json"
-#: 24 rows at batch 4: 6 steps an epoch; 4 steps with a checkpoint each, the trainer keeps 2.
-SPEC = {"model": "stories260K", "max_steps": 4, "save_steps": 1, "logging_steps": 1,
+#: 8 rows at batch 4: 2 steps an epoch, so 5 steps are 3 epochs; a checkpoint every step, the
+#: trainer keeps the newest 2.
+SPEC = {"model": "stories260K", "max_steps": 5, "save_steps": 1, "logging_steps": 1,
         "per_device_train_batch_size": 4, "gradient_accumulation_steps": 1, "r": 4,
         "lora_alpha": 8, "max_seq_length": 96, "chat_template": "chatml", "seed": 3}
 
@@ -27,8 +31,8 @@ SPEC = {"model": "stories260K", "max_steps": 4, "save_steps": 1, "logging_steps"
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     d = tmp_path_factory.mktemp("listings")
-    rows = d / "identity24.json"
-    rows.write_text(json.dumps(json.loads(IDENTITY.read_text())[:24]))
+    rows = d / "identity8.json"
+    rows.write_text(json.dumps(json.loads(IDENTITY.read_text())[:8]))
     with inline_studio(d / "data", [rows], "w-listings") as studio:
         c = studio["client"]
         r = c.post("/api/runs", json={**SPEC, "dataset": studio["ids"][rows.name]})
@@ -36,23 +40,26 @@ def trained(tmp_path_factory):
         studio["worker"].serve(once=True)
         run = c.get(f"/api/runs/{r.json()['id']}").json()
         assert run["state"] == JobState.SUCCEEDED, run
-        yield {**studio, "run": run, "data_dir": d / "data"}
+        oai = openai.OpenAI(base_url=f"{c.base_url}/v1", http_client=c, max_retries=0,
+                            api_key=c.headers["Authorization"].removeprefix("Bearer "))
+        yield {**studio, "run": run, "data_dir": d / "data", "oai": oai,
+               "file": studio["ids"][rows.name]}
 
 
 def test_rotated_checkpoints_are_not_listed(trained):
     c, run, eng = trained["client"], trained["run"], trained["engine"]
     folder = trained["data_dir"] / "runs" / run["id"] / "checkpoints"
-    assert sorted(p.name for p in folder.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-4"]
+    assert sorted(p.name for p in folder.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-5"]
     ckpts = [a for a in run["artifacts"] if a["kind"] == "checkpoint"]
-    assert sorted(a["name"] for a in ckpts) == ["checkpoint-3", "checkpoint-4"]
+    assert sorted(a["name"] for a in ckpts) == ["checkpoint-4", "checkpoint-5"]
     assert sorted(a.meta["step"] for a in repo.list_artifacts(eng, run["id"], "checkpoint")) \
-        == [3, 4]  # the rows of checkpoint-1 and -2 were deleted when the trainer removed them
+        == [4, 5]  # the rows of checkpoint-1 to -3 were deleted when the trainer removed them
     assert all(a["download_url"] is None for a in ckpts)  # folders: not served as one file
     for a in run["artifacts"]:
         if a["download_url"]:
             assert c.get(a["download_url"]).status_code == 200, a
     listed = c.get(f"/v1/fine_tuning/jobs/{run['id']}/checkpoints").json()["data"]
-    assert [x["step_number"] for x in listed] == [4, 3]
+    assert [x["step_number"] for x in listed] == [5, 4]
 
 
 def test_no_server_path_in_api_or_v1_answers(trained):
@@ -65,3 +72,20 @@ def test_no_server_path_in_api_or_v1_answers(trained):
                 f"/v1/fine_tuning/jobs/{run['id']}/checkpoints", f"/v1/files/{adapter['id']}"):
         r = c.get(url)
         assert r.status_code == 200 and root not in r.text, (url, r.text[:2000])
+
+
+def test_every_checkpoint_model_id_is_a_model(trained):
+    oai, run = trained["oai"], trained["run"]
+    job = oai.fine_tuning.jobs.retrieve(run["id"])
+    ids = [c.fine_tuned_model_checkpoint
+           for c in oai.fine_tuning.jobs.checkpoints.list(run["id"]).data]
+    assert ids == [f"{job.fine_tuned_model}:ckpt-step-{s}" for s in (5, 4)]
+    for model_id in (*ids, job.fine_tuned_model, f"{job.fine_tuned_model}:checkpoint-4"):
+        got = oai.models.retrieve(model_id)
+        assert (got.id, got.owned_by, got.object) == (model_id, "whetstone", "model")
+    for missing in (f"{job.fine_tuned_model}:ckpt-step-1",   # rotated away
+                    f"{job.fine_tuned_model}:ckpt-step-x", f"{job.fine_tuned_model}:art-nope"):
+        with pytest.raises(openai.NotFoundError) as exc:
+            oai.models.retrieve(missing)
+        assert exc.value.body["param"] == "model" and exc.value.body["code"] == "model_not_found"
+
