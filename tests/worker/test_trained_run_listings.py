@@ -89,3 +89,15 @@ def test_every_checkpoint_model_id_is_a_model(trained):
             oai.models.retrieve(missing)
         assert exc.value.body["param"] == "model" and exc.value.body["code"] == "model_not_found"
 
+
+def test_list_after_an_unknown_job_is_an_error(trained):
+    oai, run = trained["oai"], trained["run"]
+    with pytest.raises(openai.NotFoundError) as exc:
+        oai.fine_tuning.jobs.list(after="ftjob-nope")
+    assert exc.value.body["param"] == "after" and "ftjob-nope" in exc.value.body["message"]
+    assert exc.value.body["type"] == "invalid_request_error"
+    assert [j.id for j in oai.fine_tuning.jobs.list().data][-1] == run["id"]
+    assert oai.fine_tuning.jobs.list(after=run["id"]).data == []
+    r = trained["client"].get("/api/runs", params={"after": "ftjob-nope"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "after"
+
