@@ -101,3 +101,23 @@ def test_list_after_an_unknown_job_is_an_error(trained):
     r = trained["client"].get("/api/runs", params={"after": "ftjob-nope"})
     assert r.status_code == 404 and r.json()["error"]["param"] == "after"
 
+
+def test_n_epochs_is_what_a_max_steps_run_does(trained):
+    oai, run = trained["oai"], trained["run"]
+    done = oai.fine_tuning.jobs.retrieve(run["id"])  # 5 steps of 2 an epoch, as trained
+    assert done.hyperparameters.n_epochs == 3 == done.method.supervised.hyperparameters.n_epochs
+    # planned from the dataset before training: 8 rows less 25% held out = 6, at batch 2 with
+    # no accumulation 3 steps an epoch: 7 steps are 3 epochs (without the hold-out: 2)
+    queued = oai.fine_tuning.jobs.create(
+        model="stories260K", training_file=trained["file"], hyperparameters={"batch_size": 2},
+        extra_body={"max_steps": 7, "gradient_accumulation_steps": 1,
+                    "validation_split_percentage": 25})
+    assert queued.status == "queued" and queued.hyperparameters.n_epochs == 3
+    whole = oai.fine_tuning.jobs.create(model="stories260K", training_file=trained["file"],
+                                        hyperparameters={"n_epochs": 2})
+    assert whole.hyperparameters.n_epochs == 2  # no max_steps: the epochs asked for
+    packed = oai.fine_tuning.jobs.create(model="stories260K", training_file=trained["file"],
+                                         extra_body={"max_steps": 7, "packing": True})
+    assert packed.hyperparameters.n_epochs == "auto"  # packing: the sequence count is unknown
+    for j in (queued, whole, packed):
+        oai.fine_tuning.jobs.cancel(j.id)
