@@ -66,7 +66,11 @@ def record(engine, run_id: str, job_id: int, step: int, folder: Path, model=None
     """Record a checkpoint the trainer just saved as an ``Artifact(kind="checkpoint")`` of the
     run (``meta.step``; ``path`` the folder), so a cancelled or failed run can be exported from
     its newest one. With ``model`` (the base's row) the folder's ``adapter_config.json`` names
-    the base as others load it (:func:`worker.jobs.card.make_portable`), not a server path."""
+    the base as others load it (:func:`worker.jobs.card.make_portable`), not a server path.
+
+    The trainer rotates its checkpoints (``save_total_limit``) before it reports a save, so
+    the rows of the run's checkpoints whose folder is gone are deleted here: the run's
+    listings show only checkpoints that can still be used."""
     from app.store import repo
     from app.store.schema import Artifact
 
@@ -78,6 +82,9 @@ def record(engine, run_id: str, job_id: int, step: int, folder: Path, model=None
     repo.add_artifact(engine, Artifact(run_id=run_id, job_id=job_id, kind="checkpoint",
                                        name=folder.name, path=str(folder), bytes=size,
                                        meta={"step": step}))
+    gone = [a.id for a in repo.list_artifacts(engine, run_id, "checkpoint")
+            if not Path(a.path).is_dir()]
+    repo.delete_artifacts(engine, gone)
 
 
 def recorder(ctx, run_id: str, model=None):

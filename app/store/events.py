@@ -14,6 +14,7 @@ Event ``data`` by type:
 """
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from sqlalchemy.engine import Engine
@@ -21,6 +22,22 @@ from sqlmodel import Session, select
 
 from app.store.db import session_scope
 from app.store.schema import JobEvent, now
+
+#: The largest row id SQLite (and a Postgres BIGINT) can hold; a larger cursor matches no row.
+MAX_ID = 2**63 - 1
+
+
+def parse_id(value: Any) -> int | None:
+    """A row-id cursor (``Last-Event-ID``, ``?after=``, ``?before=``) as an int, or None when
+    it is not a non-negative decimal integer of at most :data:`MAX_ID` (text, surrounding
+    blanks allowed). Such a value is never handed to the database, where it would overflow."""
+    if isinstance(value, bool) or value is None:
+        return None
+    text = str(value).strip()
+    if not re.fullmatch(r"[0-9]{1,19}", text):
+        return None
+    n = int(text)
+    return n if n <= MAX_ID else None
 
 
 def append(session: Session, job_id: int, type: str, data: dict[str, Any]) -> JobEvent:
@@ -57,6 +74,14 @@ def recent(engine: Engine, job_id: int, type: str, limit: int = 10) -> list[JobE
         q = (select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.type == type)
              .order_by(JobEvent.id.desc()).limit(limit))
         return list(s.exec(q).all())
+
+
+def newest_id(engine: Engine, job_id: int) -> int:
+    """The id of ``job_id``'s newest event, 0 when it has none."""
+    with session_scope(engine) as s:
+        q = (select(JobEvent.id).where(JobEvent.job_id == job_id)
+             .order_by(JobEvent.id.desc()).limit(1))
+        return s.exec(q).first() or 0
 
 
 def latest(engine: Engine, job_id: int, type: str) -> JobEvent | None:

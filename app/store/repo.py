@@ -380,6 +380,18 @@ def delete_job_artifacts(engine: Engine, job_id: int) -> list[Artifact]:
         return arts
 
 
+def delete_artifacts(engine: Engine, artifact_ids: list[str]) -> int:
+    """Delete the artifact rows ``artifact_ids`` (their files are already gone); returns how
+    many were deleted."""
+    if not artifact_ids:
+        return 0
+    with session_scope(engine, immediate=True) as s:
+        arts = list(s.exec(select(Artifact).where(Artifact.id.in_(artifact_ids))).all())
+        for a in arts:
+            s.delete(a)
+        return len(arts)
+
+
 def get_artifact(engine: Engine, artifact_id: str) -> Artifact:
     """Load an artifact by id. Raises NotFound."""
     with session_scope(engine) as s:

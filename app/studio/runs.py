@@ -288,7 +288,15 @@ def create_sft_run(engine: Engine, settings: Settings, actor: User, spec: TrainS
 
 
 def list_runs(engine: Engine, actor: User, limit: int = 100, after: str | None = None) -> list[Run]:
-    """The runs ``actor`` may see, newest first (``after``: a run id, OpenAI-style cursor)."""
+    """The runs ``actor`` may see, newest first (``after``: a run id, OpenAI-style cursor).
+    Raises StudioError not_found (field ``after``) when ``after`` is not a run ``actor`` may
+    see: a silent first page would repeat the runs a client already has."""
+    if after:
+        try:
+            access.run(engine, actor, after)
+        except StudioError:
+            raise StudioError("not_found", f"after: no fine-tuning job with id {after!r} to list "
+                              "after", "after", "fine_tuning_job_not_found") from None
     return repo.list_runs(engine, limit=limit, after=after, owner=access.owner_filter(actor))
 
 

@@ -43,14 +43,13 @@ POLL_RETRIES = 3      # consecutive failed polls (a busy database) before the st
 
 
 def start_after(last_event_id: str | None, after: str | int | None) -> int:
-    """The event id to start after: the larger valid one of the header and ``?after=``."""
-    best = 0
-    for value in (last_event_id, after):
-        try:
-            best = max(best, int(str(value).strip()))
-        except (TypeError, ValueError):
-            continue
-    return best
+    """The event id to start after: the larger valid one of the header and ``?after=``.
+
+    A value that is not a non-negative integer within SQLite's int64 range
+    (:func:`events.parse_id`) is ignored, as the SSE spec lets a server ignore a
+    ``Last-Event-ID`` it cannot use: the stream then starts from the beginning."""
+    return max((n for n in map(events.parse_id, (last_event_id, after)) if n is not None),
+               default=0)
 
 
 def event_payload(ev) -> dict[str, Any]:
@@ -258,7 +257,11 @@ async def job_event_stream(engine: Engine, job_id: int, after_id: int,
 
     Served by the job's shared :class:`JobFeed`; events older than its backlog are read from
     the database for this subscriber alone. ``poll_seconds`` (seconds) applies when this call
-    starts the feed."""
+    starts the feed. A cursor past the job's newest event is no id this job ever sent (a
+    bad ``Last-Event-ID``): it is ignored and the stream starts from the beginning, so it can
+    neither skip events nor start the shared feed where other subscribers would miss some."""
+    if after_id > 0 and after_id > await run_in_threadpool(events.newest_id, engine, job_id):
+        after_id = 0
     feed = subscribe(engine, job_id, after_id, poll_seconds)
     try:
         cursor = after_id

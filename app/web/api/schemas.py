@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from app.store import events, repo
 from app.store.schema import Dataset, Model, Run
 from app.studio import access
-from app.studio import calibration
+from app.studio import artifacts, calibration
 from app.web.errors import ApiError
 
 
@@ -182,9 +182,7 @@ def run_out(engine, run: Run, full: bool = False) -> RunOut:
                  events_url=f"/runs/{run.id}/events", memory=calibration.memory_summary(job))
     if full:
         out.metrics = metrics_summary(engine, run.job_id)
-        out.artifacts = [{**a.model_dump(mode="json", exclude={"path"}),
-                          "download_url": f"/artifacts/{a.id}/download"}
-                         for a in repo.list_artifacts(engine, run.id)]
+        out.artifacts = [artifacts.public(a) for a in artifacts.present(engine, run.id)]
     return out
 
 

@@ -172,11 +172,10 @@ def list_events(job_id: str, engine: EngineDep, user: CurrentUser, after: str | 
     limit = max(1, min(limit, 10000))
     before = None
     if after:
-        try:
-            before = int(after.removeprefix("ftevent-"))
-        except ValueError:
+        before = events.parse_id(after.removeprefix("ftevent-"))
+        if before is None:
             raise ApiError(400, f"after must be an event id such as ftevent-12, not {after!r}", "after",
-                           "invalid_value") from None
+                           "invalid_value")
     evs = _all_events(engine, run.job_id, before) if run.job_id is not None else []
     evs.reverse()  # newest first, as OpenAI lists them
     page = evs[:limit]

@@ -13,9 +13,9 @@ from typing import Any
 from fastapi import APIRouter
 
 from app.store import repo
-from app.store.schema import JobState
 from app.studio import access
 from app.studio import models as models_uc
+from app.studio import playground as pg
 from app.studio.errors import StudioError
 from app.web.deps import CurrentUser, EngineDep
 from app.web.errors import ApiError
@@ -41,22 +41,27 @@ def list_models(engine: EngineDep, user: CurrentUser):
 
 @router.get("/models/{model_id}")
 def retrieve_model(model_id: str, engine: EngineDep, user: CurrentUser):
+    """A base model (listed while its import is pending too) or any id chat accepts, resolved
+    by the one resolver chat uses (:func:`app.studio.playground.resolve`): a succeeded run's
+    ``…:ft:<job>``, a checkpoint on disk (``…:ckpt-step-<n>`` as the checkpoints list names it,
+    or ``…:checkpoint-<n>``) and a GGUF export (``…:ft:<job>:<artifact id>``). 404 otherwise."""
     for m in models_uc.usable_models(engine, user):
         if m.name == model_id:
             return model_object(m.name, m.created_at, m.source)
-    base, sep, run_id = model_id.rpartition(":ft:")
-    if sep:
-        try:
-            run, job = access.run_with_job(engine, user, run_id)
-        except StudioError:
-            run, job = None, None
-        if run is not None and job is not None and job.state == JobState.SUCCEEDED:
-            try:
-                name = repo.get_model(engine, run.model_id).name
-            except repo.NotFound:
-                name = run.model_id
-            if name == base:
-                return _fine_tuned(run, job, base)
-    raise ApiError(404, f"The model {model_id!r} does not exist: GET /v1/models lists the base "
-                        "models and the fine-tuned models of succeeded jobs", "model",
-                   "model_not_found")
+    try:
+        t = pg.resolve(engine, user, model_id)
+    except StudioError:
+        t = None
+    if t is None or t.run is None:
+        raise ApiError(404, f"The model {model_id!r} does not exist: GET /v1/models lists the base "
+                            "models and the fine-tuned models of succeeded jobs; GET /v1/fine_tuning/"
+                            "jobs/{id}/checkpoints their checkpoints", "model", "model_not_found")
+    if t.artifact is not None:
+        created = t.artifact.created_at
+    elif t.checkpoint_step is not None:
+        created = next((a.created_at for a in repo.list_artifacts(engine, t.run.id, "checkpoint")
+                        if (a.meta or {}).get("step") == t.checkpoint_step), t.run.created_at)
+    else:
+        _, job = repo.run_with_job(engine, t.run.id)
+        created = (job.finished_at if job is not None else None) or t.run.created_at
+    return model_object(model_id, created, ORGANIZATION)

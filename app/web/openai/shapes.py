@@ -14,6 +14,7 @@ from typing import Any
 from app.store import events, queue, repo
 from app.store.schema import Artifact, Dataset, JobState, Run
 from app.store.specs import GrpoSpec, TrainSpec
+from app.studio import artifacts, epochs
 
 #: ``organization_id`` of every fine-tuning job, and ``owned_by`` of its fine-tuned model.
 ORGANIZATION = "whetstone"
@@ -32,10 +33,6 @@ def fine_tuned_model_id(model_name: str, run_id: str) -> str:
 
 def _status(job) -> str:
     return "queued" if job is None else job.state
-
-
-def _int_if_whole(x):
-    return int(x) if isinstance(x, float) and x.is_integer() else x
 
 
 def _trained_tokens(job) -> int | None:
@@ -61,13 +58,13 @@ def job_object(engine, run: Run, job=None, model_name: str | None = None) -> dic
     if run.kind == "grpo":
         hp = reinforcement_hyperparameters(spec)
     else:
-        hp = {"n_epochs": _int_if_whole(spec.get("num_train_epochs")),
+        hp = {"n_epochs": epochs.n_epochs(engine, run, job),
               "batch_size": spec.get("per_device_train_batch_size"),
               "learning_rate_multiplier": round(spec.get("learning_rate", BASE_LR) / BASE_LR, 10)}
     error = None
     if job is not None and job.state == JobState.FAILED:
         error = {"code": "training_failed", "message": job.error or "the job failed", "param": None}
-    arts = repo.list_artifacts(engine, run.id) if status == "succeeded" else []
+    arts = artifacts.present(engine, run.id) if status == "succeeded" else []
     metric = events.latest(engine, job.id, "metric") if job is not None else None
     return {
         "id": run.id, "object": "fine_tuning.job", "created_at": int(run.created_at),

@@ -16,6 +16,7 @@ from fastapi.security import OAuth2PasswordRequestForm
 from pydantic import BaseModel, ConfigDict
 from sqlalchemy.engine import Engine
 
+from app.store.events import parse_id
 from app.store.schema import ApiKey, User
 from app.studio import accounts, audit, first_start
 from app.studio.errors import StudioError
@@ -204,7 +205,7 @@ AUDIT_PAGE = 50
 
 
 def _int(value: str | None) -> int | None:
-    return int(value) if value and value.isdigit() else None
+    return parse_id(value)
 
 
 def _detail(detail: dict | None, names: dict[str, str]) -> list[tuple[str, str]]:
