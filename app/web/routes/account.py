@@ -179,7 +179,12 @@ def account_key_create(request: Request, user: CurrentUser, name: Annotated[str,
 
 @router.post("/account/keys/{key_id}/revoke")
 def account_key_revoke(request: Request, user: CurrentUser, key_id: str):
+    """Revoke one of the user's API keys (the page asks first, naming it); back to the account
+    page with a notice (htmx: ``HX-Redirect``)."""
     key = accounts.revoke_api_key(_engine(request), user, key_id)
+    if is_htmx(request):
+        flash.push(request, key_notice=f"Revoked the key {key.name}.")
+        return Response(status_code=200, headers={"HX-Redirect": "/account"})
     return _to("/account", request, key_notice=f"Revoked the key {key.name}.")
 
 
