@@ -13,6 +13,7 @@ from app.settings import Settings
 from app.store import workers
 from app.store.schema import Job, JobState, User
 from app.studio.queue_view import attempt_metric, queue_view
+from app.studio.worker_view import any_gpu
 
 
 @dataclass
@@ -61,9 +62,7 @@ def on_gpu(engine: Engine, settings: Settings, job: Job | None) -> bool | None:
         slot = next((w for w in live if w.id == job.gpu_slot), None)
         if slot is not None:
             return slot.gpu_capacity_gib is not None
-    if not live:
-        return None
-    return any(w.gpu_capacity_gib is not None for w in live)
+    return any_gpu(live)
 
 
 def run_place(engine: Engine, settings: Settings, actor: User, job: Job | None) -> RunPlace:

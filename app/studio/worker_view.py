@@ -139,6 +139,14 @@ def worker_groups(rows: list[Worker]) -> list[WorkerGroup]:
     return groups
 
 
+def any_gpu(rows: list[Worker]) -> bool | None:
+    """Whether the live worker ``rows`` have a GPU slot (a job of a GPU kind runs on a GPU);
+    False: only CPU slots (a CPU-only box); None: no live worker, nothing tells."""
+    if not rows:
+        return None
+    return any(w.gpu_capacity_gib is not None for w in rows)
+
+
 def visible_groups(engine: Engine, actor: User | None, rows: list[Worker]) -> list[WorkerGroup]:
     """:func:`worker_groups` as ``actor`` may see them (the dashboard's Workers card): an admin
     sees everything; anyone else no host, pid or process id (``id`` becomes ``"worker 1"``,

@@ -10,3 +10,27 @@ def test_too_large_max_tokens_is_printed_as_given(client) -> None:
         err = r.json()["error"]
         assert (err["param"], err["message"]) == (
             "max_tokens", f"must be at least 1 and at most 8192, not {shown}"), err
+
+
+def _lane(html: str, job_id: int) -> str:
+    import re
+
+    row = html[html.index(f'<tr data-job="{job_id}"'):]
+    return re.findall(r"<td>([^<]*)</td>", row[:row.index("</tr>")])[2]
+
+
+def test_jobs_lane_is_named_as_the_slot_it_is(client, engine) -> None:
+    """A CPU-only box's training job waits for the "CPU slot (no GPU)", not "gpu"."""
+    from app.store import queue, workers
+
+    me = client.get("/api/me").json()["id"]
+    train = queue.enqueue(engine, "train", {}, owner=me).id
+    export = queue.enqueue(engine, "export", {}, owner=me, priority=5).id
+    workers.register(engine, "vm-main", "vm", 1, "cpu slot (2 cores, one job at a time)")
+    html = client.get("/").text
+    assert (_lane(html, train), _lane(html, export)) == ("CPU slot (no GPU)", "CPU lane")
+    assert "Training waits for the CPU slot (no GPU: one job at a time)" in html
+    assert "GPU lane" not in html and "<td>gpu</td>" not in html
+    workers.register(engine, "box-gpu0", "box", 2, "cuda:0 NVIDIA test", 24.0, 0, 22.0)
+    html = client.get("/").text
+    assert (_lane(html, train), _lane(html, export)) == ("GPU slot", "CPU lane")
