@@ -34,3 +34,24 @@ def test_jobs_lane_is_named_as_the_slot_it_is(client, engine) -> None:
     workers.register(engine, "box-gpu0", "box", 2, "cuda:0 NVIDIA test", 24.0, 0, 22.0)
     html = client.get("/").text
     assert (_lane(html, train), _lane(html, export)) == ("GPU slot", "CPU lane")
+
+
+def test_dataset_report_bounds_max_seq_length_as_the_run_form_does(client) -> None:
+    from app.store.specs import TrainSpec
+    from tests.conftest import SHARED_DATA
+    from tests.web.conftest import run_validations
+
+    path = SHARED_DATA / "sft" / "alpaca_en_demo.json"
+    r = client.post("/datasets", files={"file": (path.name, path.read_bytes())},
+                    follow_redirects=False)
+    ds_id = r.headers["location"].rsplit("/", 1)[1]
+    run_validations(client.app)
+    hx = {"HX-Request": "true"}
+    meta = TrainSpec.model_fields["max_seq_length"].metadata
+    assert [getattr(m, "ge", None) or getattr(m, "le", None) for m in meta] == [8, 1048576]
+    for bad in ("100000000000000000000000", "1048577", "7", "abc", "1e3"):
+        r = client.get(f"/datasets/{ds_id}/report?max_seq_length={bad}", headers=hx)
+        assert r.status_code == 422, bad
+        assert "max_seq_length must be a whole number from 8 to 1048576 tokens" in r.text, bad
+    r = client.get(f"/datasets/{ds_id}/report?max_seq_length=1048576", headers=hx)
+    assert r.status_code == 200 and "Over max_seq_length (1048576)" in r.text
