@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 
+import pytest
 from sqlmodel import select
 
 from app.store import events, queue, repo, workers
@@ -12,6 +13,7 @@ from app.store.admission import Slot
 from app.store.db import session_scope
 from app.store.schema import Job, JobState
 from tests.web.test_export_checkpoint import _cancel, _checkpoint, _running_run
+from tests.web.test_web_browser import CHROMIUM, page  # noqa: F401 - the signed-in page fixture
 
 CPU_SLOT = Slot("vm-main", "vm", None, None, None)
 
@@ -87,3 +89,29 @@ def test_run_page_speaks_of_gpu_memory_on_a_gpu_box(client, engine) -> None:
     run_id, _ = _running_run(client, engine)
     page = client.get(f"/runs/{run_id}").text
     assert "GPU memory" in page and "CUDA context" in page and "Memory (CPU worker)" not in page
+
+
+@pytest.mark.browser
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed")
+def test_live_page_of_a_resumed_run_shows_no_eta_of_the_earlier_attempt(page, client, engine,
+                                                                       settings):  # noqa: F811
+    """The live page replays the resumed job's copied metrics over SSE: their ETA is the
+    earlier attempt's and is not shown; the new attempt's first metric is."""
+    from playwright.sync_api import expect
+
+    run_id, first = _running_run(client, engine)
+    events.append_many(engine, first, [("metric", {"step": 2, "loss": 3.0, "eta_seconds": 125.0})])
+    _checkpoint(engine, settings, run_id, first, 2)
+    _cancel(engine, first)
+    assert client.post(f"/runs/{run_id}/resume", follow_redirects=False).status_code == 303
+    page.goto(f"{page.base}/runs/{run_id}")
+    expect(page.locator("#log")).to_contain_text("resumed from checkpoint-2")
+    expect(page.locator("#m-step")).to_have_text("2")  # the copied metric was replayed
+    expect(page.locator("#m-eta")).to_have_text("—")
+    job = queue.claim(engine, "w-test", 30, kinds=["train"])
+    assert job.id == repo.get_run(engine, run_id).job_id
+    expect(page.locator("#m-state")).to_have_text("running")
+    expect(page.locator("#m-eta")).to_have_text("—")
+    events.append_many(engine, job.id, [("metric", {"step": 3, "loss": 2.9,
+                                                    "eta_seconds": 65.0})])
+    expect(page.locator("#m-eta")).to_have_text("1 min 05 s")
