@@ -31,9 +31,12 @@ def test_jobs_lane_is_named_as_the_slot_it_is(client, engine) -> None:
     assert (_lane(html, train), _lane(html, export)) == ("CPU slot (no GPU)", "CPU lane")
     assert "Training waits for the CPU slot (no GPU: one job at a time)" in html
     assert "GPU lane" not in html and "<td>gpu</td>" not in html
+    queue_page = client.get("/queue").text
+    assert "<h2>Slots (no GPU)</h2>" in queue_page and "<h2>GPUs</h2>" not in queue_page
     workers.register(engine, "box-gpu0", "box", 2, "cuda:0 NVIDIA test", 24.0, 0, 22.0)
     html = client.get("/").text
     assert (_lane(html, train), _lane(html, export)) == ("GPU slot", "CPU lane")
+    assert "<h2>GPUs</h2>" in client.get("/queue").text
 
 
 def test_dataset_report_bounds_max_seq_length_as_the_run_form_does(client) -> None:
