@@ -92,11 +92,15 @@
       c.update("none");
     });
   }
+  // The ETA is the current attempt's: a metric counts only after the stream's newest "running"
+  // state event (a resumed run's job replays the metrics of the attempt before it, then "queued").
+  let streamState = null;
   function setState(state) {
+    streamState = state;
+    if (state !== "running") $("m-eta").textContent = "—";
     const el = $("m-state");
     el.textContent = state;
     el.className = "state state-" + state;
-    if (FINAL.includes(state)) $("m-eta").textContent = "—";  // a finished run has no ETA
   }
   const warned = new Set();
   function warn(message, details) {  // run warnings (log events of level warning) by the stats
@@ -137,7 +141,7 @@
     if (d.learning_rate !== undefined) $("m-lr").textContent = fmt(d.learning_rate);
     if (d.grad_norm !== undefined) $("m-grad").textContent = fmt(d.grad_norm);
     if (d.tokens_per_second !== undefined && $("m-tps")) $("m-tps").textContent = fmt(d.tokens_per_second);
-    if (d.eta_seconds !== undefined && !FINAL.includes($("m-state").textContent)) {
+    if (d.eta_seconds !== undefined && streamState === "running") {
       $("m-eta").textContent = duration(d.eta_seconds);
     }
     if (d.memory_gib !== undefined) $("m-mem").textContent = `${fmt(d.memory_gib)} GiB ${d.memory_kind || ""}`;

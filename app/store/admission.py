@@ -185,17 +185,25 @@ def order(snap: Snapshot) -> list[Job]:
     return out
 
 
-def quota_reason(owner: Owner, need: float | None) -> str | None:
-    """Why ``owner``'s next job of ``need`` GiB is over quota, or None when it is within."""
-    jobs = f"your {owner.running} running job{'s' if owner.running != 1 else ''}"
+def quota_reason(owner: Owner, need: float | None, whose: str | None = None) -> str | None:
+    """Why ``owner``'s next job of ``need`` GiB is over quota, or None when it is within.
+
+    ``whose``: None when the reader is the owner ("your 1 running job reaches your limit of 1
+    at once"), else the owner's name, for an admin reading another user's job ("bob's 2
+    running jobs reach bob's limit of 2 at once")."""
+    mine = "your" if whose is None else f"{whose}'s"
+    one = owner.running == 1
+    jobs = f"{mine} {owner.running} running job{'' if one else 's'}"
     if owner.quota_jobs is not None and owner.running >= owner.quota_jobs:
-        return (f"over quota: {jobs} reach your limit of {owner.quota_jobs} at once")
+        return (f"over quota: {jobs} {'reaches' if one else 'reach'} {mine} limit of "
+                f"{owner.quota_jobs} at once")
     if owner.quota_gib is not None and owner.held_gib + (need or 0.0) > owner.quota_gib + 1e-9:
-        return (f"over quota: {jobs} hold {owner.held_gib:.1f} GiB of your {owner.quota_gib:.1f}"
-                f" GiB; this one needs {need or 0.0:.1f} GiB")
+        return (f"over quota: {jobs} {'holds' if one else 'hold'} {owner.held_gib:.1f} GiB of "
+                f"{mine} {owner.quota_gib:.1f} GiB; this one needs {need or 0.0:.1f} GiB")
     if owner.quota_gpu_hours is not None and owner.day_seconds / 3600 >= owner.quota_gpu_hours:
-        return (f"over quota: you used {owner.day_seconds / 3600:.2f} GPU-hours in the last 24 h"
-                f" (limit {owner.quota_gpu_hours:g})")
+        who = "you" if whose is None else whose
+        return (f"over quota: {who} used {owner.day_seconds / 3600:.2f} GPU-hours in the last "
+                f"24 h (limit {owner.quota_gpu_hours:g})")
     return None
 
 

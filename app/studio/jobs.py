@@ -41,6 +41,8 @@ class JobRow:
     kind: str
     label: str
     lane: str
+    #: the lane as the page names it: "GPU slot", "CPU slot (no GPU)" or "CPU lane"
+    lane_name: str
     state: str
     position: int | None
     target: str | None
@@ -55,9 +57,20 @@ def lane_of(kind: str) -> str:
     return "cpu" if kind in CPU_KINDS else "gpu"
 
 
-def list_jobs(engine: Engine, actor: User, recent: int = 20) -> list[JobRow]:
+def lane_name(lane: str, gpu: bool | None) -> str:
+    """``lane`` (:func:`lane_of`) as a page names it: the ``gpu`` lane is a "GPU slot", or the
+    "CPU slot (no GPU)" when the live workers have no GPU (``gpu`` False:
+    :func:`app.studio.worker_view.any_gpu`); ``cpu`` is the "CPU lane"."""
+    if lane == "cpu":
+        return "CPU lane"
+    return "CPU slot (no GPU)" if gpu is False else "GPU slot"
+
+
+def list_jobs(engine: Engine, actor: User, recent: int = 20,
+              gpu: bool | None = None) -> list[JobRow]:
     """The jobs ``actor`` may see: every queued or running one (queued in claim order, with
-    its position in its lane), then the ``recent`` newest finished ones."""
+    its position in its lane), then the ``recent`` newest finished ones. ``gpu``: whether the
+    live workers have a GPU (:func:`lane_name`)."""
     with session_scope(engine) as s:
         active = in_claim_order(s, s.exec(select(Job).where(
             Job.state.in_([JobState.QUEUED, JobState.RUNNING]))).all())
@@ -78,7 +91,8 @@ def list_jobs(engine: Engine, actor: User, recent: int = 20) -> list[JobRow]:
         if not access.can_see(actor, owner):
             continue
         payload = job.payload or {}
-        row = JobRow(job.id, job.kind, KIND_LABELS.get(job.kind, job.kind), lane, job.state,
+        row = JobRow(job.id, job.kind, KIND_LABELS.get(job.kind, job.kind), lane,
+                     lane_name(lane, gpu), job.state,
                      position, job.run_id or payload.get("dataset_id") or payload.get("model_id"),
                      job.run_id, owner, job.created_at, job.error)
         (rows if job.state not in JobState.FINAL else finished).append(row)

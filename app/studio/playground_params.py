@@ -13,10 +13,20 @@ ROLES = ("system", "user", "assistant")
 MAX_TOKENS, DEFAULT_MAX_TOKENS = 8192, 256
 
 
+def _shown(given: Any, value: float) -> str:
+    """A refused number as the caller gave it: ``1000000000``, not ``1e+09``."""
+    if isinstance(given, int) and not isinstance(given, bool):
+        return str(given)
+    if isinstance(given, str) and len(given.strip()) <= 40:
+        return given.strip()
+    return str(int(value)) if value.is_integer() and abs(value) < 1e18 else f"{value:g}"
+
+
 def _number(value: Any, name: str, default: float, lo: float, hi: float,
             lo_open: bool = False) -> float:
     if value is None:
         return default
+    given = value
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         try:
             value = float(str(value).strip())
@@ -26,7 +36,7 @@ def _number(value: Any, name: str, default: float, lo: float, hi: float,
         raise invalid(name, f"must be a finite number, not {value!r}")
     if value < lo or (lo_open and value == lo) or value > hi:
         low = f"greater than {lo:g}" if lo_open else f"at least {lo:g}"
-        raise invalid(name, f"must be {low} and at most {hi:g}, not {value:g}")
+        raise invalid(name, f"must be {low} and at most {hi:g}, not {_shown(given, value)}")
     return float(value)
 
 

@@ -91,11 +91,31 @@ class QueueView:
     playground_yield_seconds: float = 15.0
 
 
-def _eta(engine: Engine, job: Job, t: float) -> float | None:
+def attempt_metric(engine: Engine, job: Job) -> dict[str, Any] | None:
+    """The newest metric of ``job``'s current attempt that has ``eta_seconds`` (its data), or
+    None: unless the job is running, and unless that metric came after its newest ``running``
+    state event (a resumed run's job starts with the metrics of the attempt before it, and a
+    requeued job keeps its earlier attempt's: their ETA is not this attempt's)."""
+    if job.state != JobState.RUNNING:
+        return None
     ev = events.latest(engine, job.id, "metric")
     if ev is None or ev.data.get("eta_seconds") is None:
         return None
-    return max(0.0, float(ev.data["eta_seconds"]) - (t - ev.ts))
+    started = next((e for e in events.recent(engine, job.id, "state", 20)
+                    if e.data.get("state") == JobState.RUNNING), None)
+    if started is None or ev.id < started.id:
+        return None
+    return {**ev.data, "ts": ev.ts}
+
+
+def attempt_eta(engine: Engine, job: Job, t: float) -> float | None:
+    """Seconds left of ``job``'s current attempt at ``t`` (epoch): its
+    :func:`attempt_metric`'s ``eta_seconds`` less the time since it was reported; None when
+    there is none."""
+    m = attempt_metric(engine, job)
+    if m is None:
+        return None
+    return max(0.0, float(m["eta_seconds"]) - (t - m["ts"]))
 
 
 def _secs(x: float) -> str:
@@ -203,7 +223,7 @@ def queue_view(engine: Engine, settings: Settings, actor: User,
                        slot.capacity_gib, round(snap.held(slot.id)[0], 2))
         holds[slot.id] = []
         for job in (j for j in snap.running if slot.id in admission.slot_ids(j)):
-            eta = _eta(engine, job, t)
+            eta = attempt_eta(engine, job, t)
             holds[slot.id].append((job.admitted_gib or 0.0, t + eta if eta is not None else None))
             view.running.append(slot_of(job, job.admitted_gib, eta_seconds=eta))
             if job.kind == "playground":
@@ -237,7 +257,8 @@ def queue_view(engine: Engine, settings: Settings, actor: User,
     for pos, job in enumerate(ordered, 1):
         need = admission.need_gib(job.estimate_gib, snap.margin, largest_cap)
         owner = owners[job.owner]
-        quota = admission.quota_reason(owner, need)
+        quota = admission.quota_reason(owner, need, None if job.owner == actor.id
+                                       else names.get(job.owner, job.owner))
         start = None
         if quota:
             reason = quota
@@ -312,7 +333,7 @@ def queue_view(engine: Engine, settings: Settings, actor: User,
         row.note = waits_on.get(job.id)
         waiting.append(row)
     lanes = sum(1 for w in live if w.device.endswith(LANE_SUFFIX))
-    cpu = cpu_lane(lanes, cpu_jobs, typical, t, lambda j: _eta(engine, j, t), slot_of)
+    cpu = cpu_lane(lanes, cpu_jobs, typical, t, lambda j: attempt_eta(engine, j, t), slot_of)
     return QueueView(gpus, waiting, access.is_admin(actor), cpu, yield_s)
 
 

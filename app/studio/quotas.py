@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import io
+import math
 from dataclasses import dataclass
 
 from sqlalchemy.engine import Engine
@@ -28,8 +29,12 @@ def _number(field: str, raw: str | float | int | None, kind: type, minimum: floa
         value = kind(raw)
     except (TypeError, ValueError):
         raise invalid(field, f"{field} must be a number (empty: no limit)") from None
-    if value != value or value < minimum or value > 1e9:  # NaN, negative, absurd
+    if not math.isfinite(value):  # "NaN", "1e999" (inf)
+        raise invalid(field, f"{field} must be a finite number (empty: no limit)")
+    if value < minimum:
         raise invalid(field, f"{field} must be at least {minimum:g}")
+    if value > 1e9:
+        raise invalid(field, f"{field} must be at most 1000000000 (empty: no limit)")
     return value
 
 

@@ -13,9 +13,37 @@ from app.data.chat_template import render_chat
 from app.data.errors import DatasetError
 from app.data.template_check import SAMPLE_CHATS
 from app.store.schema import Model
+from app.store.specs import TrainSpec
 from app.studio.datasets import default_max_seq_length, ready_tokenizer_path
 from app.studio.errors import invalid
 from app.studio.reports import load_bundle
+
+
+def length_bounds() -> tuple[int, int]:
+    """(least, most) tokens a ``max_seq_length`` may be: TrainSpec's field limits, the one
+    definition the run forms, ``/api``, ``/v1`` and the dataset report share."""
+    meta = TrainSpec.model_fields["max_seq_length"].metadata
+    return (next(m.ge for m in meta if getattr(m, "ge", None) is not None),
+            next(m.le for m in meta if getattr(m, "le", None) is not None))
+
+
+def report_length(raw: str | None, model: Model | None) -> int:
+    """The ``max_seq_length`` a dataset's report counts against: ``raw`` as typed (empty:
+    :func:`app.studio.datasets.default_max_seq_length` of ``model``).
+
+    Raises StudioError invalid (field ``max_seq_length``) unless it is a whole number within
+    :func:`length_bounds`."""
+    if raw is None or not str(raw).strip():
+        return default_max_seq_length(model)
+    lo, hi = length_bounds()
+    try:
+        value = int(str(raw).strip())
+    except ValueError:
+        value = None
+    if value is None or not lo <= value <= hi:
+        raise invalid("max_seq_length", f"max_seq_length must be a whole number from {lo} to "
+                                        f"{hi} tokens")
+    return value
 
 
 def template_tokens(model: Model, template: str | None) -> int | None:

@@ -19,9 +19,14 @@ look-alike "workers". Each row has a *role*:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from app.store.schema import Worker
+from sqlalchemy.engine import Engine
+from sqlmodel import select
+
+from app.store.db import session_scope
+from app.store.schema import Job, Run, User, Worker
+from app.studio import access
 from app.studio.queue_cpu import LANE_SUFFIX
 
 ROLES = ("supervisor", "gpu_slot", "cpu_slot", "cpu_lane", "worker")
@@ -31,7 +36,8 @@ ROLES = ("supervisor", "gpu_slot", "cpu_slot", "cpu_lane", "worker")
 class WorkerPart:
     """One worker row: ``id``, ``role`` (see :data:`ROLES`), ``name`` (``"GPU 0 slot"``,
     ``"CPU lane"``, …), ``what`` (plain words: what it runs), ``device``, ``job_id`` (the job
-    its heartbeat last reported, None: idle), ``last_seen`` (epoch seconds)."""
+    its heartbeat last reported, None: idle or, with ``other_job``, another user's job that
+    the viewer may not see: :func:`visible_groups`), ``last_seen`` (epoch seconds)."""
 
     id: str
     role: str
@@ -40,18 +46,20 @@ class WorkerPart:
     device: str
     job_id: int | None
     last_seen: float
+    other_job: bool = False
 
 
 @dataclass
 class WorkerGroup:
-    """One process: ``id`` (its own row's id), ``kind`` (``supervisor`` | ``worker``),
-    ``host``, ``pid``, ``what`` (plain words), ``parts`` (its own row first, then its slots by
+    """One process: ``id`` (its own row's id; ``"worker 1"``, ... for a non-admin, as the id
+    names the host and pid), ``kind`` (``supervisor`` | ``worker``), ``host``, ``pid`` (None
+    for a non-admin), ``what`` (plain words), ``parts`` (its own row first, then its slots by
     index, then its CPU lane) and ``last_seen`` (the newest of its rows, epoch seconds)."""
 
     id: str
     kind: str
-    host: str
-    pid: int
+    host: str | None
+    pid: int | None
     what: str
     parts: list[WorkerPart] = field(default_factory=list)
     last_seen: float = 0.0
@@ -129,6 +137,45 @@ def worker_groups(rows: list[Worker]) -> list[WorkerGroup]:
                                   max(p.last_seen for p in parts)))
     groups.sort(key=lambda g: (g.host, g.id))
     return groups
+
+
+def any_gpu(rows: list[Worker]) -> bool | None:
+    """Whether the live worker ``rows`` have a GPU slot (a job of a GPU kind runs on a GPU);
+    False: only CPU slots (a CPU-only box); None: no live worker, nothing tells."""
+    if not rows:
+        return None
+    return any(w.gpu_capacity_gib is not None for w in rows)
+
+
+def visible_groups(engine: Engine, actor: User | None, rows: list[Worker]) -> list[WorkerGroup]:
+    """:func:`worker_groups` as ``actor`` may see them (the dashboard's Workers card): an admin
+    sees everything; anyone else no host, pid or process id (``id`` becomes ``"worker 1"``,
+    ``"worker 2"``, ...; /healthz shows them to admins only) and, for a part running a job
+    ``actor`` does not own (:func:`app.studio.access.can_see`; a run's job is its run owner's),
+    ``job_id`` None with ``other_job`` True ("another user's job", as on the Queue page)."""
+    groups = worker_groups(rows)
+    if access.is_admin(actor):
+        return groups
+    ids = {p.job_id for g in groups for p in g.parts if p.job_id is not None}
+    owner: dict[int, str | None] = {}
+    if ids:
+        with session_scope(engine) as s:
+            jobs = s.exec(select(Job).where(Job.id.in_(ids))).all()
+            runs = {j.run_id for j in jobs if j.run_id}
+            run_owner = {r.id: r.owner for r in s.exec(select(Run).where(Run.id.in_(runs)))} \
+                if runs else {}
+            owner = {j.id: run_owner.get(j.run_id, j.owner) if j.run_id else j.owner
+                     for j in jobs}
+
+    def part(p: WorkerPart, label: str) -> WorkerPart:
+        p = replace(p, id=f"{label} {p.role}")  # a row's id names the host and pid too
+        if p.job_id is None or access.can_see(actor, owner.get(p.job_id)):
+            return p
+        return replace(p, job_id=None, other_job=True)
+
+    return [replace(g, id=f"worker {i}", host=None, pid=None,
+                    parts=[part(p, f"worker {i}") for p in g.parts])
+            for i, g in enumerate(groups, 1)]
 
 
 def health_rows(rows: list[Worker]) -> list[dict]:

@@ -117,12 +117,18 @@ def test_each_quota_holds_with_its_reason(engine) -> None:
     assert per == {"jobs2": 2, "gib20": 2, "hours1": 0, "other": 3}
     view = queue_view(engine, SETTINGS, ADMIN, kinds=("train",))
     reasons = {w.job_id: w.reason for w in view.waiting}
-    assert reasons[ids["jobs2"][2]] == ("over quota: your 2 running jobs reach your limit of 2 "
-                                        "at once")
-    assert reasons[ids["gib20"][2]] == ("over quota: your 2 running jobs hold 18.6 GiB of your "
-                                        "20.0 GiB; this one needs 9.3 GiB")
-    assert reasons[ids["hours1"][0]] == ("over quota: you used 1.50 GPU-hours in the last 24 h "
-                                         "(limit 1)")
+    # the admin reads other users' jobs: the reason names their owner, not "your"
+    assert reasons[ids["jobs2"][2]] == ("over quota: jobs2's 2 running jobs reach jobs2's limit "
+                                        "of 2 at once")
+    assert reasons[ids["gib20"][2]] == ("over quota: gib20's 2 running jobs hold 18.6 GiB of "
+                                        "gib20's 20.0 GiB; this one needs 9.3 GiB")
+    assert reasons[ids["hours1"][0]] == ("over quota: hours1 used 1.50 GPU-hours in the last "
+                                         "24 h (limit 1)")
+    # the owner reads their own
+    as_owner = User(id=by_jobs.id, name="jobs2", password_hash="x")
+    own = {w.job_id: w.reason for w in queue_view(engine, SETTINGS, as_owner,
+                                                  kinds=("train",)).waiting if w.visible}
+    assert own[ids["jobs2"][2]] == "over quota: your 2 running jobs reach your limit of 2 at once"
     assert len(reasons) == 5  # jobs2 1, gib20 1, hours1 3
     # a member sees another's over-quota job as an anonymous slot
     member = User(id=other.id, name="other", password_hash="x")

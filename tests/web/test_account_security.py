@@ -118,9 +118,12 @@ def test_failed_sign_ins_are_limited_per_address_across_names(client):
     assert codes == [401] * 5
     r = client.post(LOGIN, data={"username": "ghost5", "password": "nope-nope"})
     assert r.status_code == 429 and 1 <= int(r.headers["retry-after"]) <= 60
+    wait = int(r.headers["retry-after"])  # the message says how long to wait (trial finding)
+    assert r.json()["error"]["message"] == f"too many sign-in attempts; try again in {wait} s"
     page = client.post("/login", data={"username": "alice", "password": "alice-password",
                                        "csrf_token": login_form_token(client)})
     assert page.status_code == 429 and "Too many sign-in attempts" in page.text
+    assert f"try again in {page.headers['retry-after']} s." in page.text
     failed = [e for e in audit.recent(engine, 100) if e.action == "login.failed"]
     assert len(failed) == 5  # refused attempts reach neither the password check nor the log
 

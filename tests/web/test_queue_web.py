@@ -167,3 +167,33 @@ def test_on_a_cpu_slot_the_waiting_job_hears_when_the_session_yields(app, client
     assert data["waiting"][0]["note"] == (
         f"waits for playground session job {sid} on the CPU slot: an idle playground session "
         "gives its slot to waiting jobs after 15 s idle; it has been idle 5 s")
+
+
+def test_quota_messages_read_right(app, client, engine) -> None:
+    """Trial wording: a quota of 1e999 or NaN must be a finite number (not "at least 0"); the
+    over-quota reason agrees in number ("your 1 running job reaches") and names the owner for
+    an admin reading another user's job."""
+    bea = _member(client)
+    for raw in ("1e999", "NaN", "-inf"):
+        r = client.post(f"/admin/quotas/{bea}", data={"quota_gib": raw},
+                        headers={"HX-Request": "true"})
+        assert r.status_code == 422 and "quota_gib must be a finite number (empty: no limit)" \
+            in r.text and "at least" not in r.text, raw
+    r = client.post(f"/admin/quotas/{bea}", data={"quota_gpu_hours": "2e9"},
+                    headers={"HX-Request": "true"})
+    assert r.status_code == 422 and "quota_gpu_hours must be at most 1000000000" in r.text
+    r = client.post(f"/admin/quotas/{bea}", data={"quota_jobs": "1", "quota_gib": "",
+                                                   "quota_gpu_hours": "", "share_weight": "1"},
+                    headers={"HX-Request": "true"})
+    assert r.status_code == 200, r.text
+    workers.register(engine, GPU.id, GPU.host, 1, "cuda:0 NVIDIA test", 24.0, 0, 22.0)
+    first = queue.enqueue(engine, "train", {}, owner=bea, estimate_gib=1.0).id
+    assert queue.admit(engine, GPU, 300, ["train"], 0.1, 24.0).id == first
+    second = queue.enqueue(engine, "train", {}, owner=bea, estimate_gib=1.0).id
+    (row,) = client.get("/api/queue").json()["waiting"]
+    assert (row["job_id"], row["reason"]) == (
+        second, "over quota: bea's 1 running job reaches bea's limit of 1 at once")
+    with signed_in(app, "bea", "member-password-1") as c:
+        (row,) = c.get("/api/queue").json()["waiting"]
+        assert row["reason"] == "over quota: your 1 running job reaches your limit of 1 at once"
+        assert "your 1 running job reaches your limit of 1 at once" in c.get("/queue").text

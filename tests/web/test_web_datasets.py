@@ -145,7 +145,7 @@ def test_report_query_params_on_the_page_and_train_link(client):
                       headers={"HX-Request": "true", "HX-Target": "report"}).text
     assert 'hx-swap-oob="true"' in frag and "chat_template=zephyr" in frag
     r = client.get(f"/datasets/{ds_id}?max_seq_length=abc")
-    assert r.status_code == 422 and "at least 8" in r.text
+    assert r.status_code == 422 and "a whole number from 8 to 1048576 tokens" in r.text
     form = client.get(f"/runs/new?dataset={ds_id}&chat_template=llama3&max_seq_length=16").text
     assert 'name="max_seq_length" value="16"' in form
     assert "<option selected>llama3</option>" in form and "start_header_id" in form

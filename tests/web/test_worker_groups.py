@@ -74,3 +74,28 @@ def test_gpu_cards_name_their_supervisor(client, engine):
     html = client.get("/gpus").text
     assert "gpu-box · GPU 1 · GPU slot of supervisor box" in html
     assert "laptop · CPU slot (no GPU) of supervisor laptop" in html
+
+
+def test_workers_card_hides_hosts_pids_and_other_users_jobs_from_members(app, client, engine):
+    from tests.web.conftest import signed_in
+
+    _register(engine)
+    r = client.post("/api/users", json={"name": "bea", "password": "member-password-1"})
+    bea = r.json()["id"]
+    admins = queue.enqueue(engine, "train", {}, owner=client.get("/api/me").json()["id"])
+    hers = queue.enqueue(engine, "train", {}, owner=bea)
+    workers_store.touch(engine, "box-gpu0", admins.id)
+    workers_store.touch(engine, "box-gpu1", hers.id)
+    card = client.get("/").text.split('<div id="workers">')[1]
+    assert "gpu-box / 4242" in card and "<th>Host / pid</th>" in card
+    assert f"job {admins.id}" in card and f"job {hers.id}" in card
+    with signed_in(app, "bea", "member-password-1") as c:
+        card = c.get("/").text.split('<div id="workers">')[1].split("</section>")[0]
+        assert re.findall(r'<tr data-worker="([^"]+)">', card) == ["worker 1", "worker 2",
+                                                                   "worker 3"]
+        for secret in ("gpu-box", "4242", "laptop", "old-box", "Host / pid", "box-gpu",
+                       f"job {admins.id}"):
+            assert secret not in card, secret
+        assert f"job {hers.id}" in card and card.count("another user's job") == 1
+        assert "cuda:0 NVIDIA H200" in card and "supervisor with 2 GPU slots" in card
+        assert "workers" not in c.get("/healthz").json()

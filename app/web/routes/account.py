@@ -7,6 +7,7 @@ form's URL goes to its page. A refused form is shown again at once with its erro
 from __future__ import annotations
 
 import json
+import math
 from typing import Annotated, Literal
 from urllib.parse import urlencode
 
@@ -52,8 +53,13 @@ def _throttle(request: Request, name: str) -> float:
     return request.app.state.login_limiter.hit(ip, name)
 
 
+def _wait_s(wait: float) -> int:
+    """Whole seconds to wait before the next sign-in attempt (at least 1)."""
+    return max(1, math.ceil(wait))
+
+
 def _too_many(wait: float) -> dict[str, str]:
-    return {"Retry-After": str(int(wait))}
+    return {"Retry-After": str(_wait_s(wait))}
 
 
 def _unthrottle(request: Request, name: str) -> None:
@@ -85,7 +91,7 @@ def login_submit(request: Request, username: Annotated[str, Form()] = "",
     wait = _throttle(request, username)
     if wait:
         return render(request, "login.html", {**ctx, "error": "Too many sign-in attempts; try "
-                      f"again in {int(wait)} s."}, status_code=429, headers=_too_many(wait))
+                      f"again in {_wait_s(wait)} s."}, status_code=429, headers=_too_many(wait))
     try:
         user = accounts.authenticate(_engine(request), username, password)
     except StudioError as exc:
@@ -174,7 +180,12 @@ def account_key_create(request: Request, user: CurrentUser, name: Annotated[str,
 
 @router.post("/account/keys/{key_id}/revoke")
 def account_key_revoke(request: Request, user: CurrentUser, key_id: str):
+    """Revoke one of the user's API keys (the page asks first, naming it); back to the account
+    page with a notice (htmx: ``HX-Redirect``)."""
     key = accounts.revoke_api_key(_engine(request), user, key_id)
+    if is_htmx(request):
+        flash.push(request, key_notice=f"Revoked the key {key.name}.")
+        return Response(status_code=200, headers={"HX-Redirect": "/account"})
     return _to("/account", request, key_notice=f"Revoked the key {key.name}.")
 
 
@@ -186,7 +197,7 @@ def account_password(request: Request, user: CurrentUser,
     wait = _throttle(request, user.name)
     if wait:
         return _account(request, user, 429, _too_many(wait), password_error="too many attempts; "
-                        f"try again in {int(wait)} s")
+                        f"try again in {_wait_s(wait)} s")
     try:
         accounts.authenticate(_engine(request), user.name, current)
     except StudioError:
@@ -368,8 +379,8 @@ def _key_out(k: ApiKey) -> KeyOut:
 def api_access_token(request: Request, form: Annotated[OAuth2PasswordRequestForm, Depends()]):
     wait = _throttle(request, form.username)
     if wait:
-        resp = error_response(request, 429, "too many sign-in attempts; try again later",
-                              code="too_many")
+        resp = error_response(request, 429, "too many sign-in attempts; try again in "
+                              f"{_wait_s(wait)} s", code="too_many")
         resp.headers.update(_too_many(wait))
         return resp
     user = accounts.authenticate(_engine(request), form.username, form.password)

@@ -10,7 +10,7 @@ from starlette.concurrency import run_in_threadpool
 
 from app.data.chat_template import DEFAULT_TEMPLATES
 from app.data.errors import DatasetError
-from app.studio import access, validation
+from app.studio import access, seqlen, validation
 from app.studio import datasets as datasets_uc
 from app.studio.errors import StudioError
 from app.web.deps import CurrentUser, EngineDep, SettingsDep, current_user, get_engine, get_settings, is_htmx
@@ -88,12 +88,9 @@ async def _report_ctx(request: Request, ds, model: str | None, chat_template: st
            "selected_model": chosen, "template_names": list(DEFAULT_TEMPLATES), "report": None,
            "report_error": None}
     try:
-        length = (int(max_seq_length) if max_seq_length not in (None, "")
-                  else datasets_uc.default_max_seq_length(chosen))
-        if length < 8:
-            raise ValueError
-    except ValueError:
-        ctx["report_error"] = "max_seq_length must be a whole number of at least 8"
+        length = seqlen.report_length(max_seq_length, chosen)
+    except StudioError as exc:
+        ctx["report_error"] = exc.message
         ctx["report"] = ds.report
         ctx["max_seq_length"] = max_seq_length
         return ctx, 422

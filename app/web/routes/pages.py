@@ -57,7 +57,8 @@ def dashboard(request: Request, engine: EngineDep, settings: SettingsDep, user: 
     owners = owner_names(engine, user)
     return render(request, "dashboard.html",
                   {"runs": run_rows(engine, user), "workers": workers, "owners": owners,
-                   "worker_groups": worker_view.worker_groups(workers),
-                   "jobs": jobs_uc.list_jobs(engine, user),
+                   "worker_groups": worker_view.visible_groups(engine, user, workers),
+                   "jobs": jobs_uc.list_jobs(engine, user, gpu=worker_view.any_gpu(workers)),
+                   "gpu": worker_view.any_gpu(workers),
                    "job_runs": _job_runs(engine, user, [w.current_job_id for w in workers])},
                   block="runs")

@@ -13,6 +13,7 @@ from app.studio import datasets as datasets_uc
 from app.studio import removal
 from app.studio import resume as resume_uc
 from app.studio import runs as runs_uc
+from app.studio.run_place import run_place
 from app.studio.errors import StudioError
 from app.web.deps import CurrentUser, EngineDep, SettingsDep, is_htmx
 from app.web.auth import still_signed_in
@@ -183,8 +184,14 @@ async def create_run(request: Request, engine: EngineDep, settings: SettingsDep,
 
 
 @router.get("/runs/{run_id}")
-def run_page(request: Request, run_id: str, engine: EngineDep, user: CurrentUser):
-    return render(request, "run.html", run_view(engine, user, run_id), block="artifacts")
+def run_page(request: Request, run_id: str, engine: EngineDep, settings: SettingsDep,
+             user: CurrentUser):
+    """The run page; its ``queue-place`` block (htmx, every 5 s while queued) says where the
+    queued job stands (app.studio.run_place)."""
+    ctx = run_view(engine, user, run_id)
+    return render(request, "run.html", {**ctx, "place": run_place(engine, settings, user,
+                                                                  ctx["job"])},
+                  block="artifacts")
 
 
 @router.get("/runs/{run_id}/cancel-question")
