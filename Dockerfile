@@ -45,7 +45,7 @@ WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY app app
 COPY worker worker
-COPY kernels kernels
+COPY whetstone_kernels whetstone_kernels
 COPY migrations migrations
 # llama-cpp-python is built CPU-only: it quantises and verifies GGUF exports, it never trains.
 RUN CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_CUDA=OFF -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TOOLS=OFF" \

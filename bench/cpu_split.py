@@ -56,7 +56,7 @@ def main(argv=None):
     import importlib
 
     # import_module: the kernels package re-exports functions named like its modules
-    knf4, krms, krope, kglu, cross_entropy = (importlib.import_module(f"kernels.{m}") for m in (
+    knf4, krms, krope, kglu, cross_entropy = (importlib.import_module(f"whetstone_kernels.{m}") for m in (
         "nf4", "rms_norm", "rope", "swiglu", "cross_entropy"))
     from worker.engine import attention, checkpointing, engine, lora_ops, patch
 

@@ -31,16 +31,16 @@ if "--smoke" in sys.argv:
 
 import torch  # noqa: E402
 
-from kernels.cross_entropy import linear_cross_entropy  # noqa: E402
-from kernels.nf4 import nf4_fwd  # noqa: E402
-from kernels.rms_norm import rms_norm  # noqa: E402
-from kernels.rope import rope  # noqa: E402
-from kernels.swiglu import glu  # noqa: E402
-from kernels.cross_entropy_ref import linear_cross_entropy_ref  # noqa: E402
-from kernels.nf4_ref import nf4_dequantize_ref, nf4_quantize_ref  # noqa: E402
-from kernels.rms_norm_ref import rms_norm_ref  # noqa: E402
-from kernels.rope_ref import rope_cos_sin, rope_inv_freq, rope_ref  # noqa: E402
-from kernels.swiglu_ref import glu_ref  # noqa: E402
+from whetstone_kernels.cross_entropy import linear_cross_entropy  # noqa: E402
+from whetstone_kernels.nf4 import nf4_fwd  # noqa: E402
+from whetstone_kernels.rms_norm import rms_norm  # noqa: E402
+from whetstone_kernels.rope import rope  # noqa: E402
+from whetstone_kernels.swiglu import glu  # noqa: E402
+from whetstone_kernels.cross_entropy_ref import linear_cross_entropy_ref  # noqa: E402
+from whetstone_kernels.nf4_ref import nf4_dequantize_ref, nf4_quantize_ref  # noqa: E402
+from whetstone_kernels.rms_norm_ref import rms_norm_ref  # noqa: E402
+from whetstone_kernels.rope_ref import rope_cos_sin, rope_inv_freq, rope_ref  # noqa: E402
+from whetstone_kernels.swiglu_ref import glu_ref  # noqa: E402
 
 GIB = 1 << 30
 
@@ -289,7 +289,7 @@ def main():
                           f"(eager {ems:7.3f}) {(gbps or 0):5.0f} GB/s {(row['fraction_of_bw'] or 0):5.2f} "
                           f"+{(row['extra_alloc_gib'] or 0):6.2f} GiB", flush=True)
         if args.sweep and dev == "cuda":
-            rms_mod = sys.modules["kernels.rms_norm"]
+            rms_mod = sys.modules["whetstone_kernels.rms_norm"]
             keep = rms_mod.BWD_PROGS_PER_SM
             for t in tokens:
                 for k in (1, 2, 3, 4, 8):

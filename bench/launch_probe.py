@@ -35,10 +35,10 @@ def main():
 
     import peft  # noqa: F401  (what the bench process imports)
     import transformers  # noqa: F401
-    from kernels import nf4
-    from kernels.nf4_ref import nf4_quantize_ref
-    from kernels.rms_norm import rms_norm_fwd
-    from kernels.swiglu import glu_fwd
+    from whetstone_kernels import nf4
+    from whetstone_kernels.nf4_ref import nf4_quantize_ref
+    from whetstone_kernels.rms_norm import rms_norm_fwd
+    from whetstone_kernels.swiglu import glu_fwd
     from worker.engine import engine  # noqa: F401
 
     print("launch_enter_hook.calls:", triton.knobs.runtime.launch_enter_hook.calls)
@@ -60,7 +60,7 @@ def main():
         nf4.INTERPRET = saved
     rows.append(("rms_norm_fwd", per_call(lambda: rms_norm_fwd(x, w[0]))))
     rows.append(("glu_fwd", per_call(lambda: glu_fwd(g, x, "silu"))))
-    import kernels.launch as L  # the same three through Triton's own launch (kernels.launch off)
+    import whetstone_kernels.launch as L  # the same three through Triton's own launch (whetstone_kernels.launch off)
 
     L.FAST_LAUNCH = False
     try:

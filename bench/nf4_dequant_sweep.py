@@ -1,9 +1,9 @@
 """NF4 dequantisation launch sweep: tile size (output elements per program), num_warps and store path
-(``pack``: one 32-bit word per packed byte, or join + interleave) of kernels/nf4.py's ``nf4_fwd``,
+(``pack``: one 32-bit word per packed byte, or join + interleave) of whetstone_kernels/nf4.py's ``nf4_fwd``,
 plus the kernel as it was before them (commit 965c674: 2048 elements, 4 warps, byte-wise loads) as
 the baseline, at Llama-3.1-8B weight shapes.
 
-For each shape a random double-quantised NF4 weight is made with kernels/nf4_ref.py's quantiser (no
+For each shape a random double-quantised NF4 weight is made with whetstone_kernels/nf4_ref.py's quantiser (no
 bitsandbytes needed); every candidate is first checked bit-exact (torch.equal) against
 ``nf4_dequantize_ref``, then timed: CUDA events around one launch into a preallocated output, median
 of --reps runs after warm-up, each run preceded by a 512 MiB read that evicts L2 (and keeps the GPU
@@ -31,8 +31,8 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from kernels.nf4 import NF4_ELEMS, NF4_PACK, NF4_WARPS, _code, block_absmax, nf4_fwd  # noqa: E402
-from kernels.nf4_ref import nf4_dequantize_ref, nf4_quantize_ref  # noqa: E402
+from whetstone_kernels.nf4 import NF4_ELEMS, NF4_PACK, NF4_WARPS, _code, block_absmax, nf4_fwd  # noqa: E402
+from whetstone_kernels.nf4_ref import nf4_dequantize_ref, nf4_quantize_ref  # noqa: E402
 
 SHAPES = ["14336x4096", "4096x14336", "4096x4096", "1024x4096"]
 
@@ -40,7 +40,7 @@ SHAPES = ["14336x4096", "4096x14336", "4096x4096", "1024x4096"]
 @triton.jit
 def _baseline_kernel(Q, ABSMAX, ABSMAX2, CODE2, OFFSET, NF4, OUT, n_out, n_blocks, BLOCKSIZE: tl.constexpr,
                      BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr, ROWS: tl.constexpr, HALF: tl.constexpr):
-    # frozen copy of kernels/nf4.py's kernel at commit 965c674 (the "before" of the sweep)
+    # frozen copy of whetstone_kernels/nf4.py's kernel at commit 965c674 (the "before" of the sweep)
     blk = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     bm = blk < n_blocks
     amax = block_absmax(ABSMAX, ABSMAX2, CODE2, OFFSET, blk, bm, BLOCKSIZE2, NESTED)

@@ -1,4 +1,4 @@
-"""Decode-time NF4 linear: kernels.nf4_matmul (fused, W never materialised) against the unfused
+"""Decode-time NF4 linear: whetstone_kernels.nf4_matmul (fused, W never materialised) against the unfused
 nf4_fwd (dequant to bf16) + x @ W^T, at Llama-3.1-8B's weight shapes (N, K) and M decode rows, bf16.
 
 Timing is what a decode step sees: the calls are captured in a CUDA graph (no Python or launch
@@ -30,9 +30,9 @@ if "--smoke" in sys.argv:
 
 import torch  # noqa: E402
 
-from kernels.nf4 import nf4_fwd  # noqa: E402
-from kernels.nf4_matmul import nf4_matmul, nf4_matmul_fwd, pick_config  # noqa: E402
-from kernels.nf4_ref import nf4_quantize_ref  # noqa: E402
+from whetstone_kernels.nf4 import nf4_fwd  # noqa: E402
+from whetstone_kernels.nf4_matmul import nf4_matmul, nf4_matmul_fwd, pick_config  # noqa: E402
+from whetstone_kernels.nf4_ref import nf4_quantize_ref  # noqa: E402
 
 # (N, K) and how many of each a Llama-3.1-8B layer has (q, k+v, o, gate+up, down)
 SHAPES = [((4096, 4096), 2), ((1024, 4096), 2), ((14336, 4096), 2), ((4096, 14336), 1)]

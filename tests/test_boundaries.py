@@ -1,11 +1,11 @@
 """Architecture boundaries from DESIGN.md, checked on the source (AST) of every module.
 
-* app/ (web, store, data, settings) never imports torch, triton, transformers, kernels or worker;
+* app/ (web, store, data, settings) never imports torch, triton, transformers, whetstone_kernels or worker;
 * app/store imports nothing from app.web;
 * app/studio (the use cases) imports no web framework and nothing from app.web;
 * a web module that defines routes never imports another module that defines routes (shared
   code lives in app.studio or in route-free web modules);
-* kernels import only torch, triton and the standard library (and each other).
+* whetstone_kernels import only torch, triton and the standard library (and each other).
 """
 from __future__ import annotations
 
@@ -42,7 +42,8 @@ def test_there_are_files_to_check():
 
 @pytest.mark.parametrize("path", py_files("app"), ids=lambda p: str(p.relative_to(ROOT)))
 def test_app_never_imports_the_ml_stack(path: Path):
-    banned = {"torch", "triton", "transformers", "peft", "trl", "kernels", "worker", "bitsandbytes"}
+    banned = {"torch", "triton", "transformers", "peft", "trl", "whetstone_kernels", "worker",
+              "bitsandbytes"}
     bad = {n for n in imported_roots(path) if n.split(".")[0] in banned}
     assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
 
@@ -54,9 +55,10 @@ def test_store_has_no_web_imports(path: Path):
     assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
 
 
-@pytest.mark.parametrize("path", py_files("kernels"), ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize("path", py_files("whetstone_kernels"),
+                         ids=lambda p: str(p.relative_to(ROOT)))
 def test_kernels_import_only_torch_and_triton(path: Path):
-    allowed = {"torch", "triton", "kernels", "__future__"} | STDLIB
+    allowed = {"torch", "triton", "whetstone_kernels", "__future__"} | STDLIB
     bad = {n for n in imported_roots(path) if n.split(".")[0] not in allowed}
     assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
 

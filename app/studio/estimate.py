@@ -57,7 +57,7 @@ IN_FLIGHT_WEIGHTS = 1
 RESIDUAL_VECTORS = 6
 #: GRPO holds a little more after load than SFT (measured 5.62 vs 5.47 GiB on Llama-3.1-8B QLoRA).
 GRPO_EXTRA_GIB = 0.15
-SFT_CE_CHUNK_BYTES = 512 << 20  # kernels/cross_entropy.py
+SFT_CE_CHUNK_BYTES = 512 << 20  # whetstone_kernels/cross_entropy.py
 GRPO_LOGPS_CHUNK_BYTES = 256 << 20  # worker/engine/logps.py (x3: logits, log-softmax, backward)
 EIGHT_BIT_OPTIMS = ("paged_adamw_8bit", "adamw_8bit")
 TRAINING_KINDS = ("train", "grpo")

@@ -1,7 +1,7 @@
 """The web process: ``create_app(settings)`` and the ``whetstone-web`` console script.
 
 The web process validates input, writes rows, renders pages and streams job events from the
-database. It never imports torch, triton, transformers, kernels or worker; the database is
+database. It never imports torch, triton, transformers, whetstone_kernels or worker; the database is
 its only channel to the worker.
 """
 from __future__ import annotations

@@ -69,13 +69,13 @@ def randomise_lora(pm, seed=1):
 def nf4_roundtrip_(model, targets=ALL7):
     """Replace target linear weights by their NF4 dequantisation (the reference).
 
-    Quantised by bitsandbytes; dequantised by kernels.nf4_ref (bit-exact with bitsandbytes' format
+    Quantised by bitsandbytes; dequantised by whetstone_kernels.nf4_ref (bit-exact with bitsandbytes' format
     and tested against it), because bitsandbytes 0.50.2's CPU ``dequantize_4bit`` returns wrong
     values for some shapes (e.g. [64, 96]: max error 2.0 where the NF4 error is 0.46).
     """
     import bitsandbytes.functional as bnbf
 
-    from kernels.nf4_ref import nf4_dequantize_ref, nf4_state_from_bnb
+    from whetstone_kernels.nf4_ref import nf4_dequantize_ref, nf4_state_from_bnb
 
     with torch.no_grad():
         for name, mod in model.named_modules():

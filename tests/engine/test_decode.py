@@ -182,7 +182,7 @@ def test_fused_nf4_matmul_is_checked_before_use():
     dequantises shapes it refuses (K=96 is not a multiple of the blocksize) or gets wrong."""
     from functools import partial
 
-    from kernels.nf4_matmul import nf4_matmul
+    from whetstone_kernels.nf4_matmul import nf4_matmul
 
     pm = _prepared("llama", True)
     layer = pm.base_model.model.model.layers[0]

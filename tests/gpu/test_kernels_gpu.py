@@ -17,17 +17,17 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
-from kernels.cross_entropy import linear_cross_entropy  # noqa: E402
-from kernels.cross_entropy_ref import linear_cross_entropy_ref  # noqa: E402
-from kernels.nf4 import nf4_fwd, nf4_linear  # noqa: E402
-from kernels.nf4_matmul import nf4_matmul  # noqa: E402
-from kernels.nf4_ref import nf4_dequantize_ref, nf4_quantize_ref, nf4_state_from_bnb  # noqa: E402
-from kernels.rms_norm import rms_norm, rms_norm_residual  # noqa: E402
-from kernels.rms_norm_ref import rms_norm_ref  # noqa: E402
-from kernels.rope import rope  # noqa: E402
-from kernels.rope_ref import packed_position_ids, rope_cos_sin, rope_inv_freq, rope_ref  # noqa: E402
-from kernels.swiglu import glu, glu_bwd, glu_fwd  # noqa: E402
-from kernels.swiglu_ref import glu_ref  # noqa: E402
+from whetstone_kernels.cross_entropy import linear_cross_entropy  # noqa: E402
+from whetstone_kernels.cross_entropy_ref import linear_cross_entropy_ref  # noqa: E402
+from whetstone_kernels.nf4 import nf4_fwd, nf4_linear  # noqa: E402
+from whetstone_kernels.nf4_matmul import nf4_matmul  # noqa: E402
+from whetstone_kernels.nf4_ref import nf4_dequantize_ref, nf4_quantize_ref, nf4_state_from_bnb  # noqa: E402
+from whetstone_kernels.rms_norm import rms_norm, rms_norm_residual  # noqa: E402
+from whetstone_kernels.rms_norm_ref import rms_norm_ref  # noqa: E402
+from whetstone_kernels.rope import rope  # noqa: E402
+from whetstone_kernels.rope_ref import packed_position_ids, rope_cos_sin, rope_inv_freq, rope_ref  # noqa: E402
+from whetstone_kernels.swiglu import glu, glu_bwd, glu_fwd  # noqa: E402
+from whetstone_kernels.swiglu_ref import glu_ref  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"

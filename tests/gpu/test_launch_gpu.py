@@ -1,4 +1,4 @@
-"""kernels.launch on the GPU: the direct launch path is taken, gives bit-identical results to
+"""whetstone_kernels.launch on the GPU: the direct launch path is taken, gives bit-identical results to
 Triton's own launch, follows a change of alignment, and steps aside for launch hooks."""
 import pytest
 import torch
@@ -8,13 +8,13 @@ if not torch.cuda.is_available():
 
 import triton  # noqa: E402
 
-import kernels.launch as L  # noqa: E402
-from kernels.nf4 import _nf4_dequant_kernel, nf4_fwd  # noqa: E402
-from kernels.nf4_ref import nf4_quantize_ref  # noqa: E402
-from kernels.rms_norm import _rms_norm_bwd_kernel, _rms_norm_fwd_kernel, rms_norm_bwd, rms_norm_fwd  # noqa: E402
-from kernels.rope import _rope_kernel, rope_bwd, rope_fwd  # noqa: E402
-from kernels.rope_ref import rope_cos_sin  # noqa: E402
-from kernels.swiglu import _glu_bwd_kernel, _glu_fwd_kernel, glu_bwd, glu_fwd  # noqa: E402
+import whetstone_kernels.launch as L  # noqa: E402
+from whetstone_kernels.nf4 import _nf4_dequant_kernel, nf4_fwd  # noqa: E402
+from whetstone_kernels.nf4_ref import nf4_quantize_ref  # noqa: E402
+from whetstone_kernels.rms_norm import _rms_norm_bwd_kernel, _rms_norm_fwd_kernel, rms_norm_bwd, rms_norm_fwd  # noqa: E402
+from whetstone_kernels.rope import _rope_kernel, rope_bwd, rope_fwd  # noqa: E402
+from whetstone_kernels.rope_ref import rope_cos_sin  # noqa: E402
+from whetstone_kernels.swiglu import _glu_bwd_kernel, _glu_fwd_kernel, glu_bwd, glu_fwd  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"

@@ -19,13 +19,13 @@ if not torch.cuda.is_available():
         knobs.runtime.interpret = True
     except Exception:  # pragma: no cover - older triton reads os.environ directly
         pass
-    stale = [name for name in sorted(sys.modules) if name == "kernels._common" or
-             (name.startswith("kernels.") and not name.endswith("_ref"))]
-    if stale and not getattr(sys.modules.get("kernels._common"), "INTERPRET", True):
+    stale = [name for name in sorted(sys.modules) if name == "whetstone_kernels._common" or
+             (name.startswith("whetstone_kernels.") and not name.endswith("_ref"))]
+    if stale and not getattr(sys.modules.get("whetstone_kernels._common"), "INTERPRET", True):
         for name in stale:
             importlib.reload(sys.modules[name])
-    if "kernels" in sys.modules and stale:
-        importlib.reload(sys.modules["kernels"])
+    if "whetstone_kernels" in sys.modules and stale:
+        importlib.reload(sys.modules["whetstone_kernels"])
 
 
 @pytest.fixture(autouse=True)

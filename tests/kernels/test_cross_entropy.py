@@ -2,8 +2,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.cross_entropy import linear_cross_entropy, linear_cross_entropy_fwd
-from kernels.cross_entropy_ref import linear_cross_entropy_ref
+from whetstone_kernels.cross_entropy import linear_cross_entropy, linear_cross_entropy_fwd
+from whetstone_kernels.cross_entropy_ref import linear_cross_entropy_ref
 
 from kernel_test_util import assert_close_lowp
 

@@ -1,4 +1,4 @@
-"""kernels.launch.spec_key must separate every pair of launches Triton would compile differently.
+"""whetstone_kernels.launch.spec_key must separate every pair of launches Triton would compile differently.
 
 Two checks: per argument against ``native_specialize_impl`` (what Triton 3.6's binder calls for each
 runtime argument), and per whole call against Triton's own binder + ``compute_cache_key`` on a toy
@@ -15,7 +15,7 @@ tl = pytest.importorskip("triton.language")
 from triton.backends.compiler import BaseBackend  # noqa: E402
 from triton.runtime.jit import JITFunction, compute_cache_key, create_function_from_signature  # noqa: E402
 
-from kernels.launch import spec_key  # noqa: E402
+from whetstone_kernels.launch import spec_key  # noqa: E402
 
 native = pytest.importorskip("triton._C.libtriton").native_specialize_impl
 
@@ -133,13 +133,13 @@ class _FakeKernel:
 
 
 def test_direct_path_passes_triton_launchers_argument_list(monkeypatch):
-    """The control flow of kernels.launch.launch off the interpreter (no GPU here: fakes stand in
+    """The control flow of whetstone_kernels.launch.launch off the interpreter (no GPU here: fakes stand in
     for Triton's run and the compiled launcher; tests/gpu/test_launch_gpu.py runs the real ones).
     The first call of a key goes through Triton; the second reaches the C launcher with grid
     padded to 3, the stream, function, cooperative / pdl flags, no scratch, the packed metadata, no
     launch metadata or hooks, then every parameter in order: runtime args, keyword constexprs,
     defaults. Host tensors never get a direct path."""
-    import kernels.launch as L
+    import whetstone_kernels.launch as L
 
     monkeypatch.setattr(L, "INTERPRET", False)
     monkeypatch.setattr(L, "FAST_LAUNCH", True)

@@ -3,8 +3,8 @@ import os
 import pytest
 import torch
 
-from kernels.nf4 import nf4_bwd, nf4_dequantize, nf4_fwd, nf4_linear
-from kernels.nf4_ref import (NF4_CODE, dynamic_map_signed, nf4_dequantize_ref, nf4_linear_ref, nf4_quantize_ref,
+from whetstone_kernels.nf4 import nf4_bwd, nf4_dequantize, nf4_fwd, nf4_linear
+from whetstone_kernels.nf4_ref import (NF4_CODE, dynamic_map_signed, nf4_dequantize_ref, nf4_linear_ref, nf4_quantize_ref,
                              nf4_state_from_bnb)
 
 

@@ -1,4 +1,4 @@
-"""kernels.nf4_matmul (fused NF4 decode matmul) against x @ nf4_dequantize_ref(W)^T.
+"""whetstone_kernels.nf4_matmul (fused NF4 decode matmul) against x @ nf4_dequantize_ref(W)^T.
 
 On the CPU the kernel runs under the Triton interpreter, where tl.dot is right in fp32/fp16 but not in
 bf16: bf16 is checked on CUDA only (here and in tests/gpu). Shapes are small (the interpreter is slow).
@@ -9,8 +9,8 @@ import os
 import pytest
 import torch
 
-from kernels.nf4_matmul import nf4_matmul, nf4_matmul_fwd, pick_config
-from kernels.nf4_ref import nf4_dequantize_ref, nf4_quantize_ref, nf4_state_from_bnb
+from whetstone_kernels.nf4_matmul import nf4_matmul, nf4_matmul_fwd, pick_config
+from whetstone_kernels.nf4_ref import nf4_dequantize_ref, nf4_quantize_ref, nf4_state_from_bnb
 from tests.kernels.kernel_test_util import assert_close_lowp
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

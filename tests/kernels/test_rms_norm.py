@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from kernels.rms_norm import rms_norm, rms_norm_bwd, rms_norm_fwd, rms_norm_residual
-from kernels.rms_norm_ref import rms_norm_ref, rms_norm_ref_bwd
+from whetstone_kernels.rms_norm import rms_norm, rms_norm_bwd, rms_norm_fwd, rms_norm_residual
+from whetstone_kernels.rms_norm_ref import rms_norm_ref, rms_norm_ref_bwd
 
 from kernel_test_util import assert_close_lowp
 

@@ -3,8 +3,8 @@ import math
 import pytest
 import torch
 
-from kernels.rope import rope, rope_bwd, rope_fwd
-from kernels.rope_ref import packed_position_ids, rope_cos_sin, rope_inv_freq, rope_ref
+from whetstone_kernels.rope import rope, rope_bwd, rope_fwd
+from whetstone_kernels.rope_ref import packed_position_ids, rope_cos_sin, rope_inv_freq, rope_ref
 
 from kernel_test_util import assert_close_lowp
 

@@ -2,8 +2,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.swiglu import geglu, glu, glu_bwd, glu_fwd, swiglu
-from kernels.swiglu_ref import act_grad_ref, glu_ref, glu_ref_bwd
+from whetstone_kernels.swiglu import geglu, glu, glu_bwd, glu_fwd, swiglu
+from whetstone_kernels.swiglu_ref import act_grad_ref, glu_ref, glu_ref_bwd
 
 from kernel_test_util import assert_close_lowp
 

@@ -124,7 +124,7 @@ def test_web_process_never_imports_the_ml_stack():
     code = ("import sys, json; import app.web.main as m; "
             "app = m.create_app(); "
             "print(json.dumps(sorted(k for k in sys.modules if k.split('.')[0] in "
-            "('torch', 'triton', 'transformers', 'kernels', 'worker', 'peft', 'trl'))))")
+            "('torch', 'triton', 'transformers', 'whetstone_kernels', 'worker', 'peft', 'trl'))))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          timeout=120, env={"PATH": "/usr/bin:/bin", "WHETSTONE_DATA_DIR": "/tmp/ws-boundary"})
     assert out.returncode == 0, out.stderr

@@ -6,12 +6,12 @@ H200 with Llama-3.1-8B QLoRA and 8 rows that is 143 ms of wall time per token fo
 patched Llama-like model (Llama, Mistral, Qwen2/2.5, Qwen3) that runs the decoder directly:
 
 * **Prefill** of the left-padded prompt ids [B, P] in one pass per layer: RMSNorm, q/k/v, [q/k
-  norm], RoPE (kernels.rope) at HF's positions (``cumsum(attention_mask) - 1``), SDPA with a causal
+  norm], RoPE (whetstone_kernels.rope) at HF's positions (``cumsum(attention_mask) - 1``), SDPA with a causal
   mask that hides pad keys; k and v (after RoPE) are written to a cache [B, Hk, P + T, D] per layer.
 * **Decode** of one token per row per step: the same layer with the query attending to the cache
   (``q [B, Hk, G, D] @ k^T`` in the compute dtype, fp32 softmax over the P + t keys written so far,
   pad keys masked). Projections (:mod:`worker.engine.decode_proj`) with fewer than 64 rows and
-  an NF4 base run through ``kernels.nf4_matmul`` (NF4 dequantised in registers, never stored
+  an NF4 base run through ``whetstone_kernels.nf4_matmul`` (NF4 dequantised in registers, never stored
   dense) when it is available on CUDA and is right and faster than dequantise + GEMM on that
   weight shape and GPU (``fused_ok``, decided once per shape); otherwise the base weight is dequantised (or read dense,
   cached by gencache) and multiplied. LoRA: ``y += s (x A^T) B^T`` with the active adapter (A, B
@@ -138,7 +138,7 @@ class _Model:
         bool (True = attend: causal, pad keys hidden). Decode (S == 1, ``col`` a 1-element int64
         tensor, so a CUDA graph can replay it): k/v go to column ``col``; the query attends to
         every cache column where keymask [B, P + T] (the valid-key map) is True."""
-        from kernels.rope import rope
+        from whetstone_kernels.rope import rope
 
         from worker.engine.lora_ops import _glu
 

@@ -2,7 +2,7 @@
 
 :class:`DecodeProj` computes y = x W^T (+ b) + s (x A^T) B^T for x [..., in] in the compute dtype,
 with the PEFT adapter's A [r, in], B [out, r] (active adapter only; None when disabled or absent).
-A base held as NF4 is multiplied by ``kernels.nf4_matmul`` (W dequantised in registers) when x has
+A base held as NF4 is multiplied by ``whetstone_kernels.nf4_matmul`` (W dequantised in registers) when x has
 fewer than :data:`SMALL_M` rows, the kernel is available on CUDA and :func:`fused_ok` found it
 right and faster for that weight shape on this GPU; otherwise W is dequantised (or read dense from gencache's copy) and
 multiplied by a GEMM. A kernel that raises on a shape falls back for that weight and logs it.
@@ -22,7 +22,7 @@ SMALL_M = 64
 
 def nf4_matmul_kernel():
     try:
-        from kernels.nf4_matmul import nf4_matmul
+        from whetstone_kernels.nf4_matmul import nf4_matmul
     except ImportError:
         return None
     return nf4_matmul

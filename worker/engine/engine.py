@@ -9,7 +9,7 @@ layout; a pre-quantised bnb-4bit checkpoint is converted as is) -> :func:`patch`
 The patched forward (:func:`engine_forward`) runs the fused path when it is given ``labels`` (training
 and evaluation loss): embeddings -> per layer :func:`~worker.engine.patch.run_layer`, checkpointed
 (offloaded to pinned host memory on CUDA) except the layers the VRAM budget lets keep their
-activations -> final norm -> fused LM head + cross-entropy (kernels.cross_entropy; logits never
+activations -> final norm -> fused LM head + cross-entropy (whetstone_kernels.cross_entropy; logits never
 materialised; ``num_items_in_batch`` normalises per token across gradient accumulation exactly as
 transformers' loss does). It returns ``CausalLMOutputWithPast(loss=..., logits=None)``. Without labels
 (generation, a KV cache) it calls the model's original forward, which runs PEFT's modules (and
@@ -260,7 +260,7 @@ def causal_lm_loss(model, h, labels, num_items_in_batch, st: EngineState):
     given, else mean) through the fused LM head + cross-entropy."""
     import torch.nn.functional as F
 
-    from kernels.cross_entropy import linear_cross_entropy
+    from whetstone_kernels.cross_entropy import linear_cross_entropy
 
     shift = F.pad(labels, (0, 1), value=-100)[..., 1:].reshape(-1).to(h.device)
     hidden = h.reshape(-1, h.shape[-1])

@@ -24,7 +24,7 @@ Saved: X (once) and XA [T, sum r]; W is re-dequantised in backward, never saved 
 :class:`LoRAMLPFunction` is the whole gated MLP, Y = [R +] down(act(gate(X)) * up(X)) with act silu
 (SwiGLU) or gelu / gelu_tanh (GeGLU):
 
-    forward:   G, U as one group of X;  H = act(G) U (kernels.swiglu);  Y = down group of H
+    forward:   G, U as one group of X;  H = act(G) U (whetstone_kernels.swiglu);  Y = down group of H
     backward:  dH = down group's dX (needs no H);  dG, dU, H = glu_bwd(dH, G, U) (one kernel: dG,
                dU over G, U, H over dH);  dAd = dYBd^T H;  then the gate/up group's backward.
 Saved: X, G, U [T, I], XA of gate/up [T, 2r], HA of down [T, r]; H is not saved.
@@ -295,10 +295,10 @@ def _glu(impl):
     """(fwd(G, U, act) -> H, bwd(dH, G, U, act) -> (dG, dU, H)) of ``impl``; the Triton backward
     writes dG, dU over G, U and H over dH (nothing allocated)."""
     if impl == "triton":
-        from kernels.swiglu import glu_bwd, glu_fwd
+        from whetstone_kernels.swiglu import glu_bwd, glu_fwd
 
         return glu_fwd, lambda dh, g, u, act: glu_bwd(dh, g, u, act, inplace=True, emit_h=True)
-    from kernels.swiglu_ref import glu_ref, glu_ref_bwd
+    from whetstone_kernels.swiglu_ref import glu_ref, glu_ref_bwd
 
     return glu_ref, lambda dh, g, u, act: glu_ref_bwd(dh, g, u, act, emit_h=True)
 

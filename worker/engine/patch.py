@@ -10,7 +10,7 @@ RoPE (local/global). Anything else (Phi-3's fused qkv/gate_up, MoE, multimodal) 
 :func:`run_layer` is one decoder layer, h [B, S, H] -> [B, S, H], reading the weights of the HF layer
 module and its PEFT LoRA wrappers, as two blocks (each one checkpointed segment):
 
-    attn_block: x = norm(h); q, k, v = LoRAProj(x) (one pass); [q/k norm]; RoPE (kernels.rope);
+    attn_block: x = norm(h); q, k, v = LoRAProj(x) (one pass); [q/k norm]; RoPE (whetstone_kernels.rope);
         o = attention(q, k, v) (:mod:`~worker.engine.attention`: fused causal SDPA with a hand-held
         backward, or a boolean block mask for padding, packed sequences and sliding windows, or an
         explicit soft-capped softmax for Gemma 2); h = h + [norm](LoRAProj_o(o))
@@ -26,7 +26,7 @@ output its forward stashed, and when it also stashed Q, K, V the q/k/v projectio
 GEMMs. Gemma's post-attention and
 post-feedforward norms read their input in backward, so sandwich layers compute it.
 
-Norms are kernels.rms_norm, dtypes follow h. A projection group whose LoRA cannot be fused (dropout,
+Norms are whetstone_kernels.rms_norm, dtypes follow h. A projection group whose LoRA cannot be fused (dropout,
 DoRA) runs through its PEFT modules instead; the rest of the layer stays fused.
 """
 from __future__ import annotations
@@ -103,15 +103,15 @@ def _eps(mod) -> float:
 
 
 def norm(mod, x, gemma: bool, impl: str):
-    from kernels.rms_norm import rms_norm
+    from whetstone_kernels.rms_norm import rms_norm
 
     return rms_norm(x, mod.weight, _eps(mod), gemma=gemma, impl=impl)
 
 
 def norm_residual(mod, x, gemma: bool, impl: str):
     """(norm(x), x) where x's two gradients are summed in the norm's backward kernel
-    (kernels.rms_norm.rms_norm_residual): for a pre-norm block x + f(norm(x))."""
-    from kernels.rms_norm import rms_norm_residual
+    (whetstone_kernels.rms_norm.rms_norm_residual): for a pre-norm block x + f(norm(x))."""
+    from whetstone_kernels.rms_norm import rms_norm_residual
 
     return rms_norm_residual(x, mod.weight, _eps(mod), gemma=gemma, impl=impl)
 
@@ -192,7 +192,7 @@ def attn_block(layer, h, step: StepInputs, arch: ArchSpec, impl: str):
     o), and when the attention stashed Q, K, V in the forward (no q/k norm, whose backward reads
     the projections) the q/k/v projections skip theirs too: attention returns the stashed output.
     """
-    from kernels.rope import rope
+    from whetstone_kernels.rope import rope
 
     attn = layer.self_attn
     ltype = arch.layer_types[attn.layer_idx] if hasattr(attn, "layer_idx") else "full_attention"

@@ -12,7 +12,7 @@ The data are produced by bitsandbytes' own ``quantize_4bit(blocksize=64, compres
 quant_type="nf4")`` (CPU or CUDA backend), so the layout is bitsandbytes' exactly; a layer of a
 pre-quantised bnb-4bit checkpoint (``bnb.nn.Linear4bit``) is converted without requantising. The
 dense weight is never stored: ``dequant(dtype)`` materialises it in a temporary through
-``kernels.nf4`` (impl "triton" on CUDA, "reference" elsewhere), which the fused LoRA functions call
+``whetstone_kernels.nf4`` (impl "triton" on CUDA, "reference" elsewhere), which the fused LoRA functions call
 in forward and again in backward. Memory: 0.5 byte a weight + 1 byte per 64 (+ 4 bytes per 16384).
 
 Generation cache (:mod:`worker.engine.gencache`): ``cache_dense()`` keeps one dense W [out, in] in
@@ -55,7 +55,7 @@ class NF4Linear(nn.Module):
 
     def state(self):
         """The kernels' NF4State (views of this module's buffers)."""
-        from kernels.nf4_ref import NF4State
+        from whetstone_kernels.nf4_ref import NF4State
 
         return NF4State(absmax=self.absmax, shape=self.shape, dtype=self.dtype,
                         blocksize=self.blocksize, offset=self.offset, absmax2=self.absmax2,
@@ -64,7 +64,7 @@ class NF4Linear(nn.Module):
     def dequant(self, dtype=None) -> torch.Tensor:
         """A dense W [out, in] in ``dtype`` (default: the original dtype): a temporary, or the
         cached one (see :meth:`cache_dense`)."""
-        from kernels.nf4 import nf4_dequantize
+        from whetstone_kernels.nf4 import nf4_dequantize
 
         dtype = dtype or self.dtype
         if self._dense is not None:
@@ -90,7 +90,7 @@ class NF4Linear(nn.Module):
             w = self._dense if self._dense.dtype == x.dtype else self._dense.to(x.dtype)
             y = x @ w.t()
             return y + self.bias if self.bias is not None else y
-        from kernels.nf4 import nf4_linear
+        from whetstone_kernels.nf4 import nf4_linear
 
         self.dequants += 1
         return nf4_linear(x, self.packed, self.state(), self.bias, impl=self.impl)
@@ -102,7 +102,7 @@ class NF4Linear(nn.Module):
     @classmethod
     def from_bnb(cls, packed, quant_state, bias=None, impl="reference") -> "NF4Linear":
         """Wrap bitsandbytes' packed data + QuantState (from quantize_4bit or a Linear4bit)."""
-        from kernels.nf4_ref import nf4_state_from_bnb
+        from whetstone_kernels.nf4_ref import nf4_state_from_bnb
 
         st = nf4_state_from_bnb(quant_state)
         return cls(packed, st.absmax, st.shape, st.dtype, st.blocksize, st.offset, st.absmax2,

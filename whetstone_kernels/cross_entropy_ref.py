@@ -1,4 +1,4 @@
-"""LM head + cross-entropy reference (plain PyTorch; oracle for kernels/cross_entropy.py).
+"""LM head + cross-entropy reference (plain PyTorch; oracle for whetstone_kernels/cross_entropy.py).
 
 For hidden states h [T, H], head weight W [V, H] and labels y [T] (already shifted; -100 = ignore):
 

@@ -1,4 +1,4 @@
-"""Rotary position embedding reference (plain PyTorch; oracle for kernels/rope.py), plus the frequency
+"""Rotary position embedding reference (plain PyTorch; oracle for whetstone_kernels/rope.py), plus the frequency
 helpers that turn a Hugging Face config dict into inverse frequencies and cos/sin tables.
 
 HF "rotate-half" layout: for a head vector x of size D and rotary size R <= D (partial rotary, e.g.

@@ -1,4 +1,4 @@
-"""Gated-MLP activations, reference (plain PyTorch; oracle for kernels/swiglu.py).
+"""Gated-MLP activations, reference (plain PyTorch; oracle for whetstone_kernels/swiglu.py).
 
     SwiGLU:      h = silu(g) * u,                 silu(g) = g * sigmoid(g)
     GeGLU exact: h = gelu(g) * u,                 gelu(g) = 0.5 g (1 + erf(g / sqrt 2))
@@ -62,7 +62,7 @@ def act_grad_ref(g: torch.Tensor, activation: str = "silu") -> torch.Tensor:
 def glu_ref_bwd(dh, gate, up, activation: str = "silu", emit_h: bool = False):
     """Closed-form backward; returns (dgate, dup) in the inputs' dtypes. With emit_h=True returns
     (dgate, dup, h), h = glu_ref(gate, up, activation) as a new tensor (dh is left as it is, unlike
-    kernels/swiglu.py's glu_bwd, which writes h over dh)."""
+    whetstone_kernels/swiglu.py's glu_bwd, which writes h over dh)."""
     g, u, d = _up(gate), _up(up), _up(dh)
     dg = d * u * act_grad_ref(g, activation)
     du = d * act_ref(g, activation)

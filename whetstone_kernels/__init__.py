@@ -2,9 +2,13 @@
 
 Each ``<op>.py`` holds the Triton kernels, launchers ``<op>_fwd`` / ``<op>_bwd``, a
 ``torch.autograd.Function`` and a functional entry taking ``impl="triton" | "reference"``; each
-``<op>_ref.py`` is plain PyTorch, runs on the CPU and is the numerical oracle. See kernels/README.md.
+``<op>_ref.py`` is plain PyTorch, runs on the CPU and is the numerical oracle. See
+whetstone_kernels/README.md.
 
-Importing this package imports torch and triton; the web process never imports it.
+Importing this package imports torch and triton; the web process never imports it. The package
+was called ``kernels`` until it shadowed Hugging Face's ``kernels`` library, which bitsandbytes
+and transformers import by that name (every CPU training job logged bitsandbytes' failed
+``from kernels import get_kernel``).
 """
 from .cross_entropy import (LinearCrossEntropyFunction, linear_cross_entropy, linear_cross_entropy_bwd,
                             linear_cross_entropy_fwd)

@@ -1,6 +1,6 @@
 """NF4 (bitsandbytes 4-bit, blocksize 64, double-quantised absmax) dequantisation in Triton.
 
-Maths (bit-exact with bitsandbytes' dequantize_4bit; see kernels/nf4_ref.py for the format):
+Maths (bit-exact with bitsandbytes' dequantize_4bit; see whetstone_kernels/nf4_ref.py for the format):
 
     absmax[j] = fl(fl(code2[qabsmax[j]] * absmax2[j // 256]) + offset)     (nested; else fp32 absmax[j])
     W[2i]     = to_dtype(fl(NF4[byte[i] >> 4] * absmax[2i // 64]))

@@ -1,4 +1,4 @@
-"""bitsandbytes NF4 4-bit weights, reference (plain PyTorch, CPU; oracle for kernels/nf4.py).
+"""bitsandbytes NF4 4-bit weights, reference (plain PyTorch, CPU; oracle for whetstone_kernels/nf4.py).
 
 Written from the bitsandbytes format (``quantize_4bit(..., quant_type="nf4", blocksize=64,
 compress_statistics=True)``), without importing bitsandbytes:

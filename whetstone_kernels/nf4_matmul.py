@@ -3,7 +3,7 @@
 For a frozen bitsandbytes NF4 weight W [N, K] (blocksize 64 or any power of two dividing K, absmax
 plain fp32 or double-quantised) and a few rows of activations x [M, K] (decode with a KV cache:
 M = batch, typically 1..64), each program reads the packed bytes of a BLOCK_N x BLOCK_K tile of W,
-dequantises it in registers with the maths of ``kernels/nf4.py`` (bit-identical W values):
+dequantises it in registers with the maths of ``whetstone_kernels/nf4.py`` (bit-identical W values):
 
     absmax[j] = fl(fl(code2[qabsmax[j]] * absmax2[j // blocksize2]) + offset)   (nested; else fp32 absmax[j])
     W[n, 2i]   = to_dtype(fl(NF4[byte[n, i] >> 4] * absmax[(n*K + 2i) // blocksize]))     (high nibble = even k)
@@ -29,7 +29,7 @@ shape, bitsandbytes' [N*K/2, 1]), state an ``NF4State`` or bitsandbytes ``QuantS
 shape (N, K); bias [N] or None; y [..., N] in x's dtype. W is dequantised to x's dtype (so
 ``impl="reference"`` = x @ nf4_dequantize_ref(W, x.dtype)^T differs only by accumulation order);
 fp32 dots use IEEE fp32 (no TF32). K % blocksize != 0 raises ValueError. Forward only: calling it
-with grad mode on and x (or bias) requiring grad raises RuntimeError (use ``kernels.nf4.nf4_linear``).
+with grad mode on and x (or bias) requiring grad raises RuntimeError (use ``whetstone_kernels.nf4.nf4_linear``).
 
 Traffic: N*K/2 bytes of NF4 (+ N*K/blocksize absmax bytes, + M*K*itemsize of x per N tile, in L2)
 instead of dequant (N*K/2 read + N*K*2 written) then a GEMM reading N*K*2: for Llama-3.1-8B's 224
@@ -37,7 +37,7 @@ linear weights, 3.5 GB a decode step, about 0.85 ms at the H200's 4.2 TB/s. For 
 hundreds) dequant + a tensor-core GEMM (``nf4_linear``) is the better choice.
 
 Source: Dettmers et al. 2023, "QLoRA: Efficient Finetuning of Quantized LLMs" (NF4, double
-quantisation); bitsandbytes' ``quantize_4bit`` format (see kernels/nf4_ref.py).
+quantisation); bitsandbytes' ``quantize_4bit`` format (see whetstone_kernels/nf4_ref.py).
 """
 from __future__ import annotations
 
@@ -194,7 +194,7 @@ def nf4_matmul(x: torch.Tensor, packed: torch.Tensor, state, bias: torch.Tensor 
     check_impl(impl)
     if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
         raise RuntimeError("nf4_matmul is forward-only (decode under torch.no_grad()); x requires grad: "
-                           "use kernels.nf4.nf4_linear for a differentiable NF4 linear")
+                           "use whetstone_kernels.nf4.nf4_linear for a differentiable NF4 linear")
     st = _as_state(state)
     if len(st.shape) != 2:
         raise ValueError(f"NF4 weight must be 2-D [N, K], got shape {tuple(st.shape)}")

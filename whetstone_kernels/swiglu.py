@@ -15,7 +15,7 @@ backward reads 3 and writes 2 (dg, du; ``inplace=True`` in the launcher writes t
 ``glu_bwd(..., emit_h=True)`` also writes h = act(g) * u (the forward's bits) over dh, for a caller
 that needs h again in backward (e.g. for a LoRA weight gradient) without a second pass over g and u.
 Shapes: g, u any shape, same shape and dtype (made contiguous); dtypes fp32 / fp16 / bf16.
-tanh is evaluated as 2 sigmoid(2z) - 1 (Triton has no portable tanh). Reference: kernels/swiglu_ref.py.
+tanh is evaluated as 2 sigmoid(2z) - 1 (Triton has no portable tanh). Reference: whetstone_kernels/swiglu_ref.py.
 Sources: Shazeer 2020 "GLU variants improve Transformer"; Hendrycks & Gimpel 2016 (GELU).
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Cross-entropy fused with the LM head, chunked over tokens, in Triton + cuBLAS; forward and backward.
 
-Maths (see kernels/cross_entropy_ref.py): z = h W^T, optional soft-cap z <- c tanh(z/c),
+Maths (see whetstone_kernels/cross_entropy_ref.py): z = h W^T, optional soft-cap z <- c tanh(z/c),
 loss = sum_t [lse(z_t) - z_t[y_t]] / n over tokens with y_t != ignore_index; n = #valid ("mean") or an
 external normaliser ("sum"). Gradient of the logits: dz = (softmax(z) - onehot(y)) * (1 - tanh^2) / n.
 

@@ -15,7 +15,7 @@ runs one program per row and computes no dw at all. ``rms_norm_residual`` is the
 form (y, x): x's second gradient (the residual branch) is added in the backward kernel.
 
 Shapes: x [..., N] (last dim contiguous; leading dims flattened to M rows), w [N]. Dtypes: fp32,
-fp16, bf16 for x; w any float dtype (dw is returned in w's dtype). Reference: kernels/rms_norm_ref.py.
+fp16, bf16 for x; w any float dtype (dw is returned in w's dtype). Reference: whetstone_kernels/rms_norm_ref.py.
 Sources: Zhang & Sennrich 2019 (RMSNorm); HF LlamaRMSNorm / GemmaRMSNorm for the two forms.
 """
 from __future__ import annotations

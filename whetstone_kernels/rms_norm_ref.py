@@ -1,4 +1,4 @@
-"""RMSNorm reference (plain PyTorch, runs on CPU; the numerical oracle for kernels/rms_norm.py).
+"""RMSNorm reference (plain PyTorch, runs on CPU; the numerical oracle for whetstone_kernels/rms_norm.py).
 
 Forward, per row x of length N (fp32 arithmetic, result cast to x.dtype):
 

@@ -11,7 +11,7 @@ Inputs: q [B, Hq, S, D], k [B, Hk, S, D] with any strides except a unit last-dim
 read). Dtypes fp32/fp16/bf16 (q, k and the tables may differ). Outputs keep q's/k's strides; with
 ``inplace=True`` the launcher writes over q and k (safe when nothing else needs them; the autograd
 Function below stays out of place). Position ids, offsets, packed sequences whose positions restart,
-partial rotary, and Llama-3 / YaRN frequencies are all expressed through cos/sin: see kernels/rope_ref.py
+partial rotary, and Llama-3 / YaRN frequencies are all expressed through cos/sin: see whetstone_kernels/rope_ref.py
 (``rope_inv_freq``, ``rope_cos_sin``, ``packed_position_ids``). Source: Su et al. 2021 (RoFormer).
 """
 from __future__ import annotations
