@@ -144,7 +144,12 @@ def test_train_30_steps_loss_falls_and_adapter_works(env) -> None:
     kinds = {a.kind: a for a in repo.list_artifacts(eng, run.id)}
     assert set(kinds) == {"adapter", "config", "checkpoint"}
     steps = sorted(a.meta["step"] for a in repo.list_artifacts(eng, run.id, "checkpoint"))
-    assert steps == [10, 20, 30]  # recorded as the trainer saved them
+    # recorded as the trainer saved them; save_total_limit=2 rotated checkpoint-10 away, and
+    # its row went with its folder
+    assert steps == [20, 30]
+    ckpts = sorted(p.name for p in run_dir.glob("checkpoints/checkpoint-*")) or \
+        sorted(p.name for p in run_dir.rglob("checkpoint-*") if p.is_dir())
+    assert ckpts == ["checkpoint-20", "checkpoint-30"], ckpts
     logs = [ev.data["message"] for ev in events.since(eng, job.id, types=["log"])]
     done = next(m for m in logs if m.startswith("done:"))
     assert len(done.split("final loss ")[1]) <= 8, done  # rounded, not 17.136369705200195
