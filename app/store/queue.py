@@ -349,10 +349,7 @@ def cancel(engine: Engine, job_id: int) -> Job:
         if job is None:
             raise JobNotFound(job_id)
         if job.state == JobState.QUEUED:
-            job.state = JobState.CANCELLED
-            job.cancel_requested = True
-            job.finished_at = now()
-            _state_event(s, job_id, JobState.CANCELLED)
+            _cancel_queued(s, job)
         elif job.state == JobState.RUNNING and not job.cancel_requested:
             job.cancel_requested = True
             events.append(s, job_id, "log", {"level": "info", "message": "cancel requested"})
@@ -368,12 +365,17 @@ def cancel_if_queued(engine: Engine, job_id: int) -> bool:
         job = s.get(Job, job_id)
         if job is None or job.state != JobState.QUEUED:
             return False
-        job.state = JobState.CANCELLED
-        job.cancel_requested = True
-        job.finished_at = now()
-        _state_event(s, job_id, JobState.CANCELLED)
+        _cancel_queued(s, job)
         s.add(job)
         return True
+
+
+def _cancel_queued(session: Session, job: Job) -> None:
+    """End a queued ``job`` as cancelled inside the caller's transaction."""
+    job.state = JobState.CANCELLED
+    job.cancel_requested = True
+    job.finished_at = now()
+    _state_event(session, job.id, JobState.CANCELLED)
 
 
 def _memory_note(session: Session, job_id: int) -> str:
