@@ -6,8 +6,8 @@ overhead, as in worker.engine.decode) over enough distinct copies of the weight 
 >= 256 MiB in all) that every call reads its weight from HBM, not L2; the median of 20 replays
 divided by the copies. GB/s = NF4 bytes read (N*K/2 + absmax) / time. ``per-token`` times one
 Llama-3.1-8B decode step's 224 distinct weights (32 layers x q, k, v, o, gate, up, down) in one
-graph. ``--sweep`` tries tile configs per shape at M=8 (BLOCK_N, BLOCK_K, SPLIT_K, warps, stages)
-and uses each shape's best in the per-token line. Each measurement is a JSON line appended to
+graph. ``--sweep`` tries tile configs per shape at M=8 (BLOCK_N, BLOCK_K, SPLIT_K, warps, stages) and
+at M=1 (also BLOCK_M 1 vs 16) and uses each shape's best in the per-token line (M=8's for M > 1). Each measurement is a JSON line appended to
 --out (default $OUT/nf4_matmul.jsonl when $OUT is set, as on a device call; else bench/results.jsonl).
 
     python bench/nf4_matmul_bench.py [--m 1 8 16] [--sweep]
@@ -37,9 +37,14 @@ from whetstone_kernels.nf4_ref import nf4_quantize_ref  # noqa: E402
 # (N, K) and how many of each a Llama-3.1-8B layer has (q, k+v, o, gate+up, down)
 SHAPES = [((4096, 4096), 2), ((1024, 4096), 2), ((14336, 4096), 2), ((4096, 14336), 1)]
 LAYERS = 32
+# tile configs tried by --sweep: several rows (tensor cores; BLOCK_M from pick_config) and one row
+# (BLOCK_M 1: CUDA-core FMAs, or 16: tensor cores on a padded tile)
 SWEEP = [dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sp, num_warps=w, num_stages=st)
-         for bn, bk, st, w in itertools.product((32, 64, 128), (128, 256, 512), (1, 2, 3), (4, 8))
-         if w == 4 or bn == 128 for sp in (1, 2, 4, 8, 16)]
+         for bn, bk, w, st in itertools.product((64, 128, 256), (128, 256), (4, 8), (1, 2))
+         for sp in (1, 2, 4, 8, 16)]
+SWEEP_1 = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sp, num_warps=w, num_stages=1)
+           for bm, bn, bk, w in itertools.product((1, 16), (32, 64, 128), (128, 256), (4, 8))
+           for sp in (1, 2, 4, 8, 16)]
 
 
 def _graph_ms(calls, reps=20):
@@ -131,10 +136,10 @@ def main():
                 print(f"M={m:3d} N={n:6d} K={k:6d}  fused {fused * 1e3:8.1f} us {row['gbps']:7.0f} GB/s   "
                       f"dequant+matmul {unfused * 1e3:8.1f} us   x{row['speedup']:5.2f}   rel_err {err:.1e}   "
                       f"{cfg}", flush=True)
-                if args.sweep and dev == "cuda" and m == 8:
+                if args.sweep and dev == "cuda" and m in (1, 8):
                     found = []
-                    for c in SWEEP:
-                        c = dict(c, BLOCK_M=cfg["BLOCK_M"])
+                    for c in (SWEEP_1 if m == 1 else SWEEP):
+                        c = dict(c) if m == 1 else dict(c, BLOCK_M=cfg["BLOCK_M"])
                         try:
                             t = _graph_ms([lambda p=p: nf4_matmul_fwd(x, p, st, None, c) for p in cps],
                                           reps=5) / len(cps)
@@ -143,9 +148,9 @@ def main():
                             continue
                         found.append((t, c))
                     found.sort(key=lambda tc: tc[0])
-                    best_cfg[(n, k)] = found[0][1]
+                    best_cfg[(n, k, m)] = found[0][1]
                     for t, c in found[:5]:
-                        print(f"#   sweep {t * 1e3:7.1f} us {nbytes / t / 1e6:5.0f} GB/s {c}", flush=True)
+                        print(f"#   sweep M={m} {t * 1e3:7.1f} us {nbytes / t / 1e6:5.0f} GB/s {c}", flush=True)
                     f.write(json.dumps(dict(common, shape=f"{m}x{k}->{n}", m=m, n=n, k=k, sweep=[
                         dict(c, ms=round(t, 5)) for t, c in found[:10]])) + "\n")
         for m in args.m:  # one decode step: 224 distinct weights, in layer order
@@ -155,10 +160,10 @@ def main():
                 for (n, k), count in shapes:
                     packed, st = weights[(n, k)]
                     for p in _copies(packed, count + 1)[1:]:
-                        xx, c = x[k], best_cfg.get((n, k))
+                        xx, c = x[k], best_cfg.get((n, k, 1 if m == 1 else 8))
                         calls_f.append(lambda p=p, xx=xx, st=st: nf4_matmul(xx, p, st))
                         calls_u.append(lambda p=p, xx=xx, st=st: xx @ nf4_fwd(p, st, dtype).t())
-                        if c:
+                        if c and m != 1:
                             c = dict(c, BLOCK_M=pick_config(m, n, k, st.blocksize, xx.device)["BLOCK_M"])
                             calls_b.append(lambda p=p, xx=xx, st=st, c=c: nf4_matmul_fwd(xx, p, st, None, c))
             a, b = _graph_ms(calls_f), _graph_ms(calls_u)

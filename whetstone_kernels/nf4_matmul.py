@@ -1,23 +1,24 @@
 """Fused NF4 matmul for decoding: y = x @ dequant(W)^T (+ bias) without materialising W.
 
-For a frozen bitsandbytes NF4 weight W [N, K] (blocksize 64 or any power of two dividing K, absmax
+For a frozen bitsandbytes NF4 weight W [N, K] (blocksize a power of two >= 32 dividing K, absmax
 plain fp32 or double-quantised) and a few rows of activations x [M, K] (decode with a KV cache:
-M = batch, typically 1..64), each program reads the packed bytes of a BLOCK_N x BLOCK_K tile of W,
-dequantises it in registers with the maths of ``whetstone_kernels/nf4.py`` (bit-identical W values):
+M = batch, typically 1..64), each program walks a BLOCK_N-row strip of W through K in pieces of
+PIECE = min(blocksize, BLOCK_K) elements, one absmax per row and piece:
 
     absmax[j] = fl(fl(code2[qabsmax[j]] * absmax2[j // blocksize2]) + offset)   (nested; else fp32 absmax[j])
-    W[n, 2i]   = to_dtype(fl(NF4[byte[n, i] >> 4] * absmax[(n*K + 2i) // blocksize]))     (high nibble = even k)
-    W[n, 2i+1] = to_dtype(fl(NF4[byte[n, i] & 15] * absmax[(n*K + 2i) // blocksize]))
+    part[n, m] = sum_j code[byte[n, j] >> 4] * x[m, kp + 2j] + code[byte[n, j] & 15] * x[m, kp + 2j + 1]
+    acc[n, m] += absmax[n, piece] * part[n, m]
 
-and accumulates in fp32 with one ``tl.dot`` per BLOCK_K chunk: the chunk's bytes load as whole
-vectors (the launcher picks BLOCK_K dividing K, so no K masks), the absmax of its BLOCK_K/blocksize
-blocks broadcasts over each block's bytes, and the high/low nibble values are interleaved back into
-k order in registers (tl.join):
-
-    acc[n, m] += W[n, k0:k0+BLOCK_K] . x[m, k0:k0+BLOCK_K]
+so the absmax multiplies a [BLOCK_N, BLOCK_M] partial once per piece instead of every weight, and
+the high and low nibbles meet the even and odd columns of x in two tensor-core dots (no interleave
+of the dequantised values back into k order). ``code`` is the 16-entry NF4 table in x's dtype; with
+one row (BLOCK_M = 1) the table is fp32 and the dots are CUDA-core FMAs into a [BLOCK_N, PIECE/2]
+accumulator reduced once at the end. Numerics: W[n, k] enters as code (rounded to x's dtype; exact
+in fp32) times the fp32 absmax, accumulated in fp32; dequantise + GEMM (``impl="reference"``)
+rounds code * absmax to x's dtype first. The two differ at the rounding level of x's dtype.
 
 Grid: (ceil(N / BLOCK_N), SPLIT_K, ceil(M / BLOCK_M)), SPLIT_K a runtime argument; M is padded to
-BLOCK_M = 16/32/64 (masked).
+BLOCK_M = 1/16/32/64 (masked).
 With SPLIT_K > 1 every program writes its fp32 partial [M, BLOCK_N] to a workspace and increments a
 per-tile counter (acq_rel atomic); the program that arrives last sums the SPLIT_K partials in fixed
 order (deterministic: the same result every call), adds the bias, casts, stores y and resets the
@@ -26,9 +27,8 @@ so calls on one device must be ordered on one stream (two concurrent streams wou
 
 Shapes / dtypes: x [..., K] fp32/fp16/bf16 (flattened to M rows), packed uint8 (N*K/2 bytes, any
 shape, bitsandbytes' [N*K/2, 1]), state an ``NF4State`` or bitsandbytes ``QuantState`` with
-shape (N, K); bias [N] or None; y [..., N] in x's dtype. W is dequantised to x's dtype (so
-``impl="reference"`` = x @ nf4_dequantize_ref(W, x.dtype)^T differs only by accumulation order);
-fp32 dots use IEEE fp32 (no TF32). K % blocksize != 0 raises ValueError. Forward only: calling it
+shape (N, K); bias [N] or None; y [..., N] in x's dtype (``impl="reference"`` = x @
+nf4_dequantize_ref(W, x.dtype)^T); fp32 dots use IEEE fp32 (no TF32). K % blocksize != 0 raises ValueError. Forward only: calling it
 with grad mode on and x (or bias) requiring grad raises RuntimeError (use ``whetstone_kernels.nf4.nf4_linear``).
 
 Traffic: N*K/2 bytes of NF4 (+ N*K/blocksize absmax bytes, + M*K*itemsize of x per N tile, in L2)
@@ -54,43 +54,54 @@ _LOCKS: dict = {}  # device -> int32 counters, all zero between calls
 
 
 @triton.jit
-def _nf4_matmul_kernel(X, Q, ABSMAX, ABSMAX2, CODE2, OFFSET, NF4, BIAS, Y, PART, LOCKS,
+def _nf4_matmul_kernel(X, Q, ABSMAX, ABSMAX2, CODE2, OFFSET, CODE, BIAS, Y, PART, LOCKS,
                        M, N, K, KH, k_per_split, split_k, stride_xm, stride_ym,
                        BLOCKSIZE: tl.constexpr, BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr,
                        HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NB: tl.constexpr, IEEE: tl.constexpr):
-    # BLOCK_K divides K (the launcher picks it so), so no K masks: packed bytes load as whole vectors
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PIECE: tl.constexpr, IEEE: tl.constexpr):
+    # BLOCK_K divides K and PIECE (one absmax block, or part of one) divides BLOCK_K: no K masks
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
-    BK2: tl.constexpr = BLOCK_K // 2  # packed bytes per row of a chunk
-    SUB: tl.constexpr = BK2 // NB     # packed bytes per absmax block inside a chunk (NB blocks per chunk)
+    HP: tl.constexpr = PIECE // 2      # packed bytes of a row in one piece
+    NP: tl.constexpr = BLOCK_K // PIECE
     offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n_ok = offs_n < N
     m_ok = offs_m < M
-    nb = tl.arange(0, NB)
-    jb = nb[:, None] * SUB + tl.arange(0, SUB)[None, :]  # [NB, SUB]: byte offset inside the chunk
-    kk = tl.arange(0, BLOCK_K)
+    jj = tl.arange(0, HP)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    q_rows = Q + offs_n[:, None, None] * KH  # [BLOCK_N, 1, 1]
-    x_col = X + offs_m[None, :] * stride_xm
-    blk_row = offs_n[:, None] * (K // BLOCKSIZE)
-    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    q_tile = Q + offs_n[:, None] * KH + jj[None, :]  # [BLOCK_N, HP]: byte j of a piece = elements 2j, 2j+1
+    blk_row = offs_n * (K // BLOCKSIZE)
+    x_even = X + offs_m[None, :] * stride_xm + 2 * jj[:, None]  # [HP, BLOCK_M]: x[m, 2j]
+    if BLOCK_M == 1:
+        acc1 = tl.zeros([BLOCK_N, HP], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         k0 = tl.multiple_of(k0, BLOCK_K)
-        b = tl.load(q_rows + (k0 // 2 + jb)[None, :, :], mask=n_ok[:, None, None], other=0).to(tl.int32)
-        amax = block_absmax(ABSMAX, ABSMAX2, CODE2, OFFSET, blk_row + k0 // BLOCKSIZE + nb[None, :],
-                            n_ok[:, None], BLOCKSIZE2, NESTED)[:, :, None]  # [BLOCK_N, NB, 1]
-        hi = tl.load(NF4 + (b >> 4)) * amax  # element k0 + 2j   [BLOCK_N, NB, SUB]
-        lo = tl.load(NF4 + (b & 15)) * amax  # element k0 + 2j + 1
-        xt = tl.load(x_col + (k0 + kk)[:, None], mask=m_ok[None, :], other=0.0)  # x[m, k0:k0+BLOCK_K]^T
-        w = tl.reshape(tl.join(hi, lo), [BLOCK_N, BLOCK_K]).to(xt.dtype)  # W[n, k0 + (2j, 2j+1)]
-        if IEEE:
-            acc = tl.dot(w, xt, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(w, xt, acc)
+        for p in tl.static_range(NP):
+            kp = k0 + p * PIECE
+            b = tl.load(q_tile + kp // 2, mask=n_ok[:, None], other=0).to(tl.int32)
+            amax = block_absmax(ABSMAX, ABSMAX2, CODE2, OFFSET, blk_row + kp // BLOCKSIZE, n_ok,
+                                BLOCKSIZE2, NESTED)  # [BLOCK_N] fp32, one per row for the whole piece
+            hi = tl.load(CODE + (b >> 4))  # code[q] of element kp + 2j (high nibble), table dtype
+            lo = tl.load(CODE + (b & 15))  # element kp + 2j + 1
+            xe = tl.load(x_even + kp, mask=m_ok[None, :], other=0.0)
+            xo = tl.load(x_even + kp + 1, mask=m_ok[None, :], other=0.0)
+            if BLOCK_M == 1:  # one row: CUDA-core FMAs, reduced across the tile once at the end
+                acc1 += (hi * tl.trans(xe).to(tl.float32) + lo * tl.trans(xo).to(tl.float32)) * amax[:, None]
+            else:  # sum_j code[q] x over the piece on tensor cores, then scaled by the piece's absmax
+                if IEEE:
+                    part = tl.dot(hi, xe, input_precision="ieee")
+                    part = tl.dot(lo, xo, part, input_precision="ieee")
+                else:
+                    part = tl.dot(hi, xe)
+                    part = tl.dot(lo, xo, part)
+                acc += part * amax[:, None]
+    if BLOCK_M == 1:
+        acc = tl.sum(acc1, axis=1)[:, None]
     y_ptr = Y + offs_m[None, :] * stride_ym + offs_n[:, None]
     y_ok = n_ok[:, None] & m_ok[None, :]
     if not SPLIT:
@@ -123,16 +134,14 @@ def _locks(device, n: int) -> torch.Tensor:
 def pick_config(M: int, N: int, K: int, blocksize: int, device) -> dict:
     """Tile sizes and split-K by shape (no autotuning: the first call compiles one kernel per shape class).
 
-    BLOCK_M: M padded to 16/32/64. BLOCK_N x BLOCK_K: the tile of W per loop step, dequantised in
-    registers (the launcher halves BLOCK_K until it divides K). SPLIT_K: doubled while there are
-    fewer than 4 programs per SM and every split keeps >= 2 K chunks (a 1024 x 4096 weight has only
-    16 N tiles)."""
-    block_m = 16 if M <= 16 else 32 if M <= 32 else 64
+    BLOCK_M: 1 for one row (CUDA-core FMAs), else M padded to 16/32/64 (tensor cores). BLOCK_N x
+    BLOCK_K: the tile of W per loop step (the launcher halves BLOCK_K until it divides K). SPLIT_K:
+    doubled while there are fewer than 4 programs per SM and every split keeps >= 2 K chunks (a
+    1024 x 4096 weight has only 16 N tiles)."""
+    block_m = 1 if M == 1 else 16 if M <= 16 else 32 if M <= 32 else 64
     if INTERPRET or device.type != "cuda":
         block_n, block_k, warps, stages = 32, 64, 4, 1
     else:
-        # H200 sweep (bench/nf4_matmul_bench.py --sweep, CUDA graphs, 2026-11-29): BLOCK_K 128 beat
-        # 256/512 on all four Llama-3.1-8B shapes (6.27 vs 7.84 ms per token); pipelining did not help
         block_n, block_k, warps, stages = 64, 128, 4, 1
     tiles = -(-N // block_n) * -(-M // block_m)
     chunks = -(-K // block_k)
@@ -142,6 +151,17 @@ def pick_config(M: int, N: int, K: int, blocksize: int, device) -> dict:
         split *= 2
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=warps,
                 num_stages=stages)
+
+
+_TABLES: dict = {}
+
+
+def _table(device, dtype) -> torch.Tensor:
+    """The 16 NF4 code values in ``dtype`` (cached per device and dtype)."""
+    key = (str(device), dtype)
+    if key not in _TABLES:
+        _TABLES[key] = _code(device).to(dtype)
+    return _TABLES[key]
 
 
 def nf4_matmul_fwd(x: torch.Tensor, packed: torch.Tensor, state, bias: torch.Tensor | None = None,
@@ -173,14 +193,12 @@ def nf4_matmul_fwd(x: torch.Tensor, packed: torch.Tensor, state, bias: torch.Ten
     offset = (st.offset if st.offset.dtype == torch.float32 else st.offset.float()) if nested else absmax
     part = torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1 else y
     locks = _locks(x.device, grid[0] * grid[2]) if split > 1 else y
-    if not INTERPRET:
-        cfg["enable_fp_fusion"] = False  # absmax rounded twice, as bitsandbytes (bit-identical W)
     launch(_nf4_matmul_kernel, grid,
            x, packed, absmax, st.absmax2 if nested else absmax, st.code2 if nested else absmax, offset,
-           _code(x.device), bias if bias is not None else y, y, part, locks,
+           _table(x.device, torch.float32 if block_m == 1 else x.dtype), bias if bias is not None else y, y, part, locks,
            M, N, K, K // 2, k_per_split, split, x.stride(0), y.stride(0),
            BLOCKSIZE=bs, BLOCKSIZE2=st.blocksize2 if nested else 1, NESTED=nested, HAS_BIAS=bias is not None,
-           SPLIT=split > 1, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NB=max(block_k // bs, 1),
+           SPLIT=split > 1, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PIECE=min(bs, block_k),
            IEEE=x.dtype == torch.float32, **cfg)
     return y
 

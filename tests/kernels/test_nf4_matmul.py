@@ -2,8 +2,9 @@
 
 On the CPU the kernel runs under the Triton interpreter, where tl.dot is right in fp32/fp16 but not in
 bf16: bf16 is checked on CUDA only (here and in tests/gpu). Shapes are small (the interpreter is slow).
-The kernel dequantises W exactly as the reference, so the only difference is the accumulation order
-(fp32 throughout, split-K partials summed in fixed order)."""
+The kernel scales each absmax piece's dot by its absmax (code values in x's dtype) where the reference
+rounds code * absmax to x's dtype first; both accumulate in fp32, so they differ at x's rounding level
+(split-K partials are summed in fixed order)."""
 import os
 
 import pytest
@@ -42,12 +43,15 @@ def test_matches_reference(dtype, m, n, k, nested, bias):
 
 
 # explicit configs: split-K with an uneven last split, several absmax blocks per K chunk (NB > 1),
-# a K chunk inside one absmax block (blocksize 128 > BLOCK_K 64), M over one M tile
+# a K chunk inside one absmax block (blocksize 128 > BLOCK_K 64), M over one M tile, one-row tiles
+# (BLOCK_M 1: CUDA-core FMAs) over several rows, two K chunks sharing one absmax block
 @pytest.mark.parametrize("m,n,k,blocksize,cfg", [
     (5, 72, 640, 64, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SPLIT_K=3)),
     (2, 40, 384, 128, dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, SPLIT_K=2)),
     (20, 48, 256, 64, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, SPLIT_K=4)),
-    (4, 33, 192, 32, dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, SPLIT_K=1))])
+    (4, 33, 192, 32, dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, SPLIT_K=1)),
+    (3, 40, 256, 64, dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=128, SPLIT_K=2)),
+    (2, 24, 512, 256, dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, SPLIT_K=2))])
 def test_configs(m, n, k, blocksize, cfg):
     packed, st = _weight(n, k, True, blocksize)
     x = torch.randn(m, k, device=DEV)
