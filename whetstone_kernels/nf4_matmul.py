@@ -2,20 +2,23 @@
 
 For a frozen bitsandbytes NF4 weight W [N, K] (blocksize a power of two >= 32 dividing K, absmax
 plain fp32 or double-quantised) and a few rows of activations x [M, K] (decode with a KV cache:
-M = batch, typically 1..64), each program walks a BLOCK_N-row strip of W through K in pieces of
-PIECE = min(blocksize, BLOCK_K) elements, one absmax per row and piece:
+M = batch, typically 1..64), each program walks a BLOCK_N-row strip of W through K in chunks of
+BLOCK_K, reading the packed bytes as whole vectors, with the maths of ``whetstone_kernels/nf4.py``:
 
     absmax[j] = fl(fl(code2[qabsmax[j]] * absmax2[j // blocksize2]) + offset)   (nested; else fp32 absmax[j])
-    part[n, m] = sum_j code[byte[n, j] >> 4] * x[m, kp + 2j] + code[byte[n, j] & 15] * x[m, kp + 2j + 1]
-    acc[n, m] += absmax[n, piece] * part[n, m]
+    W[n, 2i]   = code[byte[n, i] >> 4] * absmax[(n*K + 2i) // blocksize]       (high nibble = even k)
+    W[n, 2i+1] = code[byte[n, i] & 15] * absmax[(n*K + 2i) // blocksize]
 
-so the absmax multiplies a [BLOCK_N, BLOCK_M] partial once per piece instead of every weight, and
-the high and low nibbles meet the even and odd columns of x in two tensor-core dots (no interleave
-of the dequantised values back into k order). ``code`` is the 16-entry NF4 table in x's dtype; with
-one row (BLOCK_M = 1) the table is fp32 and the dots are CUDA-core FMAs into a [BLOCK_N, PIECE/2]
-accumulator reduced once at the end. Numerics: W[n, k] enters as code (rounded to x's dtype; exact
-in fp32) times the fp32 absmax, accumulated in fp32; dequantise + GEMM (``impl="reference"``)
-rounds code * absmax to x's dtype first. The two differ at the rounding level of x's dtype.
+Several rows (BLOCK_M = 16/32/64, M padded and masked): W's chunk is dequantised in registers to x's
+dtype exactly as bitsandbytes does (bit-identical values; FMA contraction off), interleaved back into
+k order (tl.join) and multiplied on tensor cores, acc[n, m] += W[n, chunk] . x[m, chunk].
+One row (BLOCK_M = 1): per absmax block, sum_i code[hi_i] x[2i] + code[lo_i] x[2i+1] on CUDA-core
+FMAs in fp32, times the block's absmax, into a [BLOCK_N, blocksize/2] accumulator reduced once at
+the end: the same W values, unrounded (the dequantised path rounds them to x's dtype first).
+
+The LoRA term of an adapted projection, scale * (x A^T) B^T, is added in the epilogue when the
+caller passes xa = x A^T and B (one [BLOCK_N, r] x [r, BLOCK_M] dot per tile; r <= 16 padded to 16),
+so decoding needs no separate B GEMM and add per projection.
 
 Grid: (ceil(N / BLOCK_N), SPLIT_K, ceil(M / BLOCK_M)), SPLIT_K a runtime argument; M is padded to
 BLOCK_M = 1/16/32/64 (masked).
@@ -28,7 +31,8 @@ so calls on one device must be ordered on one stream (two concurrent streams wou
 Shapes / dtypes: x [..., K] fp32/fp16/bf16 (flattened to M rows), packed uint8 (N*K/2 bytes, any
 shape, bitsandbytes' [N*K/2, 1]), state an ``NF4State`` or bitsandbytes ``QuantState`` with
 shape (N, K); bias [N] or None; y [..., N] in x's dtype (``impl="reference"`` = x @
-nf4_dequantize_ref(W, x.dtype)^T); fp32 dots use IEEE fp32 (no TF32). K % blocksize != 0 raises ValueError. Forward only: calling it
+nf4_dequantize_ref(W, x.dtype)^T, so several rows differ only by accumulation order); fp32 dots use
+IEEE fp32 (no TF32). K % blocksize != 0 raises ValueError. Forward only: calling it
 with grad mode on and x (or bias) requiring grad raises RuntimeError (use ``whetstone_kernels.nf4.nf4_linear``).
 
 Traffic: N*K/2 bytes of NF4 (+ N*K/blocksize absmax bytes, + M*K*itemsize of x per N tile, in L2)
@@ -54,59 +58,91 @@ _LOCKS: dict = {}  # device -> int32 counters, all zero between calls
 
 
 @triton.jit
-def _nf4_matmul_kernel(X, Q, ABSMAX, ABSMAX2, CODE2, OFFSET, CODE, BIAS, Y, PART, LOCKS,
-                       M, N, K, KH, k_per_split, split_k, stride_xm, stride_ym,
+def _lora_term(XA, LB, offs_n, offs_m, n_ok, m_ok, r, stride_xa,
+               R: tl.constexpr, BLOCK_M: tl.constexpr, IEEE: tl.constexpr):
+    """(x A^T) B^T for this tile: XA [M, r] (row stride ``stride_xa``), LB = B [N, r] contiguous;
+    r <= R (a power of two >= 16, masked). fp32 [BLOCK_N, BLOCK_M]."""
+    rr = tl.arange(0, R)
+    r_ok = rr < r
+    lb = tl.load(LB + offs_n[:, None] * r + rr[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0)
+    xat = tl.load(XA + offs_m[None, :] * stride_xa + rr[:, None], mask=r_ok[:, None] & m_ok[None, :], other=0.0)
+    if BLOCK_M == 1:
+        out = tl.sum(lb.to(tl.float32) * tl.trans(xat).to(tl.float32), axis=1)[:, None]
+    elif IEEE:
+        out = tl.dot(lb, xat, input_precision="ieee")
+    else:
+        out = tl.dot(lb, xat)
+    return out
+
+
+@triton.jit
+def _nf4_matmul_kernel(X, Q, ABSMAX, ABSMAX2, CODE2, OFFSET, CODE, BIAS, Y, PART, LOCKS, XA, LB,
+                       M, N, K, KH, k_per_split, split_k, stride_xm, stride_ym, r, stride_xa, lora_scale,
                        BLOCKSIZE: tl.constexpr, BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr,
                        HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PIECE: tl.constexpr, IEEE: tl.constexpr):
-    # BLOCK_K divides K and PIECE (one absmax block, or part of one) divides BLOCK_K: no K masks
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NB: tl.constexpr, IEEE: tl.constexpr,
+                       HAS_LORA: tl.constexpr, R: tl.constexpr):
+    # BLOCK_K divides K (the launcher picks it so), so no K masks: packed bytes load as whole vectors
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
-    HP: tl.constexpr = PIECE // 2      # packed bytes of a row in one piece
-    NP: tl.constexpr = BLOCK_K // PIECE
+    BK2: tl.constexpr = BLOCK_K // 2  # packed bytes per row of a chunk
+    SUB: tl.constexpr = BK2 // NB     # packed bytes per absmax block inside a chunk (NB blocks per chunk)
     offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n_ok = offs_n < N
     m_ok = offs_m < M
-    jj = tl.arange(0, HP)
+    nb = tl.arange(0, NB)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    q_tile = Q + offs_n[:, None] * KH + jj[None, :]  # [BLOCK_N, HP]: byte j of a piece = elements 2j, 2j+1
-    blk_row = offs_n * (K // BLOCKSIZE)
-    x_even = X + offs_m[None, :] * stride_xm + 2 * jj[:, None]  # [HP, BLOCK_M]: x[m, 2j]
     if BLOCK_M == 1:
-        acc1 = tl.zeros([BLOCK_N, HP], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        k0 = tl.multiple_of(k0, BLOCK_K)
-        for p in tl.static_range(NP):
-            kp = k0 + p * PIECE
-            b = tl.load(q_tile + kp // 2, mask=n_ok[:, None], other=0).to(tl.int32)
-            amax = block_absmax(ABSMAX, ABSMAX2, CODE2, OFFSET, blk_row + kp // BLOCKSIZE, n_ok,
-                                BLOCKSIZE2, NESTED)  # [BLOCK_N] fp32, one per row for the whole piece
-            hi = tl.load(CODE + (b >> 4))  # code[q] of element kp + 2j (high nibble), table dtype
-            lo = tl.load(CODE + (b & 15))  # element kp + 2j + 1
-            xe = tl.load(x_even + kp, mask=m_ok[None, :], other=0.0)
-            xo = tl.load(x_even + kp + 1, mask=m_ok[None, :], other=0.0)
-            if BLOCK_M == 1:  # one row: CUDA-core FMAs, reduced across the tile once at the end
-                acc1 += (hi * tl.trans(xe).to(tl.float32) + lo * tl.trans(xo).to(tl.float32)) * amax[:, None]
-            else:  # sum_j code[q] x over the piece on tensor cores, then scaled by the piece's absmax
-                if IEEE:
-                    part = tl.dot(hi, xe, input_precision="ieee")
-                    part = tl.dot(lo, xo, part, input_precision="ieee")
-                else:
-                    part = tl.dot(hi, xe)
-                    part = tl.dot(lo, xo, part)
-                acc += part * amax[:, None]
-    if BLOCK_M == 1:
+        # one row: per absmax block, sum_j code[hi_j] x[2j] + code[lo_j] x[2j+1] on CUDA-core FMAs, times
+        # the block's absmax, into a [BLOCK_N, SUB] accumulator reduced once at the end
+        jj = tl.arange(0, SUB)
+        q_tile = Q + offs_n[:, None] * KH + jj[None, :]
+        x_even = X + pid_m * stride_xm + 2 * jj
+        acc1 = tl.zeros([BLOCK_N, SUB], dtype=tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            k0 = tl.multiple_of(k0, BLOCK_K)
+            for p in tl.static_range(NB):
+                kp = k0 + p * 2 * SUB
+                b = tl.load(q_tile + kp // 2, mask=n_ok[:, None], other=0).to(tl.int32)
+                amax = block_absmax(ABSMAX, ABSMAX2, CODE2, OFFSET, offs_n * (K // BLOCKSIZE) + kp // BLOCKSIZE,
+                                    n_ok, BLOCKSIZE2, NESTED)
+                xe = tl.load(x_even + kp).to(tl.float32)
+                xo = tl.load(x_even + kp + 1).to(tl.float32)
+                acc1 += (tl.load(CODE + (b >> 4)) * xe[None, :] + tl.load(CODE + (b & 15)) * xo[None, :]) \
+                    * amax[:, None]
         acc = tl.sum(acc1, axis=1)[:, None]
+    else:
+        # several rows: the chunk's W dequantised exactly as bitsandbytes (interleaved back into k order)
+        # and multiplied on tensor cores
+        jb = nb[:, None] * SUB + tl.arange(0, SUB)[None, :]  # [NB, SUB]: byte offset inside the chunk
+        kk = tl.arange(0, BLOCK_K)
+        q_rows = Q + offs_n[:, None, None] * KH  # [BLOCK_N, 1, 1]
+        x_col = X + offs_m[None, :] * stride_xm
+        blk_row = offs_n[:, None] * (K // BLOCKSIZE)
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            k0 = tl.multiple_of(k0, BLOCK_K)
+            b = tl.load(q_rows + (k0 // 2 + jb)[None, :, :], mask=n_ok[:, None, None], other=0).to(tl.int32)
+            amax = block_absmax(ABSMAX, ABSMAX2, CODE2, OFFSET, blk_row + k0 // BLOCKSIZE + nb[None, :],
+                                n_ok[:, None], BLOCKSIZE2, NESTED)[:, :, None]  # [BLOCK_N, NB, 1]
+            hi = tl.load(CODE + (b >> 4)) * amax  # element k0 + 2j   [BLOCK_N, NB, SUB]
+            lo = tl.load(CODE + (b & 15)) * amax  # element k0 + 2j + 1
+            xt = tl.load(x_col + (k0 + kk)[:, None], mask=m_ok[None, :], other=0.0)  # x[m, k0:k0+BLOCK_K]^T
+            w = tl.reshape(tl.join(hi, lo), [BLOCK_N, BLOCK_K]).to(xt.dtype)  # W[n, k0 + (2j, 2j+1)]
+            if IEEE:
+                acc = tl.dot(w, xt, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(w, xt, acc)
     y_ptr = Y + offs_m[None, :] * stride_ym + offs_n[:, None]
     y_ok = n_ok[:, None] & m_ok[None, :]
     if not SPLIT:
         if HAS_BIAS:
             acc += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        if HAS_LORA:
+            acc += lora_scale * _lora_term(XA, LB, offs_n, offs_m, n_ok, m_ok, r, stride_xa, R, BLOCK_M, IEEE)
         tl.store(y_ptr, acc.to(Y.dtype.element_ty), mask=y_ok)
     else:
         part = PART + offs_m[None, :] * N + offs_n[:, None]
@@ -119,6 +155,8 @@ def _nf4_matmul_kernel(X, Q, ABSMAX, ABSMAX2, CODE2, OFFSET, CODE, BIAS, Y, PART
                 tot += tl.load(part + s * M * N, mask=y_ok, other=0.0, cache_modifier=".cg")
             if HAS_BIAS:
                 tot += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+            if HAS_LORA:
+                tot += lora_scale * _lora_term(XA, LB, offs_n, offs_m, n_ok, m_ok, r, stride_xa, R, BLOCK_M, IEEE)
             tl.store(y_ptr, tot.to(Y.dtype.element_ty), mask=y_ok)
             tl.atomic_xchg(lock, 0)
 
@@ -142,7 +180,9 @@ def pick_config(M: int, N: int, K: int, blocksize: int, device) -> dict:
     if INTERPRET or device.type != "cuda":
         block_n, block_k, warps, stages = 32, 64, 4, 1
     else:
-        block_n, block_k, warps, stages = 64, 128, 4, 1
+        # H200 sweeps (bench/nf4_matmul_bench.py --sweep, CUDA graphs): several rows, BLOCK_K 128
+        # (s3-c2); one row, BLOCK_K 256 (s19-c1: 5.90 ms per Llama-3.1-8B token, 6.38 on tensor cores)
+        block_n, block_k, warps, stages = 64, 256 if block_m == 1 else 128, 4, 1
     tiles = -(-N // block_n) * -(-M // block_m)
     chunks = -(-K // block_k)
     target = 4 * num_sms(device)
@@ -153,20 +193,10 @@ def pick_config(M: int, N: int, K: int, blocksize: int, device) -> dict:
                 num_stages=stages)
 
 
-_TABLES: dict = {}
-
-
-def _table(device, dtype) -> torch.Tensor:
-    """The 16 NF4 code values in ``dtype`` (cached per device and dtype)."""
-    key = (str(device), dtype)
-    if key not in _TABLES:
-        _TABLES[key] = _code(device).to(dtype)
-    return _TABLES[key]
-
-
 def nf4_matmul_fwd(x: torch.Tensor, packed: torch.Tensor, state, bias: torch.Tensor | None = None,
-                   config: dict | None = None) -> torch.Tensor:
-    """The Triton launcher: x [M, K] (rows contiguous) -> y [M, N]; ``config`` overrides pick_config."""
+                   config: dict | None = None, lora: tuple | None = None) -> torch.Tensor:
+    """The Triton launcher: x [M, K] (rows contiguous) -> y [M, N]; ``config`` overrides pick_config;
+    ``lora`` = (xa [M, r] with unit column stride, B [N, r] contiguous, scale) adds scale * xa B^T."""
     st = _as_state(state)
     N, K = int(st.shape[0]), int(st.shape[1])
     M = x.shape[0]
@@ -175,7 +205,10 @@ def nf4_matmul_fwd(x: torch.Tensor, packed: torch.Tensor, state, bias: torch.Ten
     if M == 0 or N == 0:
         return y
     if K == 0:
-        return y.zero_() if bias is None else y.copy_(bias.expand(M, N))
+        y.zero_() if bias is None else y.copy_(bias.expand(M, N))
+        if lora is not None:
+            y.addmm_(lora[0], lora[1].t(), alpha=lora[2])
+        return y
     cfg = dict(config or pick_config(M, N, K, bs, x.device))
     block_k, split = cfg.pop("BLOCK_K"), cfg.pop("SPLIT_K")
     block_m, block_n = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
@@ -193,22 +226,33 @@ def nf4_matmul_fwd(x: torch.Tensor, packed: torch.Tensor, state, bias: torch.Ten
     offset = (st.offset if st.offset.dtype == torch.float32 else st.offset.float()) if nested else absmax
     part = torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1 else y
     locks = _locks(x.device, grid[0] * grid[2]) if split > 1 else y
+    xa, lb, scale = lora if lora is not None else (y, y, 0.0)
+    r = xa.shape[1] if lora is not None else 0
+    if not INTERPRET:
+        # the tensor-core path dequantises exactly as bitsandbytes (absmax rounded twice: no FMA);
+        # the one-row path scales whole dots and wants the FMAs
+        cfg["enable_fp_fusion"] = block_m == 1
     launch(_nf4_matmul_kernel, grid,
            x, packed, absmax, st.absmax2 if nested else absmax, st.code2 if nested else absmax, offset,
-           _table(x.device, torch.float32 if block_m == 1 else x.dtype), bias if bias is not None else y, y, part, locks,
-           M, N, K, K // 2, k_per_split, split, x.stride(0), y.stride(0),
+           _code(x.device), bias if bias is not None else y, y, part, locks, xa, lb,
+           M, N, K, K // 2, k_per_split, split, x.stride(0), y.stride(0), r, xa.stride(0), float(scale),
            BLOCKSIZE=bs, BLOCKSIZE2=st.blocksize2 if nested else 1, NESTED=nested, HAS_BIAS=bias is not None,
-           SPLIT=split > 1, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PIECE=min(bs, block_k),
-           IEEE=x.dtype == torch.float32, **cfg)
+           SPLIT=split > 1, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NB=max(block_k // bs, 1),
+           IEEE=x.dtype == torch.float32, HAS_LORA=lora is not None, R=max(16, triton.next_power_of_2(max(r, 1))),
+           **cfg)
     return y
 
 
 def nf4_matmul(x: torch.Tensor, packed: torch.Tensor, state, bias: torch.Tensor | None = None,
-               impl: str = "triton", config: dict | None = None) -> torch.Tensor:
-    """y = x @ dequant(W)^T (+ bias) for decoding, W [N, K] NF4 (bitsandbytes); x [..., K] -> y [..., N].
+               impl: str = "triton", config: dict | None = None, lora: tuple | None = None) -> torch.Tensor:
+    """y = x @ dequant(W)^T (+ bias) (+ scale * xa @ B^T) for decoding, W [N, K] NF4 (bitsandbytes);
+    x [..., K] -> y [..., N].
 
-    impl "triton": the fused kernel (never materialises W); "reference": x @ nf4_dequantize_ref(W)^T.
-    Forward only (no autograd)."""
+    ``lora`` = (xa, B, scale): a LoRA adapter's term added in the kernel's epilogue, xa = x A^T
+    [rows, r] (rows = x's leading dims flattened; a column slice of a wider product is fine), B [N, r],
+    both in x's dtype, scale a float; raises ValueError on other shapes or dtypes.
+    impl "triton": the fused kernel (never materialises W); "reference": x @ nf4_dequantize_ref(W)^T
+    (+ bias) (+ scale * xa @ B^T). Forward only (no autograd)."""
     check_impl(impl)
     if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
         raise RuntimeError("nf4_matmul is forward-only (decode under torch.no_grad()); x requires grad: "
@@ -226,9 +270,19 @@ def nf4_matmul(x: torch.Tensor, packed: torch.Tensor, state, bias: torch.Tensor 
         raise ValueError(f"x must be fp32/fp16/bf16, got {x.dtype}")
     if bias is not None and tuple(bias.shape) != (N,):
         raise ValueError(f"bias must have shape ({N},), got {tuple(bias.shape)}")
+    if lora is not None:
+        xa, lb, scale = lora
+        rows = x.numel() // K if K else 0
+        if xa.dim() != 2 or lb.dim() != 2 or xa.shape[0] != rows or lb.shape[0] != N or xa.shape[1] != lb.shape[1]:
+            raise ValueError(f"lora needs xa [{rows}, r] and B [{N}, r], got {tuple(xa.shape)} and {tuple(lb.shape)}")
+        if xa.dtype != x.dtype or lb.dtype != x.dtype:
+            raise ValueError(f"lora xa and B must be in x's dtype {x.dtype}, got {xa.dtype} and {lb.dtype}")
     if impl == "reference":
         y = x @ nf4_dequantize_ref(packed, st, x.dtype).t()
-        return y + bias if bias is not None else y
+        y = y + bias if bias is not None else y
+        if lora is not None:
+            y = y + lora[2] * (lora[0] @ lora[1].t()).view(y.shape)
+        return y
     bs = st.blocksize
     if bs < 32 or bs & (bs - 1):
         raise ValueError(f"nf4_matmul needs a power-of-two blocksize >= 32, got {bs}")
@@ -238,5 +292,8 @@ def nf4_matmul(x: torch.Tensor, packed: torch.Tensor, state, bias: torch.Tensor 
     x2 = x.reshape(-1, K)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    y = nf4_matmul_fwd(x2, packed, st, bias.contiguous() if bias is not None else None, config)
+    if lora is not None:
+        xa, lb, scale = lora
+        lora = (xa if xa.stride(1) == 1 else xa.contiguous(), lb.contiguous(), float(scale))
+    y = nf4_matmul_fwd(x2, packed, st, bias.contiguous() if bias is not None else None, config, lora)
     return y.view(*lead, N)

@@ -213,6 +213,31 @@ def test_fused_nf4_matmul_is_checked_before_use():
     CHECKED.clear()
 
 
+def test_fused_projection_adds_bias_and_lora_in_the_kernel():
+    """DecodeProj on the fused NF4 kernel (Triton; the interpreter on CPU) hands it the bias and the
+    LoRA term and gets what dequantise + GEMM + addmm gives, with x A^T computed here or passed in
+    as a column slice of the shared q/k/v product."""
+    from whetstone_kernels.nf4_matmul import nf4_matmul
+    from worker.engine.quant import dense_weight
+
+    pm = _prepared("llama", True)
+    attn = pm.base_model.model.model.layers[0].self_attn
+    q, k = (decode_proj(m, "triton", False, torch.float32) for m in (attn.q_proj, attn.k_proj))
+    q.bias = torch.randn(q.base.out_features)
+    x = torch.randn(3, q.base.in_features)
+    with torch.no_grad():
+        want = q(x, None)  # no kernel: dequantise + GEMM, bias, addmm
+        q.state = q.base.state()
+        got = q(x, nf4_matmul)
+        shared = x @ torch.cat([k.A, q.A]).t()
+        got_shared = q(x, nf4_matmul, shared[:, k.A.shape[0]:])
+        no_lora = x @ dense_weight(q.base, torch.float32).t() + q.bias
+    assert q.state is not None  # the kernel ran (no fallback)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_shared, want, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(got, no_lora, atol=1e-3)  # the LoRA term (randomised B) is in it
+
+
 def test_sliding_window_and_lora_dropout_fall_back_to_hf():
     pm = _prepared("mistral", True)  # tiny Mistral: sliding_window 8
     ids, mask = _prompts()

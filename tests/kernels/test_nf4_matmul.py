@@ -2,9 +2,9 @@
 
 On the CPU the kernel runs under the Triton interpreter, where tl.dot is right in fp32/fp16 but not in
 bf16: bf16 is checked on CUDA only (here and in tests/gpu). Shapes are small (the interpreter is slow).
-The kernel scales each absmax piece's dot by its absmax (code values in x's dtype) where the reference
-rounds code * absmax to x's dtype first; both accumulate in fp32, so they differ at x's rounding level
-(split-K partials are summed in fixed order)."""
+Several rows: the kernel dequantises W exactly as the reference, so only the accumulation order differs
+(fp32 throughout, split-K partials summed in fixed order). One row: W's values are not rounded to x's
+dtype before the fp32 FMAs, so they differ at x's rounding level."""
 import os
 
 import pytest
@@ -122,3 +122,34 @@ def test_empty_rows():
 def test_bf16_on_device():
     packed, st = _weight(200, 320)
     _check(torch.randn(8, 320, device=DEV, dtype=torch.bfloat16), packed, st)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,k,r,cfg", [
+    (1, 40, 256, 16, None), (3, 72, 320, 8, None),
+    (5, 40, 512, 16, dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, SPLIT_K=2)),
+    (1, 24, 256, 4, dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=64, SPLIT_K=3))])
+def test_lora_term_in_the_epilogue(dtype, m, n, k, r, cfg):
+    """y = x W^T + b + s (x A^T) B^T with xa a column slice of a wider product (as the decoder's
+    shared q/k/v A GEMM gives it), with and without split-K, r below the padded 16."""
+    packed, st = _weight(n, k)
+    x = torch.randn(m, k, device=DEV, dtype=dtype)
+    b = torch.randn(n, device=DEV, dtype=dtype)
+    wide = torch.randn(m, r + 5, device=DEV, dtype=dtype)
+    xa, B = wide[:, 3:3 + r], torch.randn(n, r, device=DEV, dtype=dtype)
+    cfg = cfg and dict(cfg, num_warps=4, num_stages=1)
+    with torch.no_grad():
+        got = nf4_matmul(x, packed, st, b, config=cfg, lora=(xa, B, 0.5))
+        want = nf4_matmul(x, packed, st, b, impl="reference") + 0.5 * (xa @ B.t())
+        without = nf4_matmul(x, packed, st, b, config=cfg)
+    assert_close_lowp(got, want, dtype)
+    assert not torch.allclose(got, without)  # the term is there
+
+
+def test_lora_shapes_are_checked():
+    packed, st = _weight(24, 128)
+    x = torch.randn(2, 128, device=DEV)
+    with pytest.raises(ValueError, match="lora needs xa"):
+        nf4_matmul(x, packed, st, lora=(torch.randn(3, 8, device=DEV), torch.randn(24, 8, device=DEV), 1.0))
+    with pytest.raises(ValueError, match="dtype"):
+        nf4_matmul(x, packed, st, lora=(torch.randn(2, 8, device=DEV).half(), torch.randn(24, 8, device=DEV), 1.0))

@@ -4,7 +4,8 @@
 with the PEFT adapter's A [r, in], B [out, r] (active adapter only; None when disabled or absent).
 A base held as NF4 is multiplied by ``whetstone_kernels.nf4_matmul`` (W dequantised in registers) when x has
 fewer than :data:`SMALL_M` rows, the kernel is available on CUDA and :func:`fused_ok` found it
-right and faster for that weight shape on this GPU; otherwise W is dequantised (or read dense from gencache's copy) and
+right and faster for that weight shape on this GPU (the bias and the LoRA term, s (x A^T) B^T, are
+then added in the kernel's epilogue); otherwise W is dequantised (or read dense from gencache's copy) and
 multiplied by a GEMM. A kernel that raises on a shape falls back for that weight and logs it.
 """
 from __future__ import annotations
@@ -47,14 +48,19 @@ class DecodeProj:
         x2 = x.reshape(-1, x.shape[-1])
         if self.state is not None and fused is not None and x2.shape[0] < SMALL_M \
                 and getattr(self.base, "_dense", None) is None:
+            lora = None
+            if self.A is not None:  # the B term goes into the kernel's epilogue: no GEMM + add of its own
+                xa = x2 @ self.A.to(x2.dtype).t() if xa is None else xa
+                lora = (xa, self.B.to(x2.dtype), self.scale)
+            bias = self.bias.to(x2.dtype) if self.bias is not None else None
             try:
-                y = fused(x2, self.base.packed, self.state)
+                y = fused(x2, self.base.packed, self.state, bias, lora=lora)
             except Exception as e:  # noqa: BLE001 (a kernel that cannot run this shape)
                 log.warning("decode: NF4 matmul failed (%s); dequantising this weight instead", e)
                 self.state = None
                 return self(x, fused, xa)
-        else:
-            y = x2 @ dense_weight(self.base, x2.dtype).t()
+            return y.view(*x.shape[:-1], y.shape[-1])
+        y = x2 @ dense_weight(self.base, x2.dtype).t()
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         if self.A is not None:
