@@ -87,3 +87,40 @@ def test_export_api_shows_provenance(client, engine):
     assert queue.finish(engine, job.id, "w-export", {"provenance": prov, "files": []})
     info = client.get(f"/api/exports/{r.json()['id']}").json()
     assert info["provenance"] == prov and info["dtype"] == "fp32"
+
+
+def test_export_records_with_server_paths_are_shown_without_them(client, engine, tmp_path):
+    """Records written before exports named only files (absolute Modelfile/GGUF paths, a
+    llama2.c base named by its checkpoint paths, a ``cd <folder> &&`` command) are shown with
+    file names, download URLs and the model's name."""
+    from app.store.schema import Artifact
+
+    run_id = _finished_run(client, engine)
+    r = client.post(f"/api/runs/{run_id}/exports", json={"format": "ollama", "quantization": "Q8_0"})
+    assert r.status_code == 201, r.text
+    job = queue.claim(engine, "w-export", 30, kinds=["export"])
+    folder = tmp_path / "exports" / f"export-{job.id}"
+    for name in ("Modelfile", f"{run_id}-Q8_0.gguf"):
+        repo.add_artifact(engine, Artifact(run_id=run_id, job_id=job.id, kind="ollama", name=name,
+                                           path=str(folder / name), bytes=1, sha256="0" * 64,
+                                           meta={"export_id": f"export-{job.id}"}))
+    ckpt = "/work/shared/data/models/stories260K/stories260K.bin|/work/shared/data/models/stories260K/tok512.bin"
+    assert queue.finish(engine, job.id, "w-export", {
+        "provenance": {"base_model": ckpt, "base_model_name": "stories260K",
+                       "base_model_source": "llama2c", "adapter": {"run_id": run_id}},
+        "ollama": {"modelfile": str(folder / "Modelfile"),
+                   "gguf": str(folder / f"{run_id}-Q8_0.gguf"), "created": False,
+                   "command": f"cd '{folder}' && ollama create m-1 -f Modelfile"}})
+    r = client.get(f"/api/exports/{job.id}")
+    assert r.status_code == 200 and str(tmp_path) not in r.text and "/work/" not in r.text
+    info = r.json()
+    urls = {f["name"]: f["url"] for f in info["files"]}
+    assert info["provenance"]["base_model"] == "stories260K"
+    assert info["ollama"] == {"modelfile": "Modelfile", "modelfile_url": urls["Modelfile"],
+                              "gguf": f"{run_id}-Q8_0.gguf",
+                              "gguf_url": urls[f"{run_id}-Q8_0.gguf"], "created": False,
+                              "command": "ollama create m-1 -f Modelfile"}
+    listed = client.get(f"/api/runs/{run_id}/exports").text
+    page = client.get(f"/runs/{run_id}/exports").text
+    assert str(tmp_path) not in listed + page and "/work/" not in listed + page
+    assert "ollama create m-1 -f Modelfile" in page

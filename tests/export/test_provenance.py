@@ -1,0 +1,44 @@
+"""An export's provenance names the base by its public id, never by a server path."""
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from worker.export.provenance import provenance, write_merged_provenance
+
+LLAMA2C = "/work/shared/data/models/stories260K/stories260K.bin|/work/shared/data/models/stories260K/tok512.bin"
+
+
+@pytest.fixture()
+def info(tmp_path):
+    base, adapter = tmp_path / "base-folder", tmp_path / "run" / "adapter"
+    base.mkdir()
+    adapter.mkdir(parents=True)
+    (base / "config.json").write_text(json.dumps({"torch_dtype": "float32"}))
+    (adapter / "adapter_config.json").write_text(json.dumps(
+        {"r": 8, "lora_alpha": 16, "target_modules": ["wq", "wk"]}))
+    return SimpleNamespace(base_dir=base, adapter_dir=adapter, run_dir=tmp_path / "run",
+                           load_in_4bit=False)
+
+
+@pytest.mark.parametrize("base, want", [
+    ({"name": "stories260K", "source": "llama2c", "source_ref": LLAMA2C},
+     ("stories260K", None, "llama2c")),
+    ({"name": "my-llama", "source": "local", "source_ref": "/srv/models/my-llama"},
+     ("my-llama", None, "local")),
+    ({"name": "tiny", "source": "hf", "source_ref": "karpathy/tinyllamas@abc123"},
+     ("karpathy/tinyllamas", "abc123", "hf")),
+    (None, ("base-folder", None, "local")),
+])
+def test_base_model_is_a_public_id(info, tmp_path, base, want):
+    prov = provenance(info, base, "ftjob-1")
+    assert (prov["base_model"], prov["base_model_revision"], prov["base_model_source"]) == want
+    folder = tmp_path / "merged"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    write_merged_provenance(folder, prov, "float32")
+    card = (folder / "README.md").read_text()
+    assert f"base_model: {json.dumps(want[0])}\n" in card
+    assert str(tmp_path) not in card and "/work/" not in card and "/srv/" not in card
