@@ -184,7 +184,8 @@ def queue_export(engine: Engine, actor: User, run_id: str, body: dict[str, Any])
     Raises:
         StudioError: not_found (unknown or another user's run), conflict (still training, or
             ended before any checkpoint), invalid (unknown field, bad
-            format/quantization/dtype, a checkpoint step the run does not have).
+            format/quantization/dtype, a gguf or ollama export without a quantization, a
+            checkpoint step the run does not have).
     """
     run, job = access.run_with_job(engine, actor, run_id)
     step = _checkpoint_step(engine, run.id, job, body.get("checkpoint_step"))
@@ -204,6 +205,10 @@ def queue_export(engine: Engine, actor: User, run_id: str, body: dict[str, Any])
         raise SpecError(*field_errors(exc)) from None
     if spec.quantization and spec.format not in ("gguf", "ollama"):
         raise invalid("quantization", f"applies to gguf and ollama exports, not {spec.format}")
+    if not spec.quantization and spec.format in ("gguf", "ollama"):
+        raise invalid("quantization", f"a {spec.format} export needs at least one GGUF type, "
+                                      "e.g. Q8_0 (near-lossless, half the size of F16), F16 "
+                                      "(16-bit weights) or Q4_K_M (smallest)")
     payload = spec.model_dump(mode="json")
     if spec.format == "ollama":
         model = repo.get_model(engine, run.model_id)

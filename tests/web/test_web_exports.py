@@ -50,6 +50,28 @@ def test_export_needs_a_finished_run_and_a_known_format(client, engine):
     assert job.kind == "export" and job.payload["quantization"] == ["Q8_0", "Q4_K_M"]
 
 
+def test_gguf_and_ollama_exports_need_a_quantization(client, engine):
+    """No GGUF type chosen is a field error on /api and on the run page's form, not a silent
+    F16 (gguf) or Q8_0 (ollama) export recorded with ``quantization: []``."""
+    run_id = _finished_run(client, engine)
+    for fmt in ("gguf", "ollama"):
+        for quant in ({}, {"quantization": []}, {"quantization": " , "}):
+            r = client.post(f"/api/runs/{run_id}/exports", json={"format": fmt, **quant})
+            assert r.status_code == 422, r.text
+            err = r.json()["error"]
+            assert err["param"] == "quantization" and f"a {fmt} export needs at least one GGUF " \
+                "type, e.g. Q8_0" in err["message"]
+        r = client.post(f"/runs/{run_id}/exports", data={"format": fmt},
+                        headers={"HX-Request": "true"})
+        assert r.status_code == 422 and f"quantization: a {fmt} export needs at least one" in r.text
+    assert repo.list_run_jobs(engine, run_id, "export") == []
+    r = client.post(f"/runs/{run_id}/exports", data={"format": "gguf", "quantization": "F16"},
+                    headers={"HX-Request": "true"})
+    assert r.status_code == 200
+    assert [j.payload["quantization"] for j in repo.list_run_jobs(engine, run_id, "export")] == [
+        ["F16"]]
+
+
 def test_failed_verification_is_shown_with_its_diff(client, engine):
     run_id = _finished_run(client, engine)
     r = client.post(f"/runs/{run_id}/exports", data={"format": "merged_16bit", "dtype": "fp16"},
