@@ -42,3 +42,20 @@ def test_base_model_is_a_public_id(info, tmp_path, base, want):
     card = (folder / "README.md").read_text()
     assert f"base_model: {json.dumps(want[0])}\n" in card
     assert str(tmp_path) not in card and "/work/" not in card and "/srv/" not in card
+
+
+def test_gguf_metadata_names_the_base_without_a_path(info):
+    from worker.export.gguf_writer import add_provenance
+
+    calls: dict[str, tuple] = {}
+
+    class Writer:
+        def __getattr__(self, name):
+            return lambda *args: calls.__setitem__(name, args)
+
+    add_provenance(Writer(), provenance(info, {"name": "stories260K", "source": "llama2c",
+                                               "source_ref": LLAMA2C}, "ftjob-1"))
+    assert calls["add_base_model_name"] == (0, "stories260K")
+    assert "add_base_model_repo_url" not in calls
+    assert calls["add_description"][0].startswith("stories260K + LoRA adapter of run ftjob-1 (r=8")
+    assert "/" not in calls["add_description"][0]
