@@ -474,6 +474,8 @@ def test_prompt_and_completion_longer_than_the_context_are_refused(env, tmp_path
     r = c.post("/runs/grpo", data=_form(env["dataset"], max_completion_length="4096"),
                headers={"HX-Request": "true"})
     assert f"4096 tokens is longer than {window}" in r.text.replace("&#39;", "'")
+    assert "prompt + completion must fit the model&#39;s context window" in \
+        c.get("/runs/new/grpo").text
     assert repo.list_runs(env["engine"]) == []
     # fits exactly; an unnamed max_prompt_length (256) shrinks to what the completion leaves
     r = c.post("/api/runs/grpo", json={**body, "max_prompt_length": 384,
