@@ -4,9 +4,10 @@
 safetensors index or headers, so a typo is a field error at creation, not a worker failure.
 :func:`context_length` is the model's context window in tokens (``max_position_embeddings``, or a
 multimodal config's ``text_config`` entry), None when the folder or field is missing. A GRPO
-completion longer than it cannot be generated sensibly (positions past the window), so the web
-refuses such a run and the worker re-checks it when the model was not ready at creation. An SFT
-``max_seq_length`` past it only draws a warning in the run log (:func:`seq_longer_than_context`).
+prompt plus completion longer than it is refused (:func:`app.studio.seqlen.fit_grpo_lengths`).
+An SFT ``max_seq_length`` past it is refused at creation
+(:func:`app.studio.seqlen.fit_max_seq_length`); the job warns of it in the run log
+(:func:`seq_longer_than_context`).
 """
 from __future__ import annotations
 
@@ -26,15 +27,6 @@ def context_length(model_dir: str | Path | None) -> int | None:
         n = c.get("max_position_embeddings") if isinstance(c, dict) else None
         if isinstance(n, int) and n > 0:
             return n
-    return None
-
-
-def completion_too_long(max_completion_length: int, model_dir, model_name: str) -> str | None:
-    """Why a GRPO run's ``max_completion_length`` cannot fit the model's context, else None."""
-    n = context_length(model_dir)
-    if n is not None and max_completion_length > n:
-        return (f"{max_completion_length} tokens is longer than {model_name}'s context window "
-                f"({n} tokens, max_position_embeddings); use at most {n}")
     return None
 
 

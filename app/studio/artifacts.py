@@ -18,7 +18,8 @@ def present(engine: Engine, run_id: str, kind: str | None = None) -> list[Artifa
     return [a for a in repo.list_artifacts(engine, run_id, kind) if os.path.exists(a.path)]
 
 
-def _is_server_path(value: Any) -> bool:
+def is_server_path(value: Any) -> bool:
+    """Whether ``value`` is a string naming a server filesystem path (absolute, or ``~``)."""
     return isinstance(value, str) and (os.path.isabs(value) or value.startswith("~"))
 
 
@@ -28,7 +29,7 @@ def public(art: Artifact) -> dict[str, Any]:
     as a checkpoint, which is not served as one file)."""
     out = art.model_dump(mode="json", exclude={"path"})
     if art.meta:
-        out["meta"] = {k: v for k, v in art.meta.items() if not _is_server_path(v)}
+        out["meta"] = {k: v for k, v in art.meta.items() if not is_server_path(v)}
     out["download_url"] = (f"/artifacts/{art.id}/download" if os.path.isfile(art.path)
                            else None)
     return out

@@ -19,6 +19,7 @@ from app.store import events, queue, repo
 from app.store.schema import Job, JobState
 from app.store.specs import GGUF_TYPES, ExportSpec
 from app.studio import access, audit, jobs
+from app.studio.artifacts import is_server_path
 from app.studio.datasets import is_under
 from app.studio.errors import StudioError, invalid
 from app.studio.runs import SpecError, field_errors
@@ -81,9 +82,42 @@ def export_info(engine: Engine, job: Job) -> dict[str, Any]:
             "cancel_requested": bool(job.cancel_requested),
             "created_at": job.created_at, "finished_at": job.finished_at,
             "progress": prog.data if prog else None, "verification": verification,
-            "files": files, "ollama": result.get("ollama"),
-            "provenance": result.get("provenance"),
+            "files": files, "ollama": public_ollama(result.get("ollama"), files),
+            "provenance": public_provenance(result.get("provenance")),
             "events_url": f"/api/exports/{job.id}/events"}
+
+
+def public_provenance(prov: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``prov`` (:func:`worker.export.provenance.provenance`'s record) as members see it: a
+    ``base_model`` that is a server path (older records of local or llama2.c bases held the
+    checkpoint's path) becomes the model's name, as newer records write it."""
+    if not prov or not is_server_path(prov.get("base_model")):
+        return prov
+    name = prov.get("base_model_name") or Path(prov["base_model"].split("|")[0]).stem
+    return {**prov, "base_model": name}
+
+
+#: An older Ollama command began by changing into the export's server folder.
+_CD_PREFIX = re.compile(r"^cd (?:'[^']*'|\S+) && ")
+
+
+def public_ollama(ollama: dict[str, Any] | None, files: list[dict[str, Any]]
+                  ) -> dict[str, Any] | None:
+    """An Ollama export's record as members see it: ``modelfile`` and ``gguf`` as file names
+    (older records held server paths) with their download URLs (``modelfile_url``,
+    ``gguf_url``, None when the file is not among ``files``), and ``command`` run in the
+    folder the files are downloaded to (``ollama create NAME -f Modelfile``)."""
+    if not ollama:
+        return ollama
+    urls = {f["name"]: f["url"] for f in files}
+    out = dict(ollama)
+    for key in ("modelfile", "gguf"):
+        if isinstance(out.get(key), str):
+            out[key] = Path(out[key]).name
+            out[f"{key}_url"] = urls.get(out[key])
+    if isinstance(out.get("command"), str):
+        out["command"] = _CD_PREFIX.sub("", out["command"])
+    return out
 
 
 def list_exports(engine: Engine, actor: User, run_id: str) -> list[dict[str, Any]]:
@@ -150,7 +184,8 @@ def queue_export(engine: Engine, actor: User, run_id: str, body: dict[str, Any])
     Raises:
         StudioError: not_found (unknown or another user's run), conflict (still training, or
             ended before any checkpoint), invalid (unknown field, bad
-            format/quantization/dtype, a checkpoint step the run does not have).
+            format/quantization/dtype, a gguf or ollama export without a quantization, a
+            checkpoint step the run does not have).
     """
     run, job = access.run_with_job(engine, actor, run_id)
     step = _checkpoint_step(engine, run.id, job, body.get("checkpoint_step"))
@@ -170,6 +205,10 @@ def queue_export(engine: Engine, actor: User, run_id: str, body: dict[str, Any])
         raise SpecError(*field_errors(exc)) from None
     if spec.quantization and spec.format not in ("gguf", "ollama"):
         raise invalid("quantization", f"applies to gguf and ollama exports, not {spec.format}")
+    if not spec.quantization and spec.format in ("gguf", "ollama"):
+        raise invalid("quantization", f"a {spec.format} export needs at least one GGUF type, "
+                                      "e.g. Q8_0 (near-lossless, half the size of F16), F16 "
+                                      "(16-bit weights) or Q4_K_M (smallest)")
     payload = spec.model_dump(mode="json")
     if spec.format == "ollama":
         model = repo.get_model(engine, run.model_id)

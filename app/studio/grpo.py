@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING
 from sqlalchemy.engine import Engine
 
 from app.data.errors import DatasetError
-from app.data.model_config import completion_too_long
 from app.settings import Settings
 from app.store import repo
 from app.store.schema import Dataset, Job, Run
@@ -19,6 +18,7 @@ from app.studio import audit, calibration, evaluation
 from app.studio.errors import StudioError, invalid
 from app.studio.runs import (check_num_gpus, check_qlora_device, check_targets,
                              resolved_template, run_name, usable_dataset, usable_model)
+from app.studio.seqlen import fit_grpo_lengths
 
 if TYPE_CHECKING:
     from app.store.schema import User
@@ -32,7 +32,8 @@ def custom_rewards_allowed(actor: User) -> bool:
 
 def create_grpo_run(engine: Engine, settings: Settings, actor: User, spec: GrpoSpec,
                     name: str | None = None) -> tuple[Run, Job]:
-    """Check permission, model (a completion must fit its context window), dataset and columns,
+    """Check permission, model (a prompt and its completion must fit its context window:
+    :func:`app.studio.seqlen.fit_grpo_lengths`), dataset and columns,
     resolve the chat template, then create the run (owned by ``actor``) and queue its ``grpo`` job.
 
     Raises:
@@ -46,10 +47,7 @@ def create_grpo_run(engine: Engine, settings: Settings, actor: User, spec: GrpoS
         raise StudioError("forbidden", "custom Python rewards are not allowed for this user; an "
                                        "admin can allow them on the Admin page", "rewards")
     model = usable_model(engine, actor, spec)
-    problem = completion_too_long(spec.max_completion_length, model.path, model.name)
-    if problem:
-        raise invalid("max_completion_length", problem)
-    spec = resolved_template(spec, model)
+    spec = resolved_template(fit_grpo_lengths(spec, model), model)
     check_targets(spec, model)
     ds = usable_dataset(engine, actor, spec)
     spec = with_dataset_columns(spec, ds)

@@ -103,6 +103,39 @@ def _for_field(field: str, lookup, *args):
         raise StudioError(exc.kind, exc.message, field) from None
 
 
+#: The largest OpenAI ``learning_rate_multiplier`` (OpenAI's API takes any value above 0 and
+#: its own jobs pick about 0.02 to 10); the learning rate it gives passes the form's bounds too.
+MAX_LR_MULTIPLIER = 100.0
+
+
+def learning_rate_from_multiplier(spec_cls: type[BaseModel], value: Any) -> float:
+    """The learning rate an OpenAI ``learning_rate_multiplier`` asks for: ``value`` × the
+    default ``learning_rate`` of ``spec_cls`` (TrainSpec 2e-4, GrpoSpec 5e-6), checked against
+    that field's own bounds, the rule the run forms and ``/api`` apply.
+
+    Raises:
+        StudioError: invalid (field ``learning_rate_multiplier``) unless ``value`` is a number
+            above 0 and at most :data:`MAX_LR_MULTIPLIER` whose learning rate is in bounds.
+    """
+    field = spec_cls.model_fields["learning_rate"]
+    base = field.default
+    try:
+        m = float(value) if not isinstance(value, bool) else float("nan")
+    except (TypeError, ValueError):
+        m = float("nan")
+    if not 0 < m <= MAX_LR_MULTIPLIER:  # NaN fails too
+        raise invalid("learning_rate_multiplier", "learning_rate_multiplier must be a number "
+                      f"above 0 and at most {MAX_LR_MULTIPLIER:g} (× the default learning rate "
+                      f"{base:g}), not {value!r}")
+    lr = m * base
+    bound = next((b.le for b in field.metadata if getattr(b, "le", None) is not None), None)
+    if bound is not None and lr > bound:
+        raise invalid("learning_rate_multiplier", f"learning_rate_multiplier {m:g} × the "
+                      f"default learning rate {base:g} = {lr:g} is above the largest "
+                      f"learning_rate, {bound:g}")
+    return lr
+
+
 #: Longest run name (the OpenAI ``suffix`` allows 64; names show in every listing).
 MAX_NAME_CHARS = 100
 

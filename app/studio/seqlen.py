@@ -1,21 +1,24 @@
-"""``max_seq_length``: one default and one bound for every way a run is created.
+"""``max_seq_length`` (SFT) and ``max_prompt_length`` + ``max_completion_length`` (GRPO): one
+default and one bound for every way a run is created.
 
 The run form, ``/api`` and ``/v1`` all start from :func:`app.studio.datasets.default_max_seq_length`
 (TrainSpec's 1024 capped at the model's context window) when the caller names no length. A length
 past the context window is refused (rows would train on positions the model never saw; Whetstone
 does not scale RoPE), and so is a length too short to hold one minimal exchange in the run's chat
 template with the model's own tokenizer (every row would be cut before its answer, and the worker
-would find nothing to train on).
+would find nothing to train on). A GRPO prompt and its completion share the window, so their
+sum must fit it (:func:`fit_grpo_lengths`; a length the caller did not name shrinks to fit).
 """
 from __future__ import annotations
 
 from app.data.chat_template import render_chat
+from app.data.model_config import context_length
 from app.data.errors import DatasetError
 from app.data.template_check import SAMPLE_CHATS
 from app.store.schema import Model
 from app.store.specs import TrainSpec
 from app.studio.datasets import default_max_seq_length, ready_tokenizer_path
-from app.studio.errors import invalid
+from app.studio.errors import StudioError, invalid
 from app.studio.reports import load_bundle
 
 
@@ -84,4 +87,64 @@ def fit_max_seq_length(spec, model: Model):
                       f"answer in the {spec.chat_template_name or 'chosen'} template "
                       f"({need} tokens with {model.name}'s tokenizer), so every row would be cut "
                       f"before its answer; use at least {need + 1}, and more for real rows")
+    return spec
+
+
+def context_window(model: Model) -> int | None:
+    """The model's context window in tokens: ``max_position_embeddings`` from its info, else
+    from the ``config.json`` of its folder; None when neither says."""
+    n = (model.info or {}).get("max_position_embeddings")
+    return n if isinstance(n, int) and n > 0 else context_length(model.path)
+
+
+def grpo_length_problem(prompt: int, completion: int, context: int | None, model_name: str,
+                        blame_prompt: bool = True) -> StudioError | None:
+    """Why a GRPO prompt of ``prompt`` tokens plus a completion of ``completion`` tokens cannot
+    fit a ``context``-token window (None when they fit, or the window is unknown): an invalid
+    StudioError naming ``max_completion_length`` when the completion alone leaves no room for
+    a prompt, else ``max_prompt_length`` (``blame_prompt``) or ``max_completion_length``."""
+    if not context or prompt + completion <= context:
+        return None
+    window = f"{model_name}'s context window ({context} tokens, max_position_embeddings)"
+    if completion >= context:
+        verb = "is longer than" if completion > context else "fills"
+        return invalid("max_completion_length", f"{completion} tokens {verb} {window}, which "
+                       f"must hold a prompt and its completion together; use at most "
+                       f"{context - 1}, and less to leave room for the prompt "
+                       f"(max_prompt_length {prompt})")
+    field, other = (("max_prompt_length", completion) if blame_prompt
+                    else ("max_completion_length", prompt))
+    return invalid(field, f"max_prompt_length {prompt} + max_completion_length {completion} = "
+                   f"{prompt + completion} tokens is longer than {window}, which must hold a "
+                   f"prompt and its completion together; use {field} {context - other} or less")
+
+
+def fit_grpo_lengths(spec, model: Model):
+    """``spec`` (a GrpoSpec) with a ``max_prompt_length``/``max_completion_length`` the caller
+    did not name shrunk so that their sum fits the model's context window (the named one is
+    kept), after checking that the sum fits.
+
+    Raises:
+        StudioError: invalid (field ``max_prompt_length``, or ``max_completion_length`` when
+            only it was named or it alone fills the window): the sum is longer than the model's
+            context window.
+    """
+    context = context_window(model)
+    p, c = spec.max_prompt_length, spec.max_completion_length
+    named = spec.model_fields_set
+    if context and p + c > context:
+        if "max_prompt_length" not in named and "max_completion_length" not in named:
+            c = min(c, context // 2)
+            p = min(p, context - c)
+        elif "max_prompt_length" not in named and context - c >= 1:
+            p = context - c
+        elif "max_completion_length" not in named and context - p >= 1:
+            c = context - p
+        if (p, c) != (spec.max_prompt_length, spec.max_completion_length):
+            spec = spec.model_copy(update={"max_prompt_length": p, "max_completion_length": c})
+    problem = grpo_length_problem(p, c, context, model.name,
+                                  blame_prompt="max_prompt_length" in named
+                                  or "max_completion_length" not in named)
+    if problem:
+        raise problem
     return spec

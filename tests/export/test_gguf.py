@@ -115,3 +115,5 @@ def test_ollama_export_files(run_dir, tmp_path):
     assert mf.startswith("FROM ./stories-Q8_0.gguf\n")
     assert 'PARAMETER stop "</s>"' in mf and 'SYSTEM """Tell a story."""' in mf
     assert res["ollama"]["created"] is False and "ollama create" in res["ollama"]["command"]
+    assert (res["ollama"]["modelfile"], res["ollama"]["gguf"]) == ("Modelfile", "stories-Q8_0.gguf")
+    assert res["ollama"]["command"] == "ollama create stories -f Modelfile"

@@ -435,30 +435,56 @@ def test_upload_form_names_the_prompt_column(env):
     assert run.spec["prompt_column"] == "task" and run.spec["answer_column"] == "gold"
 
 
-def test_completion_longer_than_the_context_is_refused(env, tmp_path):
-    """A max_completion_length beyond the model's max_position_embeddings is a field error (form
-    and API), not a run that generates past the window (or for hours) on the worker."""
-    from app.data.model_config import completion_too_long, context_length
+def test_prompt_and_completion_longer_than_the_context_are_refused(env, tmp_path):
+    """max_prompt_length + max_completion_length beyond the model's max_position_embeddings is
+    a field error naming the field (form and API), as SFT's max_seq_length is, not a run that
+    generates past the window (the fresh-user trial had max_prompt_length 100000 accepted on
+    stories260K's 512); a length the caller did not name shrinks to fit."""
+    from app.studio.seqlen import context_window
 
     folder = tmp_path / "m"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({"max_position_embeddings": 512}))
-    assert context_length(folder) == 512 and context_length(tmp_path / "none") is None
-    assert completion_too_long(512, folder, "m") is None
     model = repo.get_model(env["engine"], "stories260K")
-    repo.update_model(env["engine"], model.id, path=str(folder), status="ready")
+    repo.update_model(env["engine"], model.id, path=str(folder), status="ready",
+                      info={**(model.info or {}), "max_position_embeddings": 512})
+    assert context_window(repo.get_model(env["engine"], "stories260K")) == 512
     c = env["client"]
     body = {"model": "stories260K", "dataset": env["dataset"], "name": "long",
-            "rewards": [{"name": "numeric_match"}], "max_steps": 2,
-            "max_completion_length": 100000}
-    r = c.post("/api/runs/grpo", json=body)
-    assert r.status_code == 422, r.text
-    assert "max_completion_length" in r.text and "512 tokens" in r.text
+            "rewards": [{"name": "numeric_match"}], "max_steps": 2}
+    window = "stories260K's context window (512 tokens, max_position_embeddings)"
+    for extra, field, words in (
+            ({"max_prompt_length": 100000}, "max_prompt_length",
+             f"max_prompt_length 100000 + max_completion_length 256 = 100256 tokens is longer "
+             f"than {window}, which must hold a prompt and its completion together; use "
+             f"max_prompt_length 256 or less"),
+            ({"max_prompt_length": 300, "max_completion_length": 300}, "max_prompt_length",
+             "use max_prompt_length 212 or less"),
+            ({"max_completion_length": 100000}, "max_completion_length",
+             f"100000 tokens is longer than {window}"),
+            ({"max_completion_length": 512}, "max_completion_length",
+             f"512 tokens fills {window}")):
+        r = c.post("/api/runs/grpo", json={**body, **extra})
+        assert r.status_code == 422, r.text
+        err = r.json()["error"]
+        assert err["param"] == field and words in err["message"], err
+    r = c.post("/runs/grpo", data=_form(env["dataset"], max_prompt_length="100000"),
+               headers={"HX-Request": "true"})
+    assert "use max_prompt_length 384 or less" in r.text.replace("&#39;", "'")  # form: 128
     r = c.post("/runs/grpo", data=_form(env["dataset"], max_completion_length="4096"),
                headers={"HX-Request": "true"})
-    assert "longer than stories260K&#39;s context window" in r.text or \
-        "longer than stories260K's context window" in r.text
-    assert c.post("/api/runs/grpo", json={**body, "max_completion_length": 512}).status_code == 201
+    assert f"4096 tokens is longer than {window}" in r.text.replace("&#39;", "'")
+    assert "prompt + completion must fit the model&#39;s context window" in \
+        c.get("/runs/new/grpo").text
+    assert repo.list_runs(env["engine"]) == []
+    # fits exactly; an unnamed max_prompt_length (256) shrinks to what the completion leaves
+    r = c.post("/api/runs/grpo", json={**body, "max_prompt_length": 384,
+                                       "max_completion_length": 128})
+    assert r.status_code == 201, r.text
+    r = c.post("/api/runs/grpo", json={**body, "max_completion_length": 448})
+    assert r.status_code == 201, r.text
+    run = repo.run_with_job(env["engine"], r.json()["id"])[0]
+    assert (run.spec["max_prompt_length"], run.spec["max_completion_length"]) == (64, 448)
 
 
 def test_openai_files_accepts_prompt_files_for_reinforcement(env, server, tmp_path):

@@ -50,6 +50,28 @@ def test_export_needs_a_finished_run_and_a_known_format(client, engine):
     assert job.kind == "export" and job.payload["quantization"] == ["Q8_0", "Q4_K_M"]
 
 
+def test_gguf_and_ollama_exports_need_a_quantization(client, engine):
+    """No GGUF type chosen is a field error on /api and on the run page's form, not a silent
+    F16 (gguf) or Q8_0 (ollama) export recorded with ``quantization: []``."""
+    run_id = _finished_run(client, engine)
+    for fmt in ("gguf", "ollama"):
+        for quant in ({}, {"quantization": []}, {"quantization": " , "}):
+            r = client.post(f"/api/runs/{run_id}/exports", json={"format": fmt, **quant})
+            assert r.status_code == 422, r.text
+            err = r.json()["error"]
+            assert err["param"] == "quantization" and f"a {fmt} export needs at least one GGUF " \
+                "type, e.g. Q8_0" in err["message"]
+        r = client.post(f"/runs/{run_id}/exports", data={"format": fmt},
+                        headers={"HX-Request": "true"})
+        assert r.status_code == 422 and f"quantization: a {fmt} export needs at least one" in r.text
+    assert repo.list_run_jobs(engine, run_id, "export") == []
+    r = client.post(f"/runs/{run_id}/exports", data={"format": "gguf", "quantization": "F16"},
+                    headers={"HX-Request": "true"})
+    assert r.status_code == 200
+    assert [j.payload["quantization"] for j in repo.list_run_jobs(engine, run_id, "export")] == [
+        ["F16"]]
+
+
 def test_failed_verification_is_shown_with_its_diff(client, engine):
     run_id = _finished_run(client, engine)
     r = client.post(f"/runs/{run_id}/exports", data={"format": "merged_16bit", "dtype": "fp16"},
@@ -87,3 +109,40 @@ def test_export_api_shows_provenance(client, engine):
     assert queue.finish(engine, job.id, "w-export", {"provenance": prov, "files": []})
     info = client.get(f"/api/exports/{r.json()['id']}").json()
     assert info["provenance"] == prov and info["dtype"] == "fp32"
+
+
+def test_export_records_with_server_paths_are_shown_without_them(client, engine, tmp_path):
+    """Records written before exports named only files (absolute Modelfile/GGUF paths, a
+    llama2.c base named by its checkpoint paths, a ``cd <folder> &&`` command) are shown with
+    file names, download URLs and the model's name."""
+    from app.store.schema import Artifact
+
+    run_id = _finished_run(client, engine)
+    r = client.post(f"/api/runs/{run_id}/exports", json={"format": "ollama", "quantization": "Q8_0"})
+    assert r.status_code == 201, r.text
+    job = queue.claim(engine, "w-export", 30, kinds=["export"])
+    folder = tmp_path / "exports" / f"export-{job.id}"
+    for name in ("Modelfile", f"{run_id}-Q8_0.gguf"):
+        repo.add_artifact(engine, Artifact(run_id=run_id, job_id=job.id, kind="ollama", name=name,
+                                           path=str(folder / name), bytes=1, sha256="0" * 64,
+                                           meta={"export_id": f"export-{job.id}"}))
+    ckpt = "/work/shared/data/models/stories260K/stories260K.bin|/work/shared/data/models/stories260K/tok512.bin"
+    assert queue.finish(engine, job.id, "w-export", {
+        "provenance": {"base_model": ckpt, "base_model_name": "stories260K",
+                       "base_model_source": "llama2c", "adapter": {"run_id": run_id}},
+        "ollama": {"modelfile": str(folder / "Modelfile"),
+                   "gguf": str(folder / f"{run_id}-Q8_0.gguf"), "created": False,
+                   "command": f"cd '{folder}' && ollama create m-1 -f Modelfile"}})
+    r = client.get(f"/api/exports/{job.id}")
+    assert r.status_code == 200 and str(tmp_path) not in r.text and "/work/" not in r.text
+    info = r.json()
+    urls = {f["name"]: f["url"] for f in info["files"]}
+    assert info["provenance"]["base_model"] == "stories260K"
+    assert info["ollama"] == {"modelfile": "Modelfile", "modelfile_url": urls["Modelfile"],
+                              "gguf": f"{run_id}-Q8_0.gguf",
+                              "gguf_url": urls[f"{run_id}-Q8_0.gguf"], "created": False,
+                              "command": "ollama create m-1 -f Modelfile"}
+    listed = client.get(f"/api/runs/{run_id}/exports").text
+    page = client.get(f"/runs/{run_id}/exports").text
+    assert str(tmp_path) not in listed + page and "/work/" not in listed + page
+    assert "ollama create m-1 -f Modelfile" in page

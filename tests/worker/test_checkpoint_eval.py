@@ -393,7 +393,7 @@ def test_cancel_a_running_export_leaves_no_files(studio, monkeypatch) -> None:
 
 def test_cancel_a_queued_export_from_the_run_page(studio) -> None:
     c, engine, run_id = studio["client"], studio["engine"], _sft_run(studio)
-    r = c.post(f"/api/runs/{run_id}/exports", json={"format": "gguf"})
+    r = c.post(f"/api/runs/{run_id}/exports", json={"format": "gguf", "quantization": "Q8_0"})
     assert r.status_code == 201
     export_id = r.json()["id"]
     r = c.post(f"/exports/{export_id}/cancel", headers={"HX-Request": "true"})

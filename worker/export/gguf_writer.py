@@ -258,7 +258,8 @@ def add_provenance(w, prov: dict) -> None:
             w.add_base_model_version(0, rev)
     a = prov.get("adapter") or {}
     weights = prov.get("base_weights")
-    w.add_description(f"{prov.get('base_model_name') or hub} ({hub}) + LoRA adapter of run "
+    name = prov.get("base_model_name") or hub
+    w.add_description(f"{name}{f' ({hub})' if hub != name else ''} + LoRA adapter of run "
                       f"{a.get('run_id')} (r={a.get('r')}, lora_alpha={a.get('lora_alpha')}, "
                       f"adapter_model.safetensors sha256 {a.get('sha256')}), merged into the "
                       f"base's {weights} weights")

@@ -29,20 +29,23 @@ def provenance(info: RunInfo, base: dict | None = None, run_id: str | None = Non
     "base_weights", "adapter": {"run_id", "sha256", "r", "lora_alpha", "target_modules"}}``.
 
     ``base`` is the model row (``name``, ``source`` hf|local|llama2c, ``source_ref``: a Hub id
-    optionally ``id@revision``, a folder, or a llama2.c checkpoint); without it the base folder
-    is named. ``base_weights`` says what the delta was added to: the base's stored weights
+    optionally ``id@revision``, a folder, or a llama2.c checkpoint). ``base_model`` is the base's
+    public id, never a server path: the Hub id for a Hub model, else the model's name (without
+    ``base``, the base folder's name), the name the adapter export's card gives too.
+    ``base_weights`` says what the delta was added to: the base's stored weights
     (``"float32"``, ``"bfloat16"``...) or ``"nf4-dequantized"`` for a QLoRA run.
     """
     base = base or {}
-    source, ref = base.get("source"), base.get("source_ref") or str(info.base_dir)
-    hub_id, _, revision = ref.partition("@") if source == "hf" else (ref, "", "")
+    source, name = base.get("source"), base.get("name") or info.base_dir.name
+    hub_id, _, revision = (base.get("source_ref") or name).partition("@") if source == "hf" \
+        else (name, "", "")
     cfg_p = info.base_dir / "config.json"
     cfg = json.loads(cfg_p.read_text()) if cfg_p.is_file() else {}
     stored = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
     acfg = json.loads((info.adapter_dir / "adapter_config.json").read_text())
     targets = acfg.get("target_modules")
     return {"base_model": hub_id, "base_model_revision": revision or None,
-            "base_model_name": base.get("name") or info.base_dir.name,
+            "base_model_name": name,
             "base_model_source": source or "local",
             "base_weights": "nf4-dequantized" if info.load_in_4bit else stored,
             "adapter": {"run_id": run_id or info.run_dir.name,

@@ -187,7 +187,8 @@ def _ollama(info, tok, gguf_path: Path, out: Path, checks: dict, url, model_name
                                                    convs)
     (out / "Modelfile").write_text(build_modelfile(gguf_path.name, template, stops,
                                                    info.system_prompt))
-    res = {"modelfile": str(out / "Modelfile"), "gguf": str(gguf_path),
+    # file names as the export's files list them: a record shown to members holds no server path
+    res = {"modelfile": "Modelfile", "gguf": gguf_path.name,
            "command": create_command(model_name, out), "created": False}
     if url:
         res.update(push(url, model_name, gguf_path, template, stops, info.system_prompt,

@@ -20,8 +20,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from app.data.model_config import completion_too_long
 from app.store.specs import GrpoSpec
+from app.studio.seqlen import context_window, grpo_length_problem
 from worker import ddp, gpu
 from worker.context import JobContext, JobError
 from worker.jobs import common
@@ -77,9 +77,10 @@ def run(ctx: JobContext) -> dict[str, Any]:
     ctx.check()
 
     # ---- model, LoRA, rewards, trainer ----------------------------------------------------
-    problem = completion_too_long(spec.max_completion_length, model_row.path, model_row.name)
-    if problem:
-        raise JobError(f"max_completion_length: {problem}")
+    problem = grpo_length_problem(spec.max_prompt_length, spec.max_completion_length,
+                                  context_window(model_row), model_row.name)
+    if problem:  # the model was not ready when the run was created
+        raise JobError(f"{problem.field}: {problem.message}")
     model, optim = common.lora_model(ctx, spec, model_row, cuda)
     tokenizer = sft.load_tokenizer(model_row.path, chosen.source)
     functions = build(spec, prompts.answer_column)

@@ -28,7 +28,7 @@ from app.studio.errors import StudioError
 from app.web.deps import CurrentUser, EngineDep, SettingsDep
 from app.web.errors import ApiError
 from app.web.openai.reinforcement import create_reinforcement_job
-from app.web.openai.shapes import BASE_LR, event_object, fine_tuned_model_id, job_object
+from app.web.openai.shapes import event_object, fine_tuned_model_id, job_object
 
 router = APIRouter(prefix="/v1")
 _IGNORED = {"integrations", "metadata", "suffix", "seed", "validation_file", "hyperparameters",
@@ -74,11 +74,7 @@ def spec_from_openai(body: dict[str, Any]) -> dict[str, Any]:
         if key in mapping:
             raw[mapping[key]] = value
         elif key == "learning_rate_multiplier":
-            try:
-                raw["learning_rate"] = float(value) * BASE_LR
-            except (TypeError, ValueError):
-                raise ApiError(400, "learning_rate_multiplier must be a number",
-                               "hyperparameters.learning_rate_multiplier", "invalid_value") from None
+            raw["learning_rate"] = runs_uc.learning_rate_from_multiplier(TrainSpec, value)
         elif key in TrainSpec.model_fields:
             raw[key] = value
         else:

@@ -46,11 +46,7 @@ def spec_from_reinforcement(body: dict[str, Any], engine) -> dict[str, Any]:
         if key == "batch_size":
             raw["per_device_train_batch_size"] = value
         elif key == "learning_rate_multiplier":
-            try:
-                raw["learning_rate"] = float(value) * GrpoSpec.model_fields["learning_rate"].default
-            except (TypeError, ValueError):
-                raise bad_value("learning_rate_multiplier must be a number",
-                           "hyperparameters.learning_rate_multiplier") from None
+            raw["learning_rate"] = runs_uc.learning_rate_from_multiplier(GrpoSpec, value)
         elif key == "n_epochs":
             epochs = value
         elif key in GrpoSpec.model_fields and key not in ("model", "dataset", "rewards",
