@@ -257,7 +257,8 @@ def queue_view(engine: Engine, settings: Settings, actor: User,
     for pos, job in enumerate(ordered, 1):
         need = admission.need_gib(job.estimate_gib, snap.margin, largest_cap)
         owner = owners[job.owner]
-        quota = admission.quota_reason(owner, need, None if job.owner == actor.id
+        total = None if need is None else need * snap.gpus.get(job.id, 1)  # as admission counts
+        quota = admission.quota_reason(owner, total, None if job.owner == actor.id
                                        else names.get(job.owner, job.owner))
         start = None
         if quota:
