@@ -185,13 +185,31 @@ def order(snap: Snapshot) -> list[Job]:
     return out
 
 
+def gib(x: float) -> str:
+    """``x`` GiB in short plain digits: ``"0.6"``, ``"0.55"``, ``"22"`` (2 decimals at most)."""
+    return f"{round(x, 2):g}"
+
+
+def over_gib_quota(quota_gib: float | None, need: float | None) -> bool:
+    """Whether a job admitted with ``need`` GiB (over all its GPUs) is more than a GPU memory
+    quota of ``quota_gib`` GiB at once allows even alone: it can never start under that quota.
+    False without a quota or a known need."""
+    return quota_gib is not None and need is not None and need > quota_gib + 1e-9
+
+
 def quota_reason(owner: Owner, need: float | None, whose: str | None = None) -> str | None:
     """Why ``owner``'s next job of ``need`` GiB is over quota, or None when it is within.
 
     ``whose``: None when the reader is the owner ("your 1 running job reaches your limit of 1
     at once"), else the owner's name, for an admin reading another user's job ("bob's 2
-    running jobs reach bob's limit of 2 at once")."""
+    running jobs reach bob's limit of 2 at once"). A job whose need alone is more than the
+    GPU memory quota (:func:`over_gib_quota`) says it can never start under that quota."""
     mine = "your" if whose is None else f"{whose}'s"
+    if over_gib_quota(owner.quota_gib, need):
+        return (f"over quota, can never start under {mine} current quota: this job needs "
+                f"{gib(need)} GiB of GPU memory at once, more than {mine} limit of "
+                f"{gib(owner.quota_gib)} GiB even with no other job running; an admin can "
+                "raise the limit (GPU memory at once) on the Admin page")
     one = owner.running == 1
     jobs = f"{mine} {owner.running} running job{'' if one else 's'}"
     if owner.quota_jobs is not None and owner.running >= owner.quota_jobs:

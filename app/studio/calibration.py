@@ -20,7 +20,7 @@ from app.settings import Settings
 from app.store import admission
 from app.store import workers as workers_store
 from app.store.db import session_scope
-from app.store.schema import Job, JobState, Model, Run
+from app.store.schema import Job, JobState, Model, Run, User
 from app.store.specs import GrpoSpec, TrainSpec
 from app.studio.errors import StudioError
 from app.studio.estimate import CUDA_CONTEXT_GIB, Estimate, estimate_job, model_shape
@@ -115,12 +115,43 @@ def check_fits(engine: Engine, settings: Settings, est: Estimate | None) -> None
             "vram_budget_gib.", None, code="too_big_for_gpus")
 
 
+def check_quota(settings: Settings, owner: User | None, est: Estimate | None,
+                num_gpus: int = 1) -> None:
+    """Refuse a job its owner's GPU memory quota (``users.quota_gib``, "GPU memory at once")
+    could never admit, even with no other job of theirs running: raises StudioError(invalid,
+    code ``over_gpu_memory_quota``) naming the need and the quota (GiB) when the memory the job
+    would be admitted with on all its ``num_gpus`` GPUs (:func:`app.store.admission.need_gib`)
+    is more than the quota (:func:`app.store.admission.over_gib_quota`, the rule admission
+    applies). No owner, no quota or no estimate: no refusal."""
+    if owner is None or est is None or est.total_gib <= 0:
+        return
+    per_gpu = admission.need_gib(est.allocated_gib, settings.gpu_admit_margin, None)
+    need = per_gpu * max(1, num_gpus)
+    if not admission.over_gib_quota(owner.quota_gib, need):
+        return
+    each = f" ({admission.gib(per_gpu)} GiB on each of {num_gpus} GPUs)" if num_gpus > 1 else ""
+    raise StudioError(
+        "invalid", f"this run needs about {admission.gib(need)} GiB of GPU memory at once{each} "
+        f"(estimate {est.allocated_gib:.2f} GiB, plus the {settings.gpu_admit_margin:.0%} "
+        f"admission margin and the {CUDA_CONTEXT_GIB:g} GiB CUDA context), more than your GPU "
+        f"memory quota of {admission.gib(owner.quota_gib)} GiB at once: it could never start. "
+        "Lower max_seq_length or the batch size, set load_in_4bit, or ask an admin to raise "
+        "your quota (GPU memory at once, on the Admin page).", None,
+        code="over_gpu_memory_quota")
+
+
+#: Codes of the refusals above: about the whole spec, not one field (a form shows them on top).
+WHOLE_SPEC_CODES = ("too_big_for_gpus", "over_gpu_memory_quota")
+
+
 def for_new_run(engine: Engine, settings: Settings, model: Model, spec: Any,
-                run_kind: str) -> float | None:
+                run_kind: str, owner: User | None = None) -> float | None:
     """At run creation: the calibrated estimate's allocator peak (GiB) to store on the job, after
-    :func:`check_fits` (raises StudioError ``too_big_for_gpus``); None when the shape is unknown."""
+    :func:`check_fits` and, for the run's ``owner``, :func:`check_quota` (raise StudioError
+    ``too_big_for_gpus`` / ``over_gpu_memory_quota``); None when the shape is unknown."""
     est = estimate(engine, model, spec, job_kind(run_kind))
     check_fits(engine, settings, est)
+    check_quota(settings, owner, est, getattr(spec, "num_gpus", 1) or 1)
     return None if est is None else round(est.allocated_gib, 4)
 
 

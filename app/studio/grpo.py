@@ -55,7 +55,7 @@ def create_grpo_run(engine: Engine, settings: Settings, actor: User, spec: GrpoS
     evaluation.check_held_out(engine, actor, spec, ds.rows)
     check_qlora_device(engine, settings, spec)
     check_num_gpus(engine, settings, spec)
-    estimate_gib = calibration.for_new_run(engine, settings, model, spec, "grpo")
+    estimate_gib = calibration.for_new_run(engine, settings, model, spec, "grpo", actor)
     run, job = repo.create_run(engine, spec, kind="grpo", name=name, owner=actor.id,
                                estimate_gib=estimate_gib)
     audit.record(engine, actor.id, "run.created", "run", run.id, kind="grpo", model=model.name,

@@ -257,7 +257,8 @@ def queue_view(engine: Engine, settings: Settings, actor: User,
     for pos, job in enumerate(ordered, 1):
         need = admission.need_gib(job.estimate_gib, snap.margin, largest_cap)
         owner = owners[job.owner]
-        quota = admission.quota_reason(owner, need, None if job.owner == actor.id
+        total = None if need is None else need * snap.gpus.get(job.id, 1)  # as admission counts
+        quota = admission.quota_reason(owner, total, None if job.owner == actor.id
                                        else names.get(job.owner, job.owner))
         start = None
         if quota:
@@ -306,12 +307,16 @@ def queue_view(engine: Engine, settings: Settings, actor: User,
             else:
                 largest_free = max((snap.free(sl) for sl in slots if sl.capacity_gib is not None),
                                    default=0.0)
+                # waits for a CPU slot: behind every job ahead there, whether or not when
+                # they end is known (only its estimated start depends on that)
+                on_cpu_slot = False
                 if need is not None and need <= largest_free + 1e-9:
                     reason = (f"behind {placed} job{'s' if placed != 1 else ''} that take "
                               "the free memory first")
                 elif need is None or not any(sl.capacity_gib is not None for sl in slots):
                     reason = (f"behind {cpu_ahead} job{'s' if cpu_ahead != 1 else ''}: the CPU "
                               "slot (no GPU) runs one job at a time")
+                    on_cpu_slot = True
                 else:
                     reason = (f"no GPU has room: needs {need:.1f} GiB, largest free "
                               f"{max(largest_free, 0.0):.1f} GiB")
@@ -322,10 +327,12 @@ def queue_view(engine: Engine, settings: Settings, actor: User,
                 if on_cpu is not None and (when is None or on_cpu[0] < when[1]):
                     start = on_cpu[0]
                     cpu_free[on_cpu[1]] = start + span if span else None
-                    cpu_ahead += 1
+                    on_cpu_slot = True
                 elif when is not None:
                     start = when[1]
                     holds[when[0]].append((need, t + start + span if span else None))
+                if on_cpu_slot and cpu_free:
+                    cpu_ahead += 1
         row = slot_of(job, need, reason=reason, start_in_seconds=start, position=pos,
                       front=job.front_at is not None)
         if not row.visible and quota:

@@ -313,7 +313,7 @@ def create_sft_run(engine: Engine, settings: Settings, actor: User, spec: TrainS
         spec = spec.model_copy(update={"column_mapping": mapping})
     check_qlora_device(engine, settings, spec)
     check_num_gpus(engine, settings, spec)
-    estimate_gib = calibration.for_new_run(engine, settings, model, spec, "sft")
+    estimate_gib = calibration.for_new_run(engine, settings, model, spec, "sft", actor)
     run, job = repo.create_run(engine, spec, name=name, owner=actor.id, estimate_gib=estimate_gib)
     audit.record(engine, actor.id, "run.created", "run", run.id, kind="sft", model=model.name,
                  dataset=ds.id)

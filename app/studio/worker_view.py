@@ -186,3 +186,14 @@ def health_rows(rows: list[Worker]) -> list[dict]:
     return [{"id": w.id, "host": w.host, "pid": w.pid, "device": w.device,
              "last_seen": w.last_seen, "current_job_id": w.current_job_id,
              "role": of[w.id][0], "group": of[w.id][1]} for w in rows]
+
+
+def health_counts(rows: list[Worker]) -> dict[str, int]:
+    """The ``/healthz`` counts of the live worker ``rows``: ``live_workers``, the worker
+    processes (supervisors and plain workers: :func:`worker_groups`, not their slot and lane
+    rows), and their ``gpu_slots``, ``cpu_slots`` (a supervisor's slot on a box without a GPU)
+    and ``cpu_lanes``."""
+    groups = worker_groups(rows)
+    roles = [p.role for g in groups for p in g.parts]
+    return {"live_workers": len(groups), "gpu_slots": roles.count("gpu_slot"),
+            "cpu_slots": roles.count("cpu_slot"), "cpu_lanes": roles.count("cpu_lane")}

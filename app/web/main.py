@@ -75,23 +75,24 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @app.get("/healthz")
     def healthz(request: Request) -> JSONResponse:
         """Public: ``{"status": "ok"|"degraded", "database": {"ok", "kind"}, "live_workers": n,
-        "reason"?}`` (what a HEALTHCHECK or a monitor needs). A signed-in admin also gets the
+        "gpu_slots", "cpu_slots", "cpu_lanes", "reason"?}`` (what a HEALTHCHECK or a monitor
+        needs; ``live_workers`` counts worker processes, not their slots and lanes:
+        :func:`app.studio.worker_view.health_counts`). A signed-in admin also gets the
         database's ``migration`` and ``error`` and the ``workers`` (host, pid, device, job, and
         ``role``: supervisor | gpu_slot | cpu_slot | cpu_lane | worker, ``group``: its process)."""
         engine = dep_engine(request)
         db = {"ok": False, "kind": engine.dialect.name, "migration": None}
-        live = []
+        live, counts = [], worker_view.health_counts([])
         try:
             with session_scope(engine) as s:
                 s.execute(text("SELECT 1"))
             db["ok"] = True
             db["migration"] = _migration_head(engine)
-            live = worker_view.health_rows(
-                workers_store.live(engine, settings.worker_stale_seconds))
+            rows = workers_store.live(engine, settings.worker_stale_seconds)
+            live, counts = worker_view.health_rows(rows), worker_view.health_counts(rows)
         except Exception as exc:  # noqa: BLE001
             db["error"] = str(exc)
-        body = {"status": "ok", "database": {"ok": db["ok"], "kind": db["kind"]},
-                "live_workers": len(live)}
+        body = {"status": "ok", "database": {"ok": db["ok"], "kind": db["kind"]}, **counts}
         if not db["ok"]:
             body.update(status="degraded", reason="the database is not reachable")
         elif not live:

@@ -161,8 +161,8 @@ async def create_from_form(spec_cls, raw: dict, errors: dict[str, str], create,
     ``errors`` (the form's own checks) is empty, ``create(spec)`` off the event loop: ``(run or
     None, field errors, form-level messages)``. A spec error lists every bad field (the name's
     too); a use-case error about one field goes under ``field_of(field)``; one about the whole
-    spec (too big for every GPU) above the form; any other is raised (the surface's error
-    mapping answers it)."""
+    spec (too big for every GPU, over the GPU memory quota) above the form; any other is raised
+    (the surface's error mapping answers it)."""
     from starlette.concurrency import run_in_threadpool
 
     from app.studio.runs import SpecError, check_input
@@ -175,7 +175,7 @@ async def create_from_form(spec_cls, raw: dict, errors: dict[str, str], create,
     except SpecError as exc:
         errors, general = {**exc.fields, **errors}, exc.general
     except StudioError as exc:
-        if exc.code == "too_big_for_gpus":  # about the whole spec: shown above the form
+        if exc.code in calibration.WHOLE_SPEC_CODES:  # about the whole spec: above the form
             general.append(exc.message)
         elif exc.field is None:
             raise

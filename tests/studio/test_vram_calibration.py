@@ -121,3 +121,31 @@ def test_too_big_refused_only_when_live_gpu_workers_report_capacity(engine):
     small = spec_for("train_step", "qlora", 2048, 2, None)
     assert calibration.for_new_run(engine, settings, model, small, "sft") == pytest.approx(
         calibration.estimate(engine, model, small, "train").allocated_gib, abs=1e-4)
+
+
+def test_a_run_over_its_owners_gpu_memory_quota_is_refused_counting_every_gpu() -> None:
+    """The quota rule admission applies (need on all its GPUs > quota: never admitted) refuses
+    the run at creation; a need within the quota, no quota or no estimate passes."""
+    from app.store.admission import Owner, over_gib_quota, quota_reason
+    from app.store.schema import User
+    from app.studio.estimate import Estimate
+
+    settings = Settings(gpu_admit_margin=0.25)
+    est = Estimate(weights_gib=3.0, allocated_gib=4.0, context_gib=0.5, total_gib=4.5)
+    bea = User(name="bea", password_hash="x", quota_gib=10.0)  # need 4 x 1.25 + 0.5 = 5.5
+    calibration.check_quota(settings, bea, est)
+    with pytest.raises(StudioError) as exc:  # 2 GPUs: 11 GiB at once
+        calibration.check_quota(settings, bea, est, num_gpus=2)
+    assert (exc.value.kind, exc.value.code, exc.value.field) == (
+        "invalid", "over_gpu_memory_quota", None)
+    assert exc.value.message.startswith("this run needs about 11 GiB of GPU memory at once "
+                                        "(5.5 GiB on each of 2 GPUs)")
+    assert "more than your GPU memory quota of 10 GiB at once" in exc.value.message
+    for owner, e in ((User(name="al", password_hash="x"), est), (bea, None), (None, est)):
+        calibration.check_quota(settings, owner, e, num_gpus=2)
+    # the same rule in the queue's reason (before the quota on the owner's other jobs)
+    assert over_gib_quota(10.0, 11.0) and not over_gib_quota(10.0, 10.0)
+    busy = Owner("u", "bea", quota_gib=10.0, running=1, held_gib=6.0)
+    assert quota_reason(busy, 5.5).startswith("over quota: your 1 running job holds 6.0 GiB")
+    assert quota_reason(busy, 11.0).startswith(
+        "over quota, can never start under your current quota: this job needs 11 GiB")

@@ -114,3 +114,30 @@ def test_cpu_lane_takes_turns_by_owner_and_says_so(app, client, engine) -> None:
         claimed.append(job.id)
         assert queue.finish(engine, job.id, "vm-cpu")
     assert claimed == [a[0].id, b.id, a[1].id, a[2].id]
+
+
+def test_cpu_slot_counts_every_job_ahead_with_or_without_an_eta(client, engine) -> None:
+    """Trial: right after the first of four runs started (no ETA yet), every waiting job read
+    "behind 1 job". Each waits behind the running one and the waiting ones ahead of it; only
+    the estimated start depends on the running job's ETA."""
+    with session_scope(engine) as s:  # the seeded demo model's import: done, out of the way
+        for job in s.exec(select(Job).where(Job.state == JobState.QUEUED)):
+            job.state = JobState.SUCCEEDED
+    me = client.get("/api/me").json()["id"]
+    workers.register(engine, CPU_SLOT.id, "vm", 1, "cpu slot (2 cores, one job at a time)")
+    jobs = [queue.enqueue(engine, "train", {}, owner=me, estimate_gib=0.6) for _ in range(4)]
+    assert queue.admit(engine, CPU_SLOT, 300, ["train"], 0.1, 24.0).id == jobs[0].id
+    rule = "the CPU slot (no GPU) runs one job at a time"
+    expected = [(j.id, f"behind {n} job{'s' if n > 1 else ''}: {rule}")
+                for n, j in enumerate(jobs[1:], 1)]
+    waiting = client.get("/api/queue").json()["waiting"]
+    assert [(w["job_id"], w["reason"]) for w in waiting] == expected
+    assert [w["start_in_seconds"] for w in waiting] == [None, None, None]
+    with session_scope(engine) as s:  # now the running job reports an ETA
+        events.append(s, jobs[0].id, "metric", {"step": 3, "eta_seconds": 600.0})
+    waiting = client.get("/api/queue").json()["waiting"]
+    assert [(w["job_id"], w["reason"]) for w in waiting] == expected
+    assert 590 <= waiting[0]["start_in_seconds"] <= 600
+    assert [w["start_in_seconds"] for w in waiting[1:]] == [None, None]  # no typical duration
+    page = client.get("/queue").text
+    assert f"behind 3 jobs: {rule}" in page

@@ -21,6 +21,7 @@ def test_healthz(client):
     assert body["database"]["kind"] == "sqlite"
     assert body["database"]["migration"]
     assert body["workers"] == [] and body["live_workers"] == 0
+    assert (body["gpu_slots"], body["cpu_slots"], body["cpu_lanes"]) == (0, 0, 0)
 
 
 def test_healthz_shows_worker_hosts_and_pids_only_to_admins(client, app):
@@ -43,7 +44,7 @@ def test_healthz_shows_worker_hosts_and_pids_only_to_admins(client, app):
     for r in (anonymous, members):
         assert r.status_code == 200
         assert r.json() == {"status": "ok", "database": {"ok": True, "kind": "sqlite"},
-                            "live_workers": 1}
+                            "live_workers": 1, "gpu_slots": 0, "cpu_slots": 0, "cpu_lanes": 0}
         assert "gpu-box-7" not in r.text and "4242" not in r.text
 
 
