@@ -12,7 +12,7 @@ from fastapi.responses import RedirectResponse, Response
 from app.data.chat_template import DEFAULT_TEMPLATES, FALLBACK_TEMPLATE
 from app.store import repo
 from app.store.schema import JobState
-from app.studio import access, accounts, calibration, evaluation, resume
+from app.studio import access, accounts, calibration, evaluation, playground_targets, resume
 from app.studio import exports as exports_uc
 from app.studio import verification
 from app.studio.errors import StudioError
@@ -82,6 +82,7 @@ def run_view(engine, user, run_id: str) -> dict[str, Any]:
             "spec_json": json.dumps(spec, indent=2), "memory": calibration.memory_summary(job),
             "evaluation": evaluation.run_evaluation(engine, run, job),
             "resume": resume.resumable(engine, run, job),
+            "playground_link": playground_targets.run_link(engine, run, job),
             "cancel_outcome": resume.cancel_outcome(engine, run, job, (m or {}).get("step")),
             **exports_view(engine, user, run.id)}
 
