@@ -18,6 +18,7 @@ from app.store.schema import Job, JobState, Run
 from app.studio import access, audit
 from app.studio.errors import StudioError
 from app.studio.exports import checkpoint_steps
+from app.studio.job_states import state_words
 
 if TYPE_CHECKING:
     from app.store.schema import User
@@ -35,8 +36,8 @@ def resumable(engine: Engine, run: Run, job: Job | None) -> tuple[int | None, st
         return None, f"run {run.id} already succeeded; there is nothing left to train"
     steps = checkpoint_steps(engine, run.id)
     if not steps:
-        return None, (f"run {run.id} was {job.state} before it saved a checkpoint (one is "
-                      f"saved every save_steps = {(run.spec or {}).get('save_steps', '?')} "
+        return None, (f"run {run.id} {state_words(job.state)} before it saved a checkpoint "
+                      f"(one is saved every save_steps = {(run.spec or {}).get('save_steps', '?')} "
                       "steps); clone it to start again")
     return steps[0], None
 

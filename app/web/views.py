@@ -16,6 +16,7 @@ from app.studio import access, accounts, calibration, evaluation, playground_tar
 from app.studio import exports as exports_uc
 from app.studio import verification
 from app.studio.errors import StudioError
+from app.studio.job_states import state_words
 from app.studio.runs import input_names, template_tokens_to_add
 from app.web.deps import is_htmx
 
@@ -55,6 +56,7 @@ def exports_view(engine, user, run_id: str, error: str | None = None,
             "export_values": values or {"format": "gguf", "quantization": ["Q8_0"]},
             "can_export": can_export, "export_checkpoint": checkpoint,
             "run_state": job.state if job else None,
+            "run_state_words": state_words(job.state if job else None),
             "exports_active": any(e["status"] in (JobState.QUEUED, JobState.RUNNING) for e in items)}
 
 
