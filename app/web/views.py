@@ -82,6 +82,7 @@ def run_view(engine, user, run_id: str) -> dict[str, Any]:
             "template_name": spec.get("chat_template_name"),
             "template_source": spec.get("chat_template"),
             "spec_json": json.dumps(spec, indent=2), "memory": calibration.memory_summary(job),
+            "metric_peak": calibration.metric_peak(job, m),
             "evaluation": evaluation.run_evaluation(engine, run, job),
             "resume": resume.resumable(engine, run, job),
             "playground_link": playground_targets.run_link(engine, run, job),
