@@ -3,11 +3,16 @@
 Handlers call :meth:`JobContext.check` at safe points (every training step); it raises
 :class:`JobCancelled`, :class:`LeaseLost` or :class:`WorkerShutdown`, which the loop turns into
 ``cancelled``, "stop writing" and ``queue.release`` respectively.
+
+The lease thread sees a cancel at its heartbeat (every ``heartbeat_seconds``, 2 s); a trainer
+reads the flag itself at every step's end (:meth:`JobContext.step_stop_reason`, at most every
+:data:`CANCEL_POLL_SECONDS`), so a cancel stops training within a step or two.
 """
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,8 +20,14 @@ from typing import Any
 from sqlalchemy.engine import Engine
 
 from app.settings import Settings
+from app.store import queue
 from app.store.schema import Job
 from worker.progress import Reporter
+
+
+#: A step's end reads the job's cancel flag at most this often (seconds): a fast run (many
+#: steps a second) reads the database a few times a second, not once a step.
+CANCEL_POLL_SECONDS = 0.2
 
 
 class JobInterrupted(BaseException):
@@ -53,6 +64,11 @@ class JobContext:
     shutdown: threading.Event = field(default_factory=threading.Event)
     #: What a cancel must undo (see :meth:`on_cancel`), run newest first.
     undo: list[Callable[[], None]] = field(default_factory=list)
+    #: Training ended on its own before a cancel took effect (:meth:`cancel_came_too_late`):
+    #: from then on a cancel no longer stops the job.
+    cancel_moot: bool = False
+    _cancel_read_at: float = field(default=float("-inf"), repr=False)
+    _late_cancel_told: bool = field(default=False, repr=False)
 
     def on_cancel(self, fn: Callable[[], None]) -> None:
         """Have ``fn()`` run when the job ends cancelled (the loop calls :meth:`undo_written`
@@ -83,9 +99,47 @@ class JobContext:
             return "lost"
         if self.shutdown.is_set():
             return "shutdown"
-        if self.cancel.is_set():
+        if self.cancel.is_set() and not self.cancel_moot:
             return "cancelled"
         return None
+
+    def poll_cancel(self, force: bool = False) -> bool:
+        """Read the job's cancel flag from the database now, unless it was read less than
+        :data:`CANCEL_POLL_SECONDS` ago (``force``: read anyway); sets :attr:`cancel` when a
+        cancel was requested. Returns whether the cancel is set. A failed read (a locked
+        database) is skipped: the heartbeat still sees the cancel."""
+        now = time.monotonic()
+        if not self.cancel.is_set() and (force or
+                                         now - self._cancel_read_at >= CANCEL_POLL_SECONDS):
+            self._cancel_read_at = now
+            try:
+                if queue.cancel_requested(self.engine, self.job.id):
+                    self.cancel.set()
+            except Exception as exc:  # noqa: BLE001 - the next step or heartbeat reads it
+                logging.getLogger("worker").warning("job %s: could not read its cancel flag: %s",
+                                                    self.job.id, str(exc).splitlines()[0])
+        return self.cancel.is_set()
+
+    def step_stop_reason(self) -> str | None:
+        """:meth:`stop_reason` at a training step's end, after :meth:`poll_cancel`: what the
+        trainer callback asks after every step."""
+        self.poll_cancel()
+        return self.stop_reason()
+
+    def cancel_came_too_late(self, step: int, max_steps: int) -> bool:
+        """Call when training ended on its own (not stopped by a cancel), and again as the
+        handler returns: a cancel requested by now (read again from the database) arrived
+        after the last step, so the job finishes anyway (its adapter is trained) and its log
+        says so, once. From then on a cancel no longer stops the job. Returns whether a cancel
+        was requested."""
+        self.cancel_moot = True
+        if not self.poll_cancel(force=True):
+            return False
+        if not self._late_cancel_told:
+            self._late_cancel_told = True
+            self.log(f"cancel arrived after the last step ({step} of {max_steps}); the run "
+                     "finished", "warning")
+        return True
 
     def check(self) -> None:
         """Raise the matching :class:`JobInterrupted` when the job must stop."""

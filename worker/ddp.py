@@ -126,6 +126,7 @@ def launch(ctx: JobContext, run_id: str, spec) -> dict[str, Any]:
     stop_at: float | None = None
     try:
         while proc.poll() is None:
+            ctx.poll_cancel()  # at most every CANCEL_POLL_SECONDS: a cancel within a step or two
             reason = ctx.stop_reason()
             if reason and stop_at is None:
                 write_stop(comm, reason)
@@ -143,6 +144,8 @@ def launch(ctx: JobContext, run_id: str, spec) -> dict[str, Any]:
             write_stop(comm, ctx.stop_reason() or "lost")
             terminate(proc)
         log_file.close()
+    if proc.returncode == 0 and (comm / "result.json").is_file():
+        ctx.cancel_moot = True  # the ranks finished training (rank 0 told of a late cancel)
     ctx.check()  # cancelled / shutdown / lost: the ranks stopped for it
     if proc.returncode != 0:
         raise JobError(failure(comm, n, proc.returncode))

@@ -9,7 +9,9 @@
 * A lost lease interrupts the handler at once (:func:`worker.faults.interrupt`).
 * A handler that raises fails its job with a one-line message (the traceback goes into a
   ``log`` event) and the worker keeps serving.
-* Cancel (seen by the lease thread) -> the handler stops at its next check -> ``cancelled``.
+* Cancel (seen by the lease thread, or read by a trainer at a step's end) -> the handler stops
+  at its next check -> ``cancelled``; one that arrives after training's last step does not
+  (the job succeeds and its log says the cancel came too late).
 * SIGTERM/SIGINT -> the handler stops at its next check (training saves a checkpoint) -> the
   job is released back to ``queued`` -> the worker unregisters and exits 0.
 """
@@ -266,7 +268,7 @@ class Worker:
                 outcome = "failed" if self._end(ctx, queue.fail, msg) else "lost"
             else:
                 reporter.flush()
-                if not ctx.undo:
+                if not ctx.undo or ctx.cancel_moot:  # moot: training ended before the cancel
                     outcome = "succeeded" if self._end(ctx, queue.finish, result or {}) \
                         else "lost"
                 else:  # a job that can undo what it wrote honours a cancel until its very end

@@ -270,6 +270,15 @@ def heartbeat(engine: Engine, job_id: int, worker_id: str, lease_seconds: float)
     return Heartbeat(alive=True, cancel_requested=bool(row[0]))
 
 
+def cancel_requested(engine: Engine, job_id: int) -> bool:
+    """Whether a cancel was requested for the job (one read, no write: cheap enough for a
+    training step's end, between heartbeats); False for an unknown job."""
+    with session_scope(engine) as s:
+        row = s.execute(text("SELECT cancel_requested FROM jobs WHERE id = :id"),
+                        {"id": job_id}).first()
+    return bool(row and row[0])
+
+
 def _fenced_end(engine: Engine, job_id: int, worker_id: str, state: str,
                 error: str | None = None, result: dict[str, Any] | None = None,
                 extra_sets: str = "", extra_where: str = "") -> bool:

@@ -172,3 +172,16 @@ def memory_summary(job: Job | None) -> dict[str, Any]:
     return {"estimate_gib": est, "context_gib": CUDA_CONTEXT_GIB, "peak_gib": peak,
             "peak_kind": job.peak_kind, "reserved_gib": measured.get("reserved_gib"),
             "nvml_gib": measured.get("nvml_gib"), "error": error}
+
+
+def metric_peak(job: Job | None, metric: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The memory peak the run's newest metric event reports (GiB), for the run page while the
+    job has no measured peak of its own: ``{"gib", "step", "running"}``; ``running`` (the job
+    is still running) is when the page says "so far" (a cancelled or failed run's peak is
+    final: the one measured up to ``step``). None when the job recorded a peak
+    (:func:`memory_summary`) or no metric event reported one."""
+    if job is None or job.peak_gib is not None or not metric \
+            or metric.get("peak_gib") is None:
+        return None
+    return {"gib": float(metric["peak_gib"]), "step": metric.get("step"),
+            "running": job.state in (JobState.QUEUED, JobState.RUNNING)}

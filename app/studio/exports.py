@@ -22,6 +22,7 @@ from app.studio import access, audit, jobs
 from app.studio.artifacts import is_server_path
 from app.studio.datasets import is_under
 from app.studio.errors import StudioError, invalid
+from app.studio.job_states import state_words
 from app.studio.runs import SpecError, field_errors
 
 if TYPE_CHECKING:
@@ -169,9 +170,9 @@ def _checkpoint_step(engine: Engine, run_id: str, job: Job | None, asked) -> int
     if job.state == JobState.SUCCEEDED:
         return None
     if not steps:
-        raise StudioError("conflict", f"run {run_id} was {state} before it saved a checkpoint "
-                                      "(one is saved every save_steps steps); there is nothing "
-                                      "to export")
+        raise StudioError("conflict", f"run {run_id} {state_words(state)} before it saved a "
+                                      "checkpoint (one is saved every save_steps steps); there "
+                                      "is nothing to export")
     return steps[0]
 
 

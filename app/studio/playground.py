@@ -37,6 +37,7 @@ from app.store.schema import Artifact, Job, JobEvent, JobState, Model, Run, now
 from app.studio import access
 from app.studio import checkpoint_eval as ckpt_eval
 from app.studio.errors import StudioError, invalid
+from app.studio.job_states import state_words
 from app.studio.estimate import GIB, lora_params, model_shape, weight_bytes
 from app.studio.playground_params import (  # noqa: F401 - part of the playground's API
     DEFAULT_MAX_TOKENS, MAX_TOKENS, ROLES, messages, params, prompt_params)
@@ -137,9 +138,9 @@ def resolve(engine: Engine, actor: User, model: str) -> Target:
                system_prompt=(run.spec or {}).get("system_prompt"))
     if not suffix:
         if job is None or job.state != JobState.SUCCEEDED:
-            raise StudioError("conflict", f"run {run.id} has not finished training (it is "
-                              f"{job.state if job else 'queued'}); chat with one of its "
-                              "checkpoints instead (…:checkpoint-<step>)", "model",
+            raise StudioError("conflict", f"run {run.id} has not finished training (it "
+                              f"{state_words(job.state if job else 'queued')}); chat with "
+                              "one of its checkpoints instead (…:checkpoint-<step>)", "model",
                               "run_not_finished")
         return t
     if suffix.startswith(("checkpoint-", "ckpt-step-")):

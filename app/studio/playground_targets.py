@@ -103,3 +103,28 @@ def targets(engine: Engine, actor: User) -> list[dict[str, Any]]:
                                   f"{short_date(a.created_at)} (llama.cpp)"),
                         "group": group})
     return out
+
+
+def run_link(engine: Engine, run: Run, job: Job | None) -> dict[str, str] | None:
+    """Where a run page's playground link goes: ``{"model", "label"}`` or None for no link.
+
+    A succeeded run chats with its final adapter (``<model>:ft:<run>``, "Open in
+    playground"); a cancelled or failed one with its newest checkpoint still on disk
+    (``<model>:ft:<run>:checkpoint-<step>``, "Open checkpoint-<step> in playground"), since
+    it has no final adapter; a run still queued or running, or one that ended before it saved
+    a checkpoint, has nothing to chat with (None). The model ids are the ones
+    :func:`app.studio.playground` resolves."""
+    if job is None or job.state in (JobState.QUEUED, JobState.RUNNING):
+        return None
+    try:
+        model = repo.get_model(engine, run.model_id).name
+    except repo.NotFound:
+        return None  # its base model is gone: the playground could not load it
+    base = f"{model}:ft:{run.id}"
+    if job.state == JobState.SUCCEEDED:
+        return {"model": base, "label": "Open in playground"}
+    steps = ckpt_eval.checkpoint_steps(engine, run.id)
+    if not steps:
+        return None
+    return {"model": f"{base}:checkpoint-{steps[0]}",
+            "label": f"Open checkpoint-{steps[0]} in playground"}

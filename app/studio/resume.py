@@ -18,6 +18,7 @@ from app.store.schema import Job, JobState, Run
 from app.studio import access, audit
 from app.studio.errors import StudioError
 from app.studio.exports import checkpoint_steps
+from app.studio.job_states import state_words
 
 if TYPE_CHECKING:
     from app.store.schema import User
@@ -35,8 +36,8 @@ def resumable(engine: Engine, run: Run, job: Job | None) -> tuple[int | None, st
         return None, f"run {run.id} already succeeded; there is nothing left to train"
     steps = checkpoint_steps(engine, run.id)
     if not steps:
-        return None, (f"run {run.id} was {job.state} before it saved a checkpoint (one is "
-                      f"saved every save_steps = {(run.spec or {}).get('save_steps', '?')} "
+        return None, (f"run {run.id} {state_words(job.state)} before it saved a checkpoint "
+                      f"(one is saved every save_steps = {(run.spec or {}).get('save_steps', '?')} "
                       "steps); clone it to start again")
     return steps[0], None
 
@@ -90,8 +91,9 @@ def cancel_question(engine: Engine, actor, run_id: str) -> str:
 def cancel_outcome(engine: Engine, run: Run, job: Job | None, step: int | None) -> str | None:
     """What cancelling the run now keeps, for the confirmation a user answers (None when the run
     cannot be cancelled: no job, or it ended). ``step``: the newest training step reported
-    (None before the first). A running job saves a checkpoint at the step where it stops, so it
-    keeps one only once a step is done; checkpoints already on disk (a resumed run's) stay."""
+    (None before the first). A running job reads the cancel at the end of a step (at most every
+    0.2 s, worker.context.CANCEL_POLL_SECONDS), stops there and saves a checkpoint, so it keeps
+    one only once a step is done; checkpoints already on disk (a resumed run's) stay."""
     if job is None or job.state not in (JobState.QUEUED, JobState.RUNNING):
         return None
     if job.state == JobState.QUEUED:
@@ -103,5 +105,6 @@ def cancel_outcome(engine: Engine, run: Run, job: Job | None, step: int | None) 
         return ("Cancel this run? It has not finished a training step yet, so cancelling now "
                 "saves no checkpoint." + (kept or " Nothing is kept: the run cannot be resumed "
                                                    "or exported, only cloned."))
-    return (f"Cancel this run? Training stops after its current step (step {step} is done) and "
-            "saves a checkpoint there; the run can then be resumed or exported from it." + kept)
+    return (f"Cancel this run? Training stops within a step or two (step {step} is done) and "
+            "saves a checkpoint where it stops; the run can then be resumed or exported from it."
+            " If its last step comes first, the run finishes instead." + kept)

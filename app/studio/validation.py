@@ -22,6 +22,7 @@ from app.settings import Settings
 from app.store import queue, repo
 from app.store.schema import Dataset, JobState
 from app.studio import audit
+from app.studio.job_states import state_words
 
 if TYPE_CHECKING:
     from app.store.schema import User
@@ -120,7 +121,7 @@ def check_stale(engine: Engine, ds: Dataset) -> Dataset:
     ds = repo.get_dataset(engine, ds.id)  # the job may have just written its result
     if ds.status != VALIDATING:
         return ds
-    reason = job.error or f"the validation job was {job.state}"
+    reason = job.error or f"the validation job {state_words(job.state)}"
     return repo.update_dataset(engine, ds.id, status=ERROR, error=f"validation stopped: {reason}")
 
 

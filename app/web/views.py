@@ -12,10 +12,11 @@ from fastapi.responses import RedirectResponse, Response
 from app.data.chat_template import DEFAULT_TEMPLATES, FALLBACK_TEMPLATE
 from app.store import repo
 from app.store.schema import JobState
-from app.studio import access, accounts, calibration, evaluation, resume
+from app.studio import access, accounts, calibration, evaluation, playground_targets, resume
 from app.studio import exports as exports_uc
 from app.studio import verification
 from app.studio.errors import StudioError
+from app.studio.job_states import state_words
 from app.studio.runs import input_names, template_tokens_to_add
 from app.web.deps import is_htmx
 
@@ -55,6 +56,7 @@ def exports_view(engine, user, run_id: str, error: str | None = None,
             "export_values": values or {"format": "gguf", "quantization": ["Q8_0"]},
             "can_export": can_export, "export_checkpoint": checkpoint,
             "run_state": job.state if job else None,
+            "run_state_words": state_words(job.state if job else None),
             "exports_active": any(e["status"] in (JobState.QUEUED, JobState.RUNNING) for e in items)}
 
 
@@ -80,8 +82,10 @@ def run_view(engine, user, run_id: str) -> dict[str, Any]:
             "template_name": spec.get("chat_template_name"),
             "template_source": spec.get("chat_template"),
             "spec_json": json.dumps(spec, indent=2), "memory": calibration.memory_summary(job),
+            "metric_peak": calibration.metric_peak(job, m),
             "evaluation": evaluation.run_evaluation(engine, run, job),
             "resume": resume.resumable(engine, run, job),
+            "playground_link": playground_targets.run_link(engine, run, job),
             "cancel_outcome": resume.cancel_outcome(engine, run, job, (m or {}).get("step")),
             **exports_view(engine, user, run.id)}
 

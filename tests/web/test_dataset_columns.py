@@ -73,3 +73,14 @@ def test_gsm8k_on_the_sft_page_gets_a_column_mapping(client):
 
     run = repo.get_run(client.app.state.engine, r.json()["id"])
     assert run.spec["column_mapping"] == {"instruction": "question", "output": "answer"}
+
+
+def test_the_prompts_hint_names_its_columns_in_english(client):
+    """The trial's hint read "(a <code>instruction</code> column ...)": "a instruction"."""
+    rows = [{"instruction": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(12)]
+    ds = _upload(client, "sums.jsonl", "".join(json.dumps(r) + "\n" for r in rows).encode())
+    page = client.get(f"/datasets/{ds}").text
+    hint = page.split("These rows look like prompts", 1)[1].split("</p>", 1)[0]
+    assert ("(prompts in the <code>instruction</code> column, reference answers in the "
+            "<code>answer</code> column)") in hint
+    assert "a <code>" not in hint

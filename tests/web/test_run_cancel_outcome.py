@@ -21,8 +21,9 @@ def test_the_confirmation_follows_the_runs_progress(client, engine, tmp_path):
     assert "saves no checkpoint. Nothing is kept" in _confirm(client, run_id)
     events.append_many(engine, job.id, [("metric", {"step": 19, "total_steps": 40, "loss": 4.0})])
     assert _confirm(client, run_id) == (
-        "Cancel this run? Training stops after its current step (step 19 is done) and saves a "
-        "checkpoint there; the run can then be resumed or exported from it.")
+        "Cancel this run? Training stops within a step or two (step 19 is done) and saves a "
+        "checkpoint where it stops; the run can then be resumed or exported from it. If its last "
+        "step comes first, the run finishes instead.")
     for step in (5, 10):  # a resumed run's earlier checkpoints stay
         folder = tmp_path / f"checkpoint-{step}"
         folder.mkdir()
@@ -31,7 +32,7 @@ def test_the_confirmation_follows_the_runs_progress(client, engine, tmp_path):
                                            path=str(folder), bytes=1, name=folder.name,
                                            meta={"step": step}))
     assert _confirm(client, run_id).endswith(
-        "resumed or exported from it. The 2 checkpoints saved so far (newest at step 10) are kept.")
+        "the run finishes instead. The 2 checkpoints saved so far (newest at step 10) are kept.")
     queue.cancel(engine, job.id)
     queue.acknowledge_cancel(engine, job.id, "w-test")
     run, job = repo.run_with_job(engine, run_id)

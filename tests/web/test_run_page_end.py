@@ -51,7 +51,7 @@ def test_live_end_rerenders_the_header_and_every_card(page, client, engine):  # 
     expect(page.locator("#run-memory h2")).to_have_text("Memory (CPU worker)")  # no CUDA talk
     expect(page.locator("#run-memory")).not_to_contain_text("CUDA context")
     confirm = page.locator("#controls form[hx-post$='/cancel']").get_attribute("hx-confirm")
-    assert confirm.startswith("Cancel this run? Training stops after its current step (step 1 ")
+    assert confirm.startswith("Cancel this run? Training stops within a step or two (step 1 ")
     expect(page.locator("#controls button.danger")).to_have_text("Cancel")
     assert queue.finish(engine, job.id, "w-test", {
         "steps": 2, "memory_peak": {"peak_gib": 0.8125, "kind": "rss"},

@@ -21,11 +21,21 @@ def test_padding_free_is_the_default_and_the_log_says_what_it_saves():
     assert TrainSpec.model_fields["padding_free"].default is True
     lengths = [50, 60, 2000, 70] * 10
     share = padding_share(lengths, 4, 3)
-    text, level = batching_note(lengths, _spec(per_device_train_batch_size=4, seed=3))
+    text, level = batching_note(lengths, _spec(per_device_train_batch_size=4, seed=3,
+                                               gradient_accumulation_steps=1))
     assert level == "info" and "padding-free batches (the default)" in text
-    assert "4 rows go into one sequence" in text and f"about {share:.0%}" in text
-    text, _ = batching_note([100] * 40, _spec(per_device_train_batch_size=1))
-    assert "1 row goes" in text and "pad tokens" in text and "would have spent" not in text
+    assert "each micro-batch's 4 rows go into one sequence" in text
+    assert f"about {share:.0%}" in text and "accumulate" not in text
+    # 4 rows x 2 accumulation steps: 8 rows per optimizer step, joined 4 at a time
+    text, _ = batching_note(lengths, _spec(per_device_train_batch_size=4, seed=3,
+                                           gradient_accumulation_steps=2))
+    assert "each micro-batch's 4 rows go into one sequence" in text
+    assert "(2 micro-batches, 8 rows, accumulate into each optimizer step)" in text
+    assert "each step's" not in text
+    text, _ = batching_note([100] * 40, _spec(per_device_train_batch_size=1,
+                                              gradient_accumulation_steps=1))
+    assert "micro-batch's 1 row goes" in text and "pad tokens" in text
+    assert "would have spent" not in text
     assert batching_note(lengths, _spec(per_device_train_batch_size=4, packing=True)) is None
 
 

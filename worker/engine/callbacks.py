@@ -30,10 +30,15 @@ def stopping_callback() -> type:
     transformers).
 
     ``StoppingCallback(stop_reason, on_stop)``: ``stop_reason()`` returns ``cancelled`` |
-    ``lost`` | ``shutdown`` | None, checked after every step; on ``shutdown`` and ``cancelled``
-    the trainer also saves a checkpoint before it stops (so a requeued job resumes, and a
-    cancelled run can be resumed from the step where it stopped). ``on_stop(reason)`` is told
-    once. :meth:`step_timing` gives (seconds per step, ETA seconds) since training began.
+    ``lost`` | ``shutdown`` | None, checked after every step (a job passes
+    :meth:`worker.context.JobContext.step_stop_reason`, which reads the cancel flag itself, so
+    a cancel stops training within a step or two, not at the next heartbeat); on ``shutdown``
+    and ``cancelled`` the trainer also saves a checkpoint before it stops (so a requeued job
+    resumes, and a cancelled run can be resumed from the step where it stopped). A cancel
+    seen after the last step does not stop anything: training has ended on its own, and the
+    job says the cancel came too late (:meth:`worker.context.JobContext.cancel_came_too_late`).
+    ``on_stop(reason)`` is told once. :meth:`step_timing` gives (seconds per step, ETA
+    seconds) since training began.
     """
     from transformers import TrainerCallback
 
@@ -51,6 +56,8 @@ def stopping_callback() -> type:
 
         def on_step_end(self, args, state, control, **kw):
             reason = self._stop_reason()
+            if reason == "cancelled" and state.global_step >= state.max_steps:
+                return control  # the last step is done: training ends on its own (finished)
             if reason and not self.stopped:
                 self.stopped = reason
                 control.should_training_stop = True

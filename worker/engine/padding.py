@@ -29,7 +29,9 @@ def padding_share(lengths: Sequence[int], batch_size: int, seed: int = 0) -> flo
 def batching_note(lengths: Sequence[int], spec) -> tuple[str, str] | None:
     """(run-log line, level) on how the run batches its rows, or None for packing and for padded
     runs that would waste under a fifth of their compute. ``lengths``: tokens per training row;
-    ``spec``: the TrainSpec (packing, padding_free, per_device_train_batch_size, seed)."""
+    ``spec``: the TrainSpec (packing, padding_free, per_device_train_batch_size,
+    gradient_accumulation_steps, seed). Rows are joined per micro-batch
+    (per_device_train_batch_size rows), not per optimizer step."""
     if spec.packing:
         return None
     bs = spec.per_device_train_batch_size
@@ -37,11 +39,14 @@ def batching_note(lengths: Sequence[int], spec) -> tuple[str, str] | None:
     if spec.padding_free:
         saved = (f"; padded batches would have spent about {share:.0%} of their compute on pad "
                  f"tokens" if share >= 0.01 else "")
-        return (f"padding-free batches (the default): each step's {bs} row"
+        ga = spec.gradient_accumulation_steps
+        accum = (f" ({ga} micro-batches, {bs * ga} rows, accumulate into each optimizer step)"
+                 if ga > 1 else "")
+        return (f"padding-free batches (the default): each micro-batch's {bs} row"
                 f"{'s go' if bs != 1 else ' goes'} into one sequence with no pad tokens, "
-                f"attention kept inside each row{saved}", "info")
+                f"attention kept inside each row{accum}{saved}", "info")
     if share < 0.2:
         return None
-    return (f"about {share:.0%} of the tokens each step computes will be padding (batches of "
+    return (f"about {share:.0%} of the tokens each step computes will be padding (micro-batches of "
             f"{bs} rows padded to their longest row); padding_free (the default: the same rows "
             f"per step, no pad tokens) or packing trains on the real tokens only", "warning")

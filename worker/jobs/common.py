@@ -238,6 +238,17 @@ def write_config(ctx: JobContext, run_id: str, run_dir: Path, config: dict[str, 
         add_artifact(ctx, run_id, "config", run_dir / "config.json")
 
 
+def training_ended(ctx: JobContext, callback, state) -> None:
+    """After ``trainer.train()`` returned: when ``callback`` (a
+    :func:`worker.engine.callbacks.stopping_callback`) did not stop it, training ended on its
+    own and a cancel requested by now came too late (the job finishes and says so:
+    :meth:`JobContext.cancel_came_too_late`); then :meth:`JobContext.check` (raises for the
+    cancel, shutdown or lost lease that stopped it)."""
+    if callback.stopped is None:
+        ctx.cancel_came_too_late(state.global_step, state.max_steps)
+    ctx.check()
+
+
 def last_checkpoint(ctx: JobContext, ckpt_dir: Path) -> str | None:
     """The newest COMPLETE checkpoint of an earlier attempt (logged), or None; incomplete newer
     ones (a save cut short by a kill or a full disk) are set aside with a warning

@@ -89,8 +89,8 @@ def run(ctx: JobContext) -> dict[str, Any]:
     trainable = common.log_lora(ctx, spec, model, "; rewards: " + ", ".join(
         f"{f.name}×{f.weight:g}" for f in functions))
     holder: dict[str, Any] = {}
-    stop = getattr(ctx, "step_stop_reason", ctx.stop_reason)  # a rank: agreed after each step
-    callback = grpo.progress_callback(ctx.metric, ctx.reporter.sample, stop,
+    # reads the cancel flag at each step's end (a rank: the stop agreed after each step)
+    callback = grpo.progress_callback(ctx.metric, ctx.reporter.sample, ctx.step_stop_reason,
                                       lambda: holder["trainer"],
                                       on_stop=lambda r: ctx.log(f"stopping training ({r})"),
                                       sample_every=spec.sample_every,
@@ -135,7 +135,7 @@ def run(ctx: JobContext) -> dict[str, Any]:
         raise JobError(f"stopped: {e}") from e
     finally:
         scorer.close()
-    ctx.check()
+    common.training_ended(ctx, callback, trainer.state)  # or a cancel that came too late
     runtime = time.monotonic() - t0
     if not main:
         return {}
@@ -162,4 +162,5 @@ def run(ctx: JobContext) -> dict[str, Any]:
     result.update(grpo_eval.finish(ctx, run_id, run_dir, spec, held, trainer.model, tokenizer))
     ctx.log(f"done: {trainer.state.global_step} steps in {runtime:.1f}s, mean reward "
             f"{rounded(result['first_rewards_mean'])} -> {rounded(result['last_rewards_mean'])}")
+    ctx.cancel_came_too_late(trainer.state.global_step, trainer.state.max_steps)  # one since
     return result

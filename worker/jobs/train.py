@@ -91,8 +91,8 @@ def run(ctx: JobContext) -> dict[str, Any]:
                           **({"gradient_checkpointing": False} if sft.use_engine(cuda) else {}),
                           **eval_arguments(spec, resuming=any(ckpt_dir.glob("checkpoint-*"))))
     trainable = common.log_lora(ctx, spec, model)
-    stop = getattr(ctx, "step_stop_reason", ctx.stop_reason)  # a rank: agreed after each step
-    callback = sft.progress_callback(ctx.metric, stop,
+    # reads the cancel flag at each step's end (a rank: the stop agreed after each step)
+    callback = sft.progress_callback(ctx.metric, ctx.step_stop_reason,
                                      on_stop=lambda r: ctx.log(f"stopping training ({r})"))
     reporter, eval_cbs = eval_callbacks(spec, ctx.metric) if held.eval_dataset is not None \
         else (None, [])
@@ -122,7 +122,8 @@ def run(ctx: JobContext) -> dict[str, Any]:
     t0 = time.monotonic()
     with common.frozen_gc():
         out = trainer.train(resume_from_checkpoint=last)
-    ctx.check()  # cancelled / shutdown (checkpoint already saved) / lease lost
+    # cancelled / shutdown (checkpoint already saved) / lease lost; or a cancel too late
+    common.training_ended(ctx, callback, trainer.state)
     runtime = time.monotonic() - t0
     if not main:
         return {}
@@ -155,4 +156,5 @@ def run(ctx: JobContext) -> dict[str, Any]:
                                     tokenizer))
     ctx.log(f"done: {state.global_step} steps in {runtime:.1f}s, final loss "
             f"{rounded(result['final_loss'])}")
+    ctx.cancel_came_too_late(state.global_step, state.max_steps)  # one asked for since: told
     return result
