@@ -44,6 +44,18 @@ def _eos_ids(cfg):
     return [] if e is None else ([e] if isinstance(e, int) else list(e))
 
 
+_EOS_INDEX: dict = {}
+
+
+def _eos_index(eos: list, device) -> torch.Tensor:
+    """The EOS ids as an index tensor on ``device``, made once per (device, ids): indexing with a
+    host list copies it from pageable memory every call, which waits for the GPU each token."""
+    key = (str(device), tuple(eos))
+    if key not in _EOS_INDEX:
+        _EOS_INDEX[key] = torch.tensor(eos, dtype=torch.long, device=device)
+    return _EOS_INDEX[key]
+
+
 def min_length_mask(logits, cfg, cur_len: int, new_len: int):
     """HF's MinLength and MinNewTokensLength processors on fp32 logits [B, V]: while the ids so far
     number fewer than ``min_length`` (``cur_len`` counts the padded prompt) or the generated tokens
@@ -52,7 +64,7 @@ def min_length_mask(logits, cfg, cur_len: int, new_len: int):
     if eos and (cur_len < (getattr(cfg, "min_length", None) or 0)
                 or new_len < (getattr(cfg, "min_new_tokens", None) or 0)):
         logits = logits.clone()
-        logits[:, eos] = float("-inf")
+        logits[:, _eos_index(eos, logits.device)] = float("-inf")
     return logits
 
 
