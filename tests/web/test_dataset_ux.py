@@ -1,0 +1,45 @@
+"""A fresh user's trial of the dataset pages (over HTTP, validations by the real job function):
+the GRPO hint only for rows that really are prompts, a truncated preview row says so, and a
+max_seq_length under the least gets the same field-named message as one over the most."""
+from __future__ import annotations
+
+import json
+
+from tests.conftest import SHARED_DATA as SHARED
+from tests.web.conftest import run_validations
+
+GSM8K = SHARED / "grpo" / "gsm8k" / "train.jsonl"
+HINT = "These rows look like prompts for reinforcement learning"
+
+
+def _upload(client, name: str, data: bytes) -> str:
+    r = client.post("/datasets", files={"file": (name, data)}, follow_redirects=False)
+    assert r.status_code == 303, r.text[:300]
+    run_validations(client.app)
+    return r.headers["location"].rsplit("/", 1)[1]
+
+
+def _jsonl(rows) -> bytes:
+    return ("\n".join(json.dumps(r) for r in rows) + "\n").encode()
+
+
+def test_the_grpo_hint_is_for_prompt_rows_not_for_a_broken_chat_file(client):
+    # a messages file whose every row is broken (an empty assistant turn, the turns out of
+    # order, legacy prompt/completion pairs mixed in): no row validates, the page offers the
+    # column mapping, and the prompt column is there, but the rows are chats, not prompts
+    broken = []
+    for i in range(4):
+        broken += [{"messages": [{"role": "user", "content": f"question {i}"},
+                                 {"role": "assistant", "content": ""}]},
+                   {"messages": [{"role": "assistant", "content": f"answer {i}"},
+                                 {"role": "user", "content": f"question {i}"}]},
+                   {"prompt": f"question {i}", "completion": f"answer {i}"}]
+    ds = _upload(client, "chat.jsonl", _jsonl(broken))
+    assert client.get(f"/api/datasets/{ds}").json()["status"] == "error"
+    page = client.get(f"/datasets/{ds}").text
+    assert "Map the columns" in page and HINT not in page
+
+    prompts = GSM8K.read_text().splitlines()[:20]
+    ds = _upload(client, "train.jsonl", ("\n".join(prompts) + "\n").encode())
+    page = client.get(f"/datasets/{ds}").text
+    assert HINT in page and "<code>question</code> column" in page
