@@ -43,3 +43,19 @@ def test_the_grpo_hint_is_for_prompt_rows_not_for_a_broken_chat_file(client):
     ds = _upload(client, "train.jsonl", ("\n".join(prompts) + "\n").encode())
     page = client.get(f"/datasets/{ds}").text
     assert HINT in page and "<code>question</code> column" in page
+
+
+def test_a_truncated_preview_row_says_it_was_cut(client):
+    long = " ".join(f"word{i}" for i in range(400))
+    rows = [{"instruction": long, "output": "fine"}, {"instruction": "hi", "output": "hello"}]
+    ds = _upload(client, "long.jsonl", _jsonl(rows))
+    frag = client.get(f"/datasets/{ds}/report", params={"max_seq_length": 64})
+    assert frag.status_code == 200
+    previews = frag.text.split('<div class="preview">')[1:]
+    report = client.get(f"/api/datasets/{ds}").json()["report"]  # the stored one, full length
+    n = report["preview"][0]["num_tokens"]
+    assert n > 64
+    assert f"… (truncated: {n:,} tokens, max_seq_length 64)" in previews[0]
+    assert "truncated" not in previews[1]  # a row that fits says nothing
+    # the stored report's length holds the whole row: no note there
+    assert report["preview"][0]["truncation_note"] is None
