@@ -5,8 +5,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.conftest import SHARED_DATA as SHARED
 from tests.web.conftest import run_validations
+from tests.web.test_web_browser import CHROMIUM, page  # noqa: F401 - the signed-in page fixture
+
+needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed")
 
 GSM8K = SHARED / "grpo" / "gsm8k" / "train.jsonl"
 HINT = "These rows look like prompts for reinforcement learning"
@@ -59,3 +64,36 @@ def test_a_truncated_preview_row_says_it_was_cut(client):
     assert "truncated" not in previews[1]  # a row that fits says nothing
     # the stored report's length holds the whole row: no note there
     assert report["preview"][0]["truncation_note"] is None
+
+
+def test_a_too_small_max_seq_length_is_refused_by_name_on_every_surface(client):
+    ds = _upload(client, "tiny.jsonl", _jsonl([{"instruction": "hi", "output": "hello"}]))
+    want = "max_seq_length must be a whole number from 8 to 1048576 tokens"
+    for raw in ("-5", "0", "7", "1048577", "abc"):
+        for url in (f"/datasets/{ds}", f"/datasets/{ds}/report"):
+            r = client.get(url, params={"max_seq_length": raw})
+            assert r.status_code == 422 and want in r.text, (url, raw)
+    page = client.get(f"/datasets/{ds}").text
+    form = page.split('id="report_form"', 1)[1].split("</form>", 1)[0]
+    assert "novalidate" in form.split(">", 1)[0]  # the browser's check cannot swallow it
+    assert 'min="8" max="1048576"' in form
+
+
+@pytest.mark.browser
+@needs_chromium
+def test_the_dataset_page_shows_why_a_small_max_seq_length_is_refused(client, app, page):
+    from playwright.sync_api import expect
+
+    ds = _upload(client, "tiny.jsonl", _jsonl([{"instruction": "hi", "output": "hello"}]))
+    page.goto(f"{page.base}/datasets/{ds}")
+    field = page.locator("#report_form input[name=max_seq_length]")
+    for raw in ("-5", "0", "2000000"):
+        field.fill(raw)
+        field.press("Enter")
+        expect(page.locator("#report .alert.error")).to_contain_text(
+            "max_seq_length must be a whole number from 8 to 1048576 tokens")
+        page.goto(f"{page.base}/datasets/{ds}")  # the error cleared for the next value
+    field.fill("64")
+    field.press("Enter")
+    expect(page.locator("#report")).to_contain_text("Over max_seq_length (64)")
+    expect(page.locator("#report .alert.error")).to_have_count(0)
