@@ -237,6 +237,17 @@ def compute_report(engine: Engine, settings: Settings, ds: Dataset, options: dic
         return report, ds.purpose
 
 
+def stored_report(ds: Dataset) -> dict[str, Any] | None:
+    """The report a processed dataset's page shows (None for one validating or in error),
+    normalized as a new one is (:func:`app.studio.reports.normalize_report`), so a report
+    stored before a key existed (a preview row's ``truncation_note``) shows it too."""
+    from app.studio.reports import normalize_report
+
+    if ds.status != validation.PROCESSED or not ds.report:
+        return None
+    return normalize_report(ds.report, ds.report.get("max_seq_length"))
+
+
 def column_mapping(ds: Dataset) -> dict[str, str] | None:
     """The dataset's column mapping (``{role: column}``, roles of
     :data:`app.data.formats.MAPPING_ROLES`), kept with its report; None when it has none."""

@@ -64,6 +64,16 @@ def test_a_truncated_preview_row_says_it_was_cut(client):
     assert "truncated" not in previews[1]  # a row that fits says nothing
     # the stored report's length holds the whole row: no note there
     assert report["preview"][0]["truncation_note"] is None
+    # a report stored before the note existed, at a length that cuts the row, shows it too
+    from app.store import repo
+
+    engine = client.app.state.engine
+    old = {**report, "max_seq_length": 64,
+           "preview": [{k: v for k, v in p.items() if k != "truncation_note"}
+                       for p in report["preview"]]}
+    repo.update_dataset(engine, ds, report=old)
+    page = client.get(f"/datasets/{ds}").text
+    assert f"… (truncated: {n:,} tokens, max_seq_length 64)" in page
 
 
 def test_a_too_small_max_seq_length_is_refused_by_name_on_every_surface(client):

@@ -138,7 +138,7 @@ async def dataset_page(request: Request, dataset_id: str, engine: EngineDep, use
 def _stored_ctx(request: Request, ds, **extra) -> dict:
     """The dataset page's context from the stored report, with the column-mapping form."""
     engine, user = get_engine(request), current_user(request)
-    report = (ds.report or None) if ds.status == validation.PROCESSED else None
+    report = datasets_uc.stored_report(ds)
     selected = _pick_model(engine, user, None, report)
     length = (report or {}).get("max_seq_length", datasets_uc.default_max_seq_length(selected))
     return {"dataset": ds, "report": report, "report_error": ds.error,
