@@ -237,6 +237,17 @@ def compute_report(engine: Engine, settings: Settings, ds: Dataset, options: dic
         return report, ds.purpose
 
 
+def stored_report(ds: Dataset) -> dict[str, Any] | None:
+    """The report a processed dataset's page shows (None for one validating or in error),
+    normalized as a new one is (:func:`app.studio.reports.normalize_report`), so a report
+    stored before a key existed (a preview row's ``truncation_note``) shows it too."""
+    from app.studio.reports import normalize_report
+
+    if ds.status != validation.PROCESSED or not ds.report:
+        return None
+    return normalize_report(ds.report, ds.report.get("max_seq_length"))
+
+
 def column_mapping(ds: Dataset) -> dict[str, str] | None:
     """The dataset's column mapping (``{role: column}``, roles of
     :data:`app.data.formats.MAPPING_ROLES`), kept with its report; None when it has none."""
@@ -244,27 +255,61 @@ def column_mapping(ds: Dataset) -> dict[str, str] | None:
     return mapping if isinstance(mapping, dict) and mapping else None
 
 
-def file_columns(path: str, sample: int = 100) -> list[str]:
-    """The column names of a dataset file's first ``sample`` rows, in first-seen order (empty
-    when the file cannot be read)."""
+def _sample_rows(path: str, sample: int = 100) -> list[dict]:
+    """The first ``sample`` readable rows of a dataset file (empty when it cannot be read)."""
     from app.data.loader import iter_records
 
-    seen: dict[str, None] = {}
+    rows: list[dict] = []
     try:
         for n, rec in enumerate(iter_records(path)):
             if n >= sample:
                 break
-            seen.update(dict.fromkeys(rec.data or {}))
+            if isinstance(rec.data, dict):
+                rows.append(rec.data)
     except DatasetError:
         pass
+    return rows
+
+
+def file_columns(path: str, sample: int = 100) -> list[str]:
+    """The column names of a dataset file's first ``sample`` rows, in first-seen order (empty
+    when the file cannot be read)."""
+    seen: dict[str, None] = {}
+    for row in _sample_rows(path, sample):
+        seen.update(dict.fromkeys(row))
     return list(seen)
+
+
+def _has_assistant_turn(value: Any) -> bool:
+    """True when a chat cell (a list of ``{role|from, content|value}`` turns) holds an
+    assistant turn (roles as :data:`app.data.formats.SHAREGPT_ROLES` maps them)."""
+    from app.data.formats import SHAREGPT_ROLES
+
+    return isinstance(value, list) and any(
+        isinstance(turn, dict)
+        and SHAREGPT_ROLES.get(str(turn.get("role", turn.get("from", ""))).lower()) == "assistant"
+        for turn in value)
+
+
+def looks_like_prompts(rows: list[dict]) -> bool:
+    """True when rows that are no SFT dataset really look like GRPO prompt data: a prompt
+    column (:data:`app.store.specs.PROMPT_COLUMNS`) and no assistant turn in any chat column
+    (:data:`app.data.formats.CONV_KEYS`). A broken chat file (its rows have assistant turns,
+    a few stray ``prompt``/``text`` cells among them) does not."""
+    from app.data.formats import CONV_KEYS
+    from app.store.specs import PROMPT_COLUMNS
+
+    if not any(c in row for row in rows for c in PROMPT_COLUMNS):
+        return False
+    return not any(_has_assistant_turn(row.get(key)) for row in rows for key in CONV_KEYS)
 
 
 def mapping_form(ds: Dataset) -> dict[str, Any] | None:
     """What the dataset page's column-mapping form shows, or None when it does not apply (a
     prompt dataset, a file whose rows have no columns to choose from, one that validated in a
     format of its own): ``columns``, ``roles``, ``mapping`` (the current one, else a guess from
-    the prompt/answer column names), and ``prompts_hint`` (the rows look like GRPO prompts)."""
+    the prompt/answer column names), and ``prompts_hint`` (the rows look like GRPO prompts,
+    :func:`looks_like_prompts`)."""
     from app.data.formats import MAPPING_ROLES
     from app.data.prompts import pick_columns
 
@@ -272,13 +317,14 @@ def mapping_form(ds: Dataset) -> dict[str, Any] | None:
     if ds.format == "prompts" or ds.status == validation.VALIDATING or \
             (ds.status == validation.PROCESSED and not current):
         return None
-    columns = file_columns(ds.path)
+    rows = _sample_rows(ds.path)
+    columns = list(dict.fromkeys(c for row in rows for c in row))
     if not columns:
         return None
     guess, hint = {}, False
     try:
         pcol, acol = pick_columns(dict.fromkeys(columns))
-        hint = pcol != "messages"
+        hint = pcol != "messages" and looks_like_prompts(rows)
         guess = {"instruction": pcol, **({"output": acol} if acol else {})}
     except DatasetError:
         pass

@@ -100,9 +100,19 @@ def normalize_report(r: dict[str, Any], max_seq_length: int) -> dict[str, Any]:
     for p in r.get("preview") or []:
         segs = [{"text": s[0], "trained": bool(s[1])} if isinstance(s, (list, tuple)) else s
                 for s in p.get("segments", [])]
-        preview.append({**p, "segments": segs})
+        preview.append({**p, "segments": segs,
+                        "truncation_note": truncation_note(p, r["max_seq_length"])})
     r["preview"] = preview
     return r
+
+
+def truncation_note(row: dict[str, Any], max_seq_length: int | None) -> str | None:
+    """What a preview row cut at ``max_seq_length`` says at its end, e.g. ``"… (truncated: 1252
+    tokens, max_seq_length 512)"`` (its length before the cut); None for a row that fits."""
+    n = row.get("num_tokens")
+    if not isinstance(n, int) or not isinstance(max_seq_length, int) or n <= max_seq_length:
+        return None
+    return f"… (truncated: {n:,} tokens, max_seq_length {max_seq_length:,})"
 
 
 def _untokenized_report(path: Path, max_seq_length: int, dataset_format: str | None,

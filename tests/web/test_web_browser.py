@@ -74,8 +74,8 @@ def test_validation_errors_are_visible_in_the_browser(page, client, app):
     assert run_validations(app) == 1
     page.reload()
     dataset_url = page.url
-    # the report selector: Enter in max_seq_length recomputes the report through htmx (the
-    # browser's own min=8 check stops smaller values before any request)
+    # the report selector: Enter in max_seq_length recomputes the report through htmx (a
+    # value out of bounds gets the server's message: tests/web/test_dataset_ux.py)
     page.fill("#report_form input[name=max_seq_length]", "64")
     page.press("#report_form input[name=max_seq_length]", "Enter")
     expect(page.locator("#train-link")).to_have_attribute("href", re.compile("max_seq_length=64"))

@@ -117,7 +117,7 @@ def test_first_report_counts_against_the_run_forms_length(client, engine):
     run_validations(client.app)
     assert repo.get_dataset(engine, ds_id).report["max_seq_length"] == 512
     page = client.get(f"/datasets/{ds_id}").text
-    assert "Over max_seq_length (512)" in page and 'name="max_seq_length" min="8" value="512"' in page
+    assert "Over max_seq_length (512)" in page and 'name="max_seq_length" min="8" max="1048576" value="512"' in page
     assert "max_seq_length=512" in page
     assert 'name="max_seq_length" value="512"' in client.get(f"/runs/new?dataset={ds_id}").text
     # a model with no recorded context keeps TrainSpec's default

@@ -61,6 +61,20 @@ class EncodedSet:
     dropped: list = field(default_factory=list)  # app.data.report.Issue: rows with no trained token
     row_numbers: list = field(default_factory=list)  # the file's row number of each encoded row
 
+    @property
+    def read(self) -> int:
+        """Valid rows read: the encoded ``rows`` plus the ``dropped`` ones."""
+        return self.rows + len(self.dropped)
+
+
+def tokenize_done(enc: EncodedSet) -> tuple[int, int, str]:
+    """The ``tokenize`` stage's last progress event, ``(done, total, message)``: the valid rows
+    read out of the same count (the total :func:`build_dataset`'s progress counted against, so
+    the bar ends full instead of jumping to a smaller total), and the rows kept of them."""
+    left = len(enc.dropped)
+    note = f", {left:,} left out (no trained token)" if left else ""
+    return enc.read, enc.read, f"{enc.rows:,} of {enc.read:,} rows to train on{note}"
+
 
 def build_dataset(path: str | Path, model_dir: str | Path, template: str | None,
                   max_seq_length: int, train_on_responses_only: bool, fmt: str | None = None,
@@ -69,8 +83,10 @@ def build_dataset(path: str | Path, model_dir: str | Path, template: str | None,
                   column_mapping: dict[str, str] | None = None) -> EncodedSet:
     """Encode every valid row of ``path`` for the model in ``model_dir``.
 
-    ``check`` is called every 64 rows (raises to stop), ``progress(rows_done)`` likewise.
-    Rows with no trained token are left out and listed in ``EncodedSet.dropped`` (row, reason).
+    ``check`` is called every 64 rows (raises to stop), ``progress(rows_read)`` likewise with
+    the valid rows read so far (kept or not: the count the dataset's ``rows`` holds, so it
+    never outruns that total). Rows with no trained token are left out and listed in
+    ``EncodedSet.dropped`` (row, reason).
     ``column_mapping``: the dataset's columns read as alpaca fields (as the preview reads them).
     Raises DatasetError for whole-file problems (or when no row is trainable).
     """
@@ -85,21 +101,23 @@ def build_dataset(path: str | Path, model_dir: str | Path, template: str | None,
     tokens = trained = truncated = 0
     dropped: list = []
     row_numbers: list[int] = []
-    for n, (_row, enc) in enumerate(iter_encoded(path, bundle, template, max_seq_length,
-                                                 train_on_responses_only, fmt,
-                                                 column_mapping=column_mapping,
-                                                 dropped=dropped), 1):
+    reported = 0
+    for _row, enc in iter_encoded(path, bundle, template, max_seq_length,
+                                  train_on_responses_only, fmt, column_mapping=column_mapping,
+                                  dropped=dropped):
         row_numbers.append(_row)
         ids.append(list(enc.input_ids))
         labels.append(list(enc.labels))
         tokens += len(enc.input_ids)
         trained += sum(1 for x in enc.labels if x != -100)
         truncated += bool(enc.truncated)
-        if n % 64 == 0:
+        read = len(row_numbers) + len(dropped)
+        if read - reported >= 64:
+            reported = read
             if check:
                 check()
             if progress:
-                progress(n)
+                progress(read)
     if not ids:
         raise DatasetError("no row of the dataset has a trained token; check the format and "
                            "the chat template")

@@ -55,18 +55,19 @@ def run(ctx: JobContext) -> dict[str, Any]:
     if chosen.note:
         ctx.log(chosen.note, "warning")
     added = added_tokens.prepare(ctx, spec, model_row.path, chosen.source, run_dir, main)
-    ctx.progress("tokenize", 0, ds_row.rows or 0, "encoding the dataset")
+    total = ds_row.rows or 0  # the valid rows validation counted; progress counts them too
+    ctx.progress("tokenize", 0, total, "encoding the dataset")
     from app.data.errors import DatasetError
 
     try:
         enc = edata.build_dataset(ds_row.path, added.encode_dir, chosen.source, spec.max_seq_length,
                                   spec.train_on_responses_only, spec.dataset_format or None,
                                   check=ctx.check,
-                                  progress=lambda n: ctx.progress("tokenize", n, ds_row.rows or 0),
+                                  progress=lambda n: ctx.progress("tokenize", n, max(total, n)),
                                   column_mapping=spec.column_mapping)
     except DatasetError as e:
         raise JobError(f"dataset {ds_row.filename}: {e}") from e
-    ctx.progress("tokenize", enc.rows, enc.rows)
+    ctx.progress("tokenize", *edata.tokenize_done(enc))
     dropped = edata.dropped_note(enc.dropped)
     if dropped:  # a summary; every row's reason as details (folded away on the run page)
         ctx.log(dropped[0], "warning", details=dropped[1])

@@ -86,7 +86,7 @@ async def _report_ctx(request: Request, ds, model: str | None, chat_template: st
     chosen = _pick_model(engine, user, model)
     ctx = {"dataset": ds, "models": datasets_uc.usable_models(engine, user),
            "selected_model": chosen, "template_names": list(DEFAULT_TEMPLATES), "report": None,
-           "report_error": None}
+           "report_error": None, "length_bounds": seqlen.length_bounds()}
     try:
         length = seqlen.report_length(max_seq_length, chosen)
     except StudioError as exc:
@@ -138,13 +138,13 @@ async def dataset_page(request: Request, dataset_id: str, engine: EngineDep, use
 def _stored_ctx(request: Request, ds, **extra) -> dict:
     """The dataset page's context from the stored report, with the column-mapping form."""
     engine, user = get_engine(request), current_user(request)
-    report = (ds.report or None) if ds.status == validation.PROCESSED else None
+    report = datasets_uc.stored_report(ds)
     selected = _pick_model(engine, user, None, report)
     length = (report or {}).get("max_seq_length", datasets_uc.default_max_seq_length(selected))
     return {"dataset": ds, "report": report, "report_error": ds.error,
             "models": datasets_uc.usable_models(engine, user), "selected_model": selected,
             "template_names": list(DEFAULT_TEMPLATES), "max_seq_length": length,
-            "train_url": train_url(ds, selected, report, length),
+            "length_bounds": seqlen.length_bounds(), "train_url": train_url(ds, selected, report, length),
             "mapping_form": datasets_uc.mapping_form(ds), **extra}
 
 
