@@ -74,7 +74,8 @@
           pointRadius: (c) => (c.raw && c.raw.x === bestStep ? 7 : 3),
           pointStyle: (c) => (c.raw && c.raw.x === bestStep ? "star" : "circle") }] },
       options: { animation: false, maintainAspectRatio: false, parsing: false,
-        scales: { x: { type: "linear", title: { display: true, text: "step" } },
+        scales: { x: window.whetstoneStepAxis ? window.whetstoneStepAxis()
+                     : { type: "linear", title: { display: true, text: "step" } },
                   y: { title: { display: true, text: "loss" }, ticks: { callback: window.whetstoneTick } } },
         plugins: { legend: { display: false } } },
     });

@@ -22,7 +22,7 @@
   window.compareChart = new window.Chart(canvas, {
     type: "line", data: { datasets },
     options: { animation: false, maintainAspectRatio: false, parsing: false,
-      scales: { x: { type: "linear", title: { display: true, text: "step" } },
+      scales: { x: window.whetstoneStepAxis(),
                 y: { title: { display: true, text: "loss" }, ticks: { callback: window.whetstoneTick } } } },
   });
 })();

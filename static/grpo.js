@@ -11,7 +11,9 @@
   const series = {};  // name -> [{x, y}]
   const aux = { kl: [], completion_length: [], frac_zero_std_groups: [] };
   let rewardChart = null, auxChart = null, pending = false;
-  const tick = (v) => (window.whetstoneTick ? window.whetstoneTick(v) : String(v));
+  const tick = (v, i, ticks) => (window.whetstoneTick ? window.whetstoneTick(v, i, ticks) : String(v));
+  const stepAxis = () => (window.whetstoneStepAxis ? window.whetstoneStepAxis()
+    : { type: "linear", title: { display: true, text: "step" } });
 
   function fmt(x) {
     if (x === undefined || x === null || Number.isNaN(x)) return "—";
@@ -27,13 +29,13 @@
     if (!rewardChart) {
       rewardChart = new window.Chart($("reward-chart"), { type: "line", data: { datasets: [] },
         options: { animation: false, maintainAspectRatio: false, parsing: false,
-          scales: { x: { type: "linear", title: { display: true, text: "step" } },
+          scales: { x: stepAxis(),
                     y: { title: { display: true, text: "mean reward" }, ticks: { callback: tick } } } } });
       auxChart = new window.Chart($("grpo-aux-chart"), { type: "line",
         data: { datasets: [line("KL", aux.kl, 0), line("completion length", aux.completion_length, 1, "y2"),
                            line("zero-variance groups", aux.frac_zero_std_groups, 2)] },
         options: { animation: false, maintainAspectRatio: false, parsing: false,
-          scales: { x: { type: "linear", title: { display: true, text: "step" } },
+          scales: { x: stepAxis(),
                     y: { title: { display: true, text: "KL / fraction" }, ticks: { callback: tick } },
                     y2: { position: "right", title: { display: true, text: "tokens" },
                           grid: { drawOnChartArea: false }, ticks: { callback: tick } } } } });

@@ -168,12 +168,35 @@
       finish(" (not sent)");
     }
   }
+  // The sampling fields as numbers, or null after naming the first field that is not one (an
+  // empty field, or text a number input cannot read, would otherwise go out as null and the
+  // server would use its default unseen). Ranges are the server's to check: it names the field.
+  const SAMPLING = ["temperature", "top_p", "max_tokens"];
+  function numbers() {
+    const out = {};
+    for (const name of SAMPLING) form.elements[name].removeAttribute("aria-invalid");
+    for (const name of SAMPLING) {
+      const el = form.elements[name];
+      const raw = String(el.value).trim();
+      const value = Number(raw);
+      if ((el.validity && el.validity.badInput) || raw === "" || !Number.isFinite(value)) {
+        el.setAttribute("aria-invalid", "true");
+        el.focus();
+        showError(`${name}: must be a number${raw ? `, not ${JSON.stringify(raw)}` : ""}`);
+        return null;
+      }
+      out[name] = value;
+    }
+    return out;
+  }
   form.addEventListener("submit", (ev) => {
     ev.preventDefault();
     if (pending) return;
     const f = new FormData(form);
     const text = String(f.get("prompt") || "").trim();
     if (!text) return;
+    const sampling = numbers();
+    if (!sampling) return;  // numbers() said which field, nothing is sent
     showError("");
     const out = {};
     for (const s of sides) {
@@ -185,10 +208,8 @@
     sendBtn.disabled = true;
     stopBtn.hidden = false; stopBtn.disabled = false;
     form.elements.prompt.value = "";
-    const num = (k) => (f.get(k) === "" ? null : Number(f.get(k)));
     send({messages_by_side: Object.fromEntries(sides.map((s) => [s, history[s].slice()])),
-          system: String(f.get("system") || ""), temperature: num("temperature"),
-          top_p: num("top_p"), max_tokens: num("max_tokens")}, false);
+          system: String(f.get("system") || ""), ...sampling}, false);
   });
   document.getElementById("pg-clear").addEventListener("click", () => {
     if (pending) return;

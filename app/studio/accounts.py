@@ -21,7 +21,7 @@ from app.store.db import session_scope
 from app.store.schema import ApiKey, AuthToken, User, now
 from app.studio import audit
 from app.studio.access import can_see, require_admin
-from app.studio.errors import StudioError, invalid, not_found
+from app.studio.errors import StudioError, collect, invalid, not_found
 
 ROLES = ("admin", "member")
 TOKEN_KINDS = ("session", "access")
@@ -55,6 +55,33 @@ def _check_password(password: str) -> str:
     return password
 
 
+def check_new_account(name: str, password: str, password2: str | None = None,
+                      role: str | None = None) -> str:
+    """The stripped ``name`` of a new account once every field passes: the name, the password,
+    its repetition ``password2`` (when given) and the ``role`` (when given).
+
+    Raises: :class:`~app.studio.errors.FieldErrors` (kind invalid) naming every bad field at
+    once (``name``, ``password``, ``password2``, ``role``)."""
+    def again() -> None:
+        if password2 is not None and password != password2:
+            raise invalid("password2", "the passwords differ")
+
+    def role_ok() -> None:
+        if role is not None and role not in ROLES:
+            raise invalid("role", f"role must be one of {', '.join(ROLES)}")
+
+    collect(lambda: _check_name(name), lambda: _check_password(password), again, role_ok)
+    return name.strip()
+
+
+def own_account_refusal(actor: User, target: User) -> str | None:
+    """Why ``actor`` may not demote or disable ``target`` (their own admin account), for the
+    Admin page to show in place of the buttons; None when they may."""
+    if target.id == actor.id and target.role == "admin":
+        return "you cannot demote or disable your own account"
+    return None
+
+
 # ---- users ---------------------------------------------------------------------------------
 def has_users(engine: Engine) -> bool:
     """True once at least one user exists."""
@@ -83,15 +110,13 @@ def create_user(engine: Engine, name: str, password: str, role: str = "member", 
     """Create a user. ``actor`` None is only for bootstrap (setup, WHETSTONE_ADMIN_PASSWORD).
 
     Raises:
-        StudioError: forbidden (actor not an admin), invalid (field ``name``, ``password`` or
-            ``role``), conflict (the name is taken).
+        StudioError: forbidden (actor not an admin), invalid (every bad field of ``name``,
+            ``password`` and ``role`` at once, :func:`check_new_account`), conflict (the name
+            is taken).
     """
     if actor is not None:
         require_admin(actor)
-    name = _check_name(name)
-    _check_password(password)
-    if role not in ROLES:
-        raise invalid("role", f"role must be one of {', '.join(ROLES)}")
+    name = check_new_account(name, password, role=role)
     user = User(name=name, password_hash=_hasher.hash(password), role=role)
     with session_scope(engine, immediate=True) as s:
         if s.exec(select(User.id).where(func.lower(User.name) == name.lower())).first():
@@ -177,8 +202,9 @@ def _admin_change(engine: Engine, actor: User, user_id: str, **fields) -> User:
     losing_admin = target.role == "admin" and (fields.get("role", "admin") != "admin"
                                                or fields.get("disabled"))
     if losing_admin:
-        if target.id == actor.id:
-            raise StudioError("conflict", "you cannot demote or disable your own account")
+        refusal = own_account_refusal(actor, target)
+        if refusal:
+            raise StudioError("conflict", refusal)
         with session_scope(engine) as s:
             admins = s.exec(select(func.count()).select_from(User).where(
                 User.role == "admin", User.disabled == False)).one()  # noqa: E712

@@ -7,9 +7,10 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.engine import Engine
 
-from app.store import events
+from app.store import events, repo
 from app.studio import access, evaluation
 from app.studio.errors import invalid
+from app.studio.run_labels import run_tags, short_date
 from app.studio.runs import input_names
 
 if TYPE_CHECKING:
@@ -17,6 +18,20 @@ if TYPE_CHECKING:
 
 #: Spec keys the diff leaves out (the chat template's source is compared by its name).
 NOT_DIFFED = ("spec_version", "chat_template")
+#: The runs the compare page's pickers list (newest first).
+RUNS_LISTED = 500
+
+
+def run_choices(engine: Engine, actor: User) -> list[dict[str, str]]:
+    """The actor's runs for the pickers, newest first: ``[{"id", "label"}]``, labelled as
+    :mod:`app.studio.run_labels` names them (runs sharing a name get ``[short id, date]``),
+    then the kind (and the date, for a name no other run has): ``alpaca [3f9a1c, 12-01
+    22:05] · sft`` or ``wider · sft · 12-01 22:07``."""
+    runs = repo.list_runs(engine, RUNS_LISTED, owner=access.owner_filter(actor))
+    tags = run_tags(runs)
+    return [{"id": r.id, "label": f"{tags[r.id]} · {r.kind}"
+             + (f" · {short_date(r.created_at)}" if tags[r.id] == r.name else "")}
+            for r in runs]
 
 
 def curves(engine: Engine, job: Job | None) -> dict[str, list[list[float]]]:
@@ -49,10 +64,10 @@ def config_diff(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, Any]]:
     return [{"field": k, "a": a.get(k), "b": b.get(k)} for k in keys if a.get(k) != b.get(k)]
 
 
-def _side(engine: Engine, run: Run, job: Job | None) -> dict[str, Any]:
+def _side(engine: Engine, run: Run, job: Job | None, label: str) -> dict[str, Any]:
     model, dataset = input_names(engine, run)
     result = (job.result or {}) if job is not None else {}
-    return {"id": run.id, "name": run.name, "kind": run.kind, "model": model,
+    return {"id": run.id, "name": run.name, "label": label, "kind": run.kind, "model": model,
             "dataset": dataset, "state": job.state if job else None,
             "created_at": run.created_at, "curves": curves(engine, job),
             "result": {k: result.get(k) for k in ("steps", "first_loss", "final_loss",
@@ -63,7 +78,8 @@ def _side(engine: Engine, run: Run, job: Job | None) -> dict[str, Any]:
 
 def compare_runs(engine: Engine, actor: User, a: str, b: str) -> dict[str, Any]:
     """Two of the actor's runs side by side: ``{"a": side, "b": side, "diff": [...]}``; each
-    side has the run's ``id``, ``name``, ``kind``, ``model``, ``dataset``, ``state``,
+    side has the run's ``id``, ``name``, ``label`` (its name, with ``[short id, date]`` when
+    both runs share it), ``kind``, ``model``, ``dataset``, ``state``,
     ``curves`` (:func:`curves`), ``result`` (steps and losses) and ``evaluation``
     (:func:`app.studio.evaluation.run_evaluation`, None without a held-out set).
 
@@ -79,4 +95,6 @@ def compare_runs(engine: Engine, actor: User, a: str, b: str) -> dict[str, Any]:
     if (run_a.spec or {}).get("chat_template") != (run_b.spec or {}).get("chat_template") and \
             not any(d["field"] == "chat_template_name" for d in diff):
         diff.append({"field": "chat_template", "a": "(its own text)", "b": "(another text)"})
-    return {"a": _side(engine, run_a, job_a), "b": _side(engine, run_b, job_b), "diff": diff}
+    tags = run_tags([run_a, run_b])
+    return {"a": _side(engine, run_a, job_a, tags[run_a.id]),
+            "b": _side(engine, run_b, job_b, tags[run_b.id]), "diff": diff}

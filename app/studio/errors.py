@@ -36,3 +36,30 @@ def not_found(what: str, ident: object) -> StudioError:
 def invalid(field: str | None, message: str) -> StudioError:
     """``StudioError("invalid")`` about ``field``."""
     return StudioError("invalid", message, field)
+
+
+class FieldErrors(StudioError):
+    """Several bad fields of one form at once (kind ``invalid``): ``fields`` maps each field to
+    its message, in form order; the first is the error's ``field`` and ``message``."""
+
+    def __init__(self, fields: dict[str, str]):
+        field, message = next(iter(fields.items()))
+        super().__init__("invalid", message, field)
+        self.fields = dict(fields)
+
+
+def collect(*checks) -> None:
+    """Run every zero-argument ``check`` and raise one :class:`FieldErrors` with each field's
+    first complaint (so a form shows all its bad fields at once); nothing when all pass.
+    StudioErrors of other kinds, or without a field, propagate as raised."""
+    found: dict[str, str] = {}
+    for check in checks:
+        try:
+            check()
+        except StudioError as exc:
+            if exc.kind != "invalid" or exc.field is None:
+                raise
+            for field, message in getattr(exc, "fields", {exc.field: exc.message}).items():
+                found.setdefault(field, message)
+    if found:
+        raise FieldErrors(found)

@@ -14,7 +14,7 @@ from app.store.db import session_scope
 from app.store.schema import AuthToken, Dataset, Job, Model, Run, User, now
 from app.studio import audit
 from app.studio.accounts import (_check_name, _check_password, _hasher, _sha, _update_user,
-                                 create_user, has_users)
+                                 check_new_account, create_user, has_users)
 from app.studio.errors import StudioError
 
 SETUP_HOURS = 24 * 7
@@ -85,15 +85,16 @@ def setup_token_valid(engine: Engine, token: str) -> bool:
     return row is not None and row.expires_at > now() and not has_users(engine)
 
 
-def complete_setup(engine: Engine, token: str, name: str, password: str) -> User:
+def complete_setup(engine: Engine, token: str, name: str, password: str,
+                   password2: str | None = None) -> User:
     """Create the first admin with the one-time ``token`` and give it every unowned object.
 
     Raises:
         StudioError: not_found (users exist already, or the token is wrong or used),
-            invalid (field ``name`` or ``password``).
+            invalid (:class:`~app.studio.errors.FieldErrors`: every bad field of ``name``,
+            ``password`` and its repetition ``password2`` (when given) at once).
     """
-    _check_name(name)
-    _check_password(password)
+    check_new_account(name, password, password2)
     if not setup_token_valid(engine, token):
         raise StudioError("not_found", "this setup link is not valid (already used or expired)")
     with session_scope(engine, immediate=True) as s:  # the token is spent exactly once

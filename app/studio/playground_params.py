@@ -59,11 +59,21 @@ def params(temperature: Any = None, top_p: Any = None, max_tokens: Any = None,
     return out
 
 
+#: Sampling options other studios take that the playground's samplers do not apply: a prompt
+#: naming one is refused rather than answered as if it had been used.
+NOT_APPLIED = ("top_k", "min_p", "repetition_penalty")
+
+
 def prompt_params(body: dict[str, Any]) -> dict[str, Any]:
     """The checked :func:`params` of a prompt body (``temperature``, ``top_p``, ``max_tokens``,
-    ``seed``). Raises StudioError invalid naming the field (``body`` not an object too)."""
+    ``seed``). Raises StudioError invalid naming the field (``body`` not an object too; a
+    :data:`NOT_APPLIED` option given, even a valid-looking one)."""
     if not isinstance(body, dict):
         raise invalid("prompt", "must be an object")
+    for name in NOT_APPLIED:
+        if body.get(name) is not None:
+            raise invalid(name, "the playground does not apply this option; it samples with "
+                                "temperature, top_p, max_tokens and seed")
     return params(body.get("temperature"), body.get("top_p"), body.get("max_tokens"),
                   body.get("seed"))
 

@@ -5,14 +5,11 @@ A closed ``<select>`` shows only the chosen option's text, not its group, so eve
 its run: ``<run> · final adapter``, ``<run> · checkpoint 40``, ``<run> · GGUF Q4_K_M · export
 12, 12-01 22:05`` (a GGUF export of a checkpoint says ``GGUF Q4_K_M of checkpoint 40``). A run
 is named by its name; when several listed runs share a name (or have none), each also gets its
-short id and creation date (``alpaca [3f9a1c, 12-01 22:05]``). Group labels carry the run's
-name, base model, creation date and short id. Dates are the server's local time, as the
-pages' ``time`` filter shows them.
+short id and creation date (``alpaca [3f9a1c, 12-01 22:05]``, :mod:`app.studio.run_labels`).
+Group labels carry the run's name, base model, creation date and short id.
 """
 from __future__ import annotations
 
-import datetime as _dt
-from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.engine import Engine
@@ -24,22 +21,13 @@ from app.store.schema import Artifact, Job, JobState, Run
 from app.store.specs import GGUF_TYPES
 from app.studio import access
 from app.studio import checkpoint_eval as ckpt_eval
+from app.studio.run_labels import run_tags, short_date, short_id
 
 if TYPE_CHECKING:
     from app.store.schema import User
 
 #: The runs the picker lists (newest first).
 RUNS_LISTED = 50
-
-
-def short_date(ts: float) -> str:
-    """``"12-01 22:05"`` (month-day hour:minute, local time) for epoch seconds ``ts``."""
-    return _dt.datetime.fromtimestamp(ts).strftime("%m-%d %H:%M")
-
-
-def short_id(run_id: str) -> str:
-    """The first 6 characters after a run id's prefix: ``ftjob-3f9a1c…`` -> ``3f9a1c``."""
-    return run_id.rsplit("-", 1)[-1][:6]
 
 
 def gguf_type(a: Artifact) -> str:
@@ -51,15 +39,6 @@ def gguf_type(a: Artifact) -> str:
         return tail
     asked = (a.meta or {}).get("quantization") or []
     return asked[0] if len(asked) == 1 else f"file {a.name}"
-
-
-def run_tags(runs: list[Run]) -> dict[str, str]:
-    """Run id -> how its entries name it: its name, plus ``[short id, date]`` when another
-    listed run has the same name or it has none."""
-    names = Counter(r.name for r in runs if r.name)
-    return {r.id: r.name if r.name and names[r.name] == 1
-            else f"{r.name or 'unnamed run'} [{short_id(r.id)}, {short_date(r.created_at)}]"
-            for r in runs}
 
 
 def _export_steps(engine: Engine, job_ids: set[int]) -> dict[int, int | None]:

@@ -19,7 +19,7 @@ from app.store.admission import gpu_seconds
 from app.store.db import session_scope
 from app.store.schema import Job, Run, User, now
 from app.studio import access, accounts, audit
-from app.studio.errors import StudioError, invalid
+from app.studio.errors import StudioError, collect, invalid
 
 def _number(field: str, raw: str | float | int | None, kind: type, minimum: float) -> float | None:
     """A quota field: empty/None = no limit; else a ``kind`` number >= ``minimum``."""
@@ -44,14 +44,16 @@ def set_quota(engine: Engine, actor: User, user_id: str, *, jobs=None, gib=None,
     GPU memory admitted at once, ``gpu_hours`` GPU-hours in the last 24 h (each None or empty =
     no limit) and the fair-share ``weight`` (> 0; 2 = entitled to twice the GPU time of a 1).
 
-    Raises: StudioError forbidden, not_found, invalid (field ``quota_jobs``, ``quota_gib``,
-    ``quota_gpu_hours`` or ``share_weight``)."""
+    Raises: StudioError forbidden, not_found, invalid (:class:`~app.studio.errors.FieldErrors`
+    naming every bad field of ``quota_jobs``, ``quota_gib``, ``quota_gpu_hours`` and
+    ``share_weight`` at once)."""
     access.require_admin(actor)
-    fields = {"quota_jobs": _number("quota_jobs", jobs, int, 0),
-              "quota_gib": _number("quota_gib", gib, float, 0),
-              "quota_gpu_hours": _number("quota_gpu_hours", gpu_hours, float, 0)}
-    w = _number("share_weight", weight, float, 0.01)
-    fields["share_weight"] = 1.0 if w is None else w
+    fields: dict[str, float | None] = {}
+    asked = (("quota_jobs", jobs, int, 0), ("quota_gib", gib, float, 0),
+             ("quota_gpu_hours", gpu_hours, float, 0), ("share_weight", weight, float, 0.01))
+    collect(*(lambda a=a: fields.__setitem__(a[0], _number(*a)) for a in asked))
+    if fields["share_weight"] is None:
+        fields["share_weight"] = 1.0
     user = accounts._update_user(engine, user_id, **fields)  # raises not_found
     audit.record(engine, actor.id, "user.quota_changed", "user", user_id, **fields)
     return user

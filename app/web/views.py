@@ -256,3 +256,22 @@ async def estimate_fragment(request: Request, engine, settings, user, run_kind: 
     return render(request, "_memory_estimate.html",
                   {**ctx, "estimate_url": url, "estimate_refreshed": True}, block="memory_estimate")
 
+
+
+def spec_value_text(value: Any) -> str:
+    """A spec value as the compare page's diff shows it, one way for every field: not set
+    ``"—"``, a string as it is, anything else as JSON (``null``, ``true``, ``0.0002``,
+    ``[{"name": "format", "weight": null}]``), never a Python repr."""
+    if value is None:
+        return "—"
+    if isinstance(value, str):
+        return value
+    return json.dumps(value, ensure_ascii=False, sort_keys=False)
+
+
+def compare_view(cmp: dict[str, Any]) -> dict[str, Any]:
+    """:func:`app.studio.compare.compare_runs`'s answer with each diff row's ``a_text`` and
+    ``b_text`` (:func:`spec_value_text`) for the page."""
+    diff = [{**d, "a_text": spec_value_text(d["a"]), "b_text": spec_value_text(d["b"])}
+            for d in cmp["diff"]]
+    return {**cmp, "diff": diff}

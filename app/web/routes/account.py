@@ -124,15 +124,13 @@ def setup_submit(request: Request, token: Annotated[str, Form()] = "",
                  name: Annotated[str, Form()] = "", password: Annotated[str, Form()] = "",
                  password2: Annotated[str, Form()] = ""):
     ctx = {"token": token, "name": name}
-    if password != password2:
-        return render(request, "setup.html", {**ctx, "errors": {"password2": "the passwords "
-                      "differ"}}, status_code=422)
     try:
-        user = first_start.complete_setup(_engine(request), token, name, password)
+        user = first_start.complete_setup(_engine(request), token, name, password, password2)
     except StudioError as exc:
         if exc.kind == "not_found":
             return error_response(request, 404, exc.message)
-        return render(request, "setup.html", {**ctx, "errors": {exc.field: exc.message}},
+        errors = getattr(exc, "fields", None) or {exc.field or "form": exc.message}
+        return render(request, "setup.html", {**ctx, "errors": errors},
                       status_code=status_for(exc))
     return _signed_in(request, user, "/")
 
@@ -257,7 +255,9 @@ def _admin(request: Request, actor: User, status: int = 200, **extra) -> Respons
     engine = _engine(request)
     users = accounts.list_users(engine, actor)
     names = {u.id: u.name for u in users}
+    locked = {u.id: why for u in users if (why := accounts.own_account_refusal(actor, u))}
     return render(request, "admin.html", {"user": actor, "users": users, "names": names,
+                                          "locked": locked,
                                           **_audit_view(request, names), **extra},
                   status_code=status)
 
@@ -289,7 +289,7 @@ def admin_user_create(request: Request, actor: AdminUser, name: Annotated[str, F
         created = accounts.create_user(_engine(request), name, password, role, actor=actor)
     except StudioError as exc:
         return _admin(request, actor, status_for(exc), form={"name": name, "role": role},
-                      errors={exc.field or "form": exc.message})
+                      errors=getattr(exc, "fields", None) or {exc.field or "form": exc.message})
     return _to("/admin", request, notice=f"Created {created.name}.")
 
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 from app.studio import compare as compare_uc
-from app.studio import runs as runs_uc
 from app.studio.errors import StudioError
 from app.web.deps import CurrentUser, EngineDep
 from app.web.render import render
+from app.web.views import compare_view
 
 router = APIRouter()
 
@@ -18,11 +18,11 @@ router = APIRouter()
 def compare_page(request: Request, engine: EngineDep, user: CurrentUser, a: str | None = None,
                  b: str | None = None):
     """Pick two runs (``a``, ``b``); with both, the comparison. Another user's run is a 404."""
-    runs = runs_uc.list_runs(engine, user, limit=500)
-    ctx = {"runs": runs, "a": a or "", "b": b or "", "cmp": None, "error": None}
+    ctx = {"runs": compare_uc.run_choices(engine, user), "a": a or "", "b": b or "",
+           "cmp": None, "error": None}
     if a and b:
         try:
-            ctx["cmp"] = compare_uc.compare_runs(engine, user, a, b)
+            ctx["cmp"] = compare_view(compare_uc.compare_runs(engine, user, a, b))
         except StudioError as exc:
             if exc.kind != "invalid":
                 raise

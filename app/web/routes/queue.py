@@ -72,7 +72,11 @@ def admin_quota_set(request: Request, engine: EngineDep, user: CurrentUser, user
     except StudioError as exc:
         if exc.kind != "invalid":
             raise
-        return _quotas(request, engine, user, 422, quota_error=exc.message, error_user=user_id)
+        submitted = {"quota_jobs": quota_jobs, "quota_gib": quota_gib,
+                     "quota_gpu_hours": quota_gpu_hours, "share_weight": share_weight}
+        return _quotas(request, engine, user, 422, quota_error=exc.message, error_user=user_id,
+                       submitted=submitted,
+                       field_errors=getattr(exc, "fields", None) or {exc.field: exc.message})
     if not is_htmx(request):
         return RedirectResponse("/admin#quotas", status_code=303)
     return _quotas(request, engine, user, quota_notice=f"Saved the quotas of {target.name}.")

@@ -1,0 +1,77 @@
+"""Admin and setup forms as a first user meets them: the admin's own row offers no Disable or
+role change (the server refuses them anyway) but says why; a refused quota keeps the typed
+values and puts each field's error by its field; the setup form and the add-user form name
+every bad field at once."""
+from __future__ import annotations
+
+import html as html_lib
+import re
+
+from app.studio import accounts
+from tests.web.conftest import ADMIN_PASSWORD, ADMIN_USER, login_form_token
+
+OWN = "you cannot demote or disable your own account"
+
+
+def _row(page: str, uid: str) -> str:
+    """The Users table row of ``uid`` (from its name cell to the row's end)."""
+    start = page.rindex("<tr>", 0, page.index(f'<code class="small">{uid}</code>'))
+    return page[start:page.index("</tr>", start)]
+
+
+def test_own_row_has_no_disable_or_demote_but_says_why(client):
+    engine = client.app.state.engine
+    me = accounts.authenticate(engine, ADMIN_USER, ADMIN_PASSWORD)
+    other = client.post("/api/users", json={"name": "ada", "password": "ada-password-1",
+                                            "role": "admin"}).json()["id"]
+    page = client.get("/admin").text
+    mine, theirs = _row(page, me.id), _row(page, other)
+    assert "Disable</button>" not in mine and 'value="role"' not in mine
+    assert OWN in html_lib.unescape(mine)
+    assert "Disable</button>" in theirs and 'value="role"' in theirs and OWN not in theirs
+    r = client.post(f"/admin/users/{me.id}", data={"action": "disabled", "value": "true"})
+    assert r.status_code == 409 and OWN in html_lib.unescape(r.text)  # the rule stays
+
+
+def test_refused_quota_keeps_the_typed_values_and_errors_by_the_fields(client):
+    engine = client.app.state.engine
+    me = accounts.authenticate(engine, ADMIN_USER, ADMIN_PASSWORD)
+    r = client.post(f"/admin/quotas/{me.id}", headers={"HX-Request": "true"},
+                    data={"quota_jobs": "2", "quota_gib": "lots", "quota_gpu_hours": "-1",
+                          "share_weight": "3"})
+    assert r.status_code == 422
+    page = html_lib.unescape(r.text)
+    for name, value in (("quota_jobs", "2"), ("quota_gib", "lots"), ("quota_gpu_hours", "-1"),
+                        ("share_weight", "3")):
+        assert re.search(rf'name="{name}"[^>]*value="{re.escape(value)}"', page), name
+    cell = page[page.index('name="quota_gib"'):]
+    assert cell.index("quota_gib must be a number (empty: no limit)") < cell.index("</td>")
+    cell = page[page.index('name="quota_gpu_hours"'):]
+    assert cell.index("quota_gpu_hours must be at least 0") < cell.index("</td>")
+    cell = page[page.index('name="quota_jobs"'):]
+    assert "field-error" not in cell[:cell.index("</td>")]
+    assert accounts.get_user(engine, me.id).quota_gib is None  # nothing saved
+
+
+def test_setup_shows_every_field_error_at_once(make_client, capsys):
+    c = make_client()
+    link = re.search(r"http://127\.0\.0\.1:8000(/setup\?token=\S+)",
+                     capsys.readouterr().out).group(1)
+    r = c.post("/setup", data={"token": link.split("token=")[1], "name": "", "password": "short",
+                               "password2": "shorter", "csrf_token": login_form_token(c, link)})
+    assert r.status_code == 422
+    errors = dict(re.findall(r'<input name="(\w+)"[^>]*>\s*(?:<span class="help">[^<]*</span>\s*)?'
+                             r'<span class="field-error">([^<]*)</span>', r.text))
+    assert errors == {
+        "name": "a user name is 1-64 letters, digits or . _ @ - and starts with a letter or digit",
+        "password": "the password needs at least 8 characters",
+        "password2": "the passwords differ"}
+
+
+def test_add_user_names_every_bad_field(client):
+    r = client.post("/admin/users", data={"name": " ", "password": "x", "role": "member"})
+    assert r.status_code == 422
+    assert {"name", "password"} <= set(re.findall(
+        r'<input name="(\w+)"[^>]*>\s*<span class="field-error">', r.text))
+    r = client.post("/api/users", json={"name": "", "password": "x"})
+    assert r.status_code == 422 and r.json()["error"]["param"] == "name"
