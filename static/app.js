@@ -102,6 +102,12 @@
     const el = $("m-state");
     el.textContent = state;
     el.className = "state state-" + state;
+    // the queue note belongs to a queued job: gone the moment the stream says it left the queue
+    const place = $("place");
+    if (place && state !== "queued" && place.dataset.state === "queued") {
+      place.replaceChildren();
+      place.dataset.state = state;
+    }
   }
   const warned = new Set();
   function warn(message, details) {  // run warnings (log events of level warning) by the stats

@@ -23,7 +23,8 @@ from app.store.db import session_scope
 from app.store.schema import Job, JobState, Model, Run, User
 from app.store.specs import GrpoSpec, TrainSpec
 from app.studio.errors import StudioError
-from app.studio.estimate import CUDA_CONTEXT_GIB, Estimate, estimate_job, model_shape
+from app.studio.estimate import (CUDA_CONTEXT_GIB, Estimate, estimate_job, memory_words,
+                                 model_shape)
 
 if TYPE_CHECKING:
     from pydantic import BaseModel
@@ -160,10 +161,12 @@ def memory_summary(job: Job | None) -> dict[str, Any]:
     peak estimated at creation), ``context_gib`` (the CUDA context added for a GPU), ``peak_gib``
     and ``peak_kind`` (measured: ``gpu`` allocator peak, or ``rss`` on a CPU worker),
     ``reserved_gib`` / ``nvml_gib`` (GPU only) and ``error`` = (estimate - peak) / peak, only when
-    the peak was measured on a GPU (an RSS is not what the estimate predicts)."""
+    the peak was measured on a GPU (an RSS is not what the estimate predicts); ``words``: the
+    estimate as every page says it (:func:`app.studio.estimate.memory_words`; None: none)."""
     if job is None:
         return {"estimate_gib": None, "context_gib": CUDA_CONTEXT_GIB, "peak_gib": None,
-                "peak_kind": None, "reserved_gib": None, "nvml_gib": None, "error": None}
+                "peak_kind": None, "reserved_gib": None, "nvml_gib": None, "error": None,
+                "words": None}
     measured = (job.result or {}).get("memory_peak") or {}
     est, peak = job.estimate_gib, job.peak_gib
     error = None
@@ -171,7 +174,8 @@ def memory_summary(job: Job | None) -> dict[str, Any]:
         error = round((est - peak) / peak, 4)
     return {"estimate_gib": est, "context_gib": CUDA_CONTEXT_GIB, "peak_gib": peak,
             "peak_kind": job.peak_kind, "reserved_gib": measured.get("reserved_gib"),
-            "nvml_gib": measured.get("nvml_gib"), "error": error}
+            "nvml_gib": measured.get("nvml_gib"), "error": error,
+            "words": memory_words(est, job.kind)}
 
 
 def metric_peak(job: Job | None, metric: dict[str, Any] | None) -> dict[str, Any] | None:

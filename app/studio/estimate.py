@@ -245,3 +245,40 @@ def estimate_job(kind: str, shape: ModelShape | None, spec: Any = None) -> Estim
     if shape is None or spec is None:
         return None
     return estimate_training(shape, spec, kind)
+
+
+#: What a job's allocator estimate is for, in the words :func:`memory_words` uses, by job kind
+#: (another user's job, whose kind a page does not show: "the job").
+MEMORY_PURPOSE = {"train": "training", "grpo": "training", "evaluate": "evaluation",
+                  "playground": "the model"}
+
+
+def memory_words(allocated_gib: float | None, kind: str | None = "train",
+                 margin: float | None = None) -> dict[str, Any] | None:
+    """How every page (run form, run page, queue) says a job's estimated GPU memory, so that
+    they agree: ``allocated_gib`` (torch's allocator peak, GiB, as stored on the job) plus the
+    CUDA context (:data:`CUDA_CONTEXT_GIB`), which lives outside the allocator.
+
+    Returns None without an estimate, else ``{"total_gib", "allocated_gib", "context_gib",
+    "short": "0.6 GiB on the GPU", "parts": "0.07 GiB for training + 0.5 GiB CUDA context",
+    "text": "0.6 GiB on the GPU (0.07 GiB for training + 0.5 GiB CUDA context)",
+    "admitted": ...}``. ``kind`` (job kind; None: another user's job) names what the allocator
+    part is for. ``margin`` (the settings' ``gpu_admit_margin``), when given, adds
+    ``admitted``: the words for what admission holds of a slot, the allocator part x (1 +
+    margin) + the context (:func:`app.store.admission.need_gib`), e.g. ``"admitted as 0.6 GiB
+    (0.07 GiB + 25% safety margin + 0.5 GiB CUDA context)"``; None without a margin."""
+    if allocated_gib is None:
+        return None
+    total = allocated_gib + CUDA_CONTEXT_GIB
+    what = MEMORY_PURPOSE.get(kind, "the job") if kind else "the job"
+    short = f"{total:.1f} GiB on the GPU"
+    parts = f"{allocated_gib:.2f} GiB for {what} + {CUDA_CONTEXT_GIB:.1f} GiB CUDA context"
+    admitted = None
+    if margin:
+        held = allocated_gib * (1 + margin) + CUDA_CONTEXT_GIB
+        admitted = (f"admitted as {held:.1f} GiB ({allocated_gib:.2f} GiB + "
+                    f"{margin * 100:.0f}% safety margin + {CUDA_CONTEXT_GIB:.1f} GiB CUDA "
+                    "context)")
+    return {"total_gib": round(total, 4), "allocated_gib": allocated_gib,
+            "context_gib": CUDA_CONTEXT_GIB, "short": short, "parts": parts,
+            "text": f"{short} ({parts})", "admitted": admitted}

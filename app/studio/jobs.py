@@ -50,6 +50,12 @@ class JobRow:
     owner: str | None
     created_at: float
     error: str | None
+    #: what the state badge says (the state, or "rejected" for a dataset validation that found
+    #: the dataset unusable) and its look (a state name for the ``state-*`` CSS class)
+    badge: str = ""
+    badge_look: str = ""
+    #: the outcome a user cares about, in words (e.g. "dataset valid: 120 rows"); None: none
+    outcome: str | None = None
 
 
 def lane_of(kind: str) -> str:
@@ -64,6 +70,29 @@ def lane_name(lane: str, gpu: bool | None) -> str:
     if lane == "cpu":
         return "CPU lane"
     return "CPU slot (no GPU)" if gpu is False else "GPU slot"
+
+
+def outcome(job: Job) -> tuple[str, str, str | None]:
+    """(badge, badge look, outcome words) of ``job`` for the jobs table. A dataset validation
+    succeeds as a job whether or not the dataset was usable; its row says which: ``"rejected"``
+    (look ``failed``) with ``"dataset rejected: <why>"``, or ``"dataset valid: 120 rows"`` /
+    ``"dataset validation: 3 rows invalid, 117 valid"`` (:func:`app.studio.validation.validate`'s
+    result). Other jobs: their state, no words."""
+    result = job.result or {}
+    if job.kind != "validate_dataset" or job.state != JobState.SUCCEEDED:
+        return job.state, job.state, None
+    if result.get("status") == "error":
+        return "rejected", JobState.FAILED, f"dataset rejected: {result.get('error') or '?'}"
+    if result.get("skipped"):
+        return job.state, job.state, f"skipped: {result['skipped']}"
+    rows, invalid = result.get("rows"), result.get("invalid_rows")
+    if invalid:
+        return job.state, job.state, (f"dataset validation: {invalid:,} row"
+                                      f"{'s' if invalid != 1 else ''} invalid, "
+                                      f"{rows if rows is not None else '?'} valid")
+    if rows is not None:
+        return job.state, job.state, f"dataset valid: {rows:,} row{'s' if rows != 1 else ''}"
+    return job.state, job.state, None
 
 
 def list_jobs(engine: Engine, actor: User, recent: int = 20,
@@ -91,10 +120,11 @@ def list_jobs(engine: Engine, actor: User, recent: int = 20,
         if not access.can_see(actor, owner):
             continue
         payload = job.payload or {}
+        badge, look, words = outcome(job)
         row = JobRow(job.id, job.kind, KIND_LABELS.get(job.kind, job.kind), lane,
                      lane_name(lane, gpu), job.state,
                      position, job.run_id or payload.get("dataset_id") or payload.get("model_id"),
-                     job.run_id, owner, job.created_at, job.error)
+                     job.run_id, owner, job.created_at, job.error, badge, look, words)
         (rows if job.state not in JobState.FINAL else finished).append(row)
     return rows + finished[:recent]
 

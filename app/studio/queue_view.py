@@ -38,6 +38,7 @@ from app.store.db import session_scope
 from app.store.queue import CPU_KINDS
 from app.store.schema import Job, JobState, Run, User, now
 from app.studio import access
+from app.studio.estimate import memory_words
 from app.studio.queue_cpu import (LANE_SUFFIX, CpuLaneView, cpu_lane, in_claim_order,
                                   typical_seconds)
 
@@ -48,7 +49,10 @@ GPU_KINDS = ("train", "grpo", "evaluate", "playground")
 
 @dataclass
 class JobSlot:
-    """One job as the queue page shows it; ``visible`` False: another user's (no id, name)."""
+    """One job as the queue page shows it; ``visible`` False: another user's (no id, name).
+    ``need_gib`` is what admission holds of a slot (:func:`app.store.admission.need_gib`);
+    ``memory`` the job's estimate in the words every page uses
+    (:func:`app.studio.estimate.memory_words`, with ``admitted``; None: no estimate)."""
 
     visible: bool
     job_id: int | None
@@ -63,6 +67,9 @@ class JobSlot:
     front: bool = False
     #: plain words about a playground session this row is or waits behind (None: none)
     note: str | None = None
+    #: the run's name (None: no run, or another user's)
+    run_name: str | None = None
+    memory: dict[str, Any] | None = None
 
 
 @dataclass
@@ -142,28 +149,42 @@ def session_notes(state: tuple[str, float | None], yield_s: float, waiter: str |
                   holder: str) -> tuple[str, str | None]:
     """(note of the session's own row, note of the job waiting for its slot or None).
 
-    ``state`` is :func:`session_state`'s; ``yield_s`` the settings'
-    ``playground_yield_seconds``; ``waiter`` names the first job waiting for the session's
-    slot (``"job 7"``; None: none waits); ``holder`` names the session for that job's row."""
+    ``state`` is :func:`session_state`'s; ``yield_s`` the session's own yield (its payload's
+    ``yield_seconds``, which the worker counts: :func:`session_yield`); ``waiter`` names the
+    first job waiting for the session's slot (``"job 7"``; None: none waits); ``holder`` names
+    the session for that job's row. The idle time and the time to the yield add up to the
+    yield (``idle 4 s`` ... ``in 11 s (at 15 s idle)``); past it, the session gives the slot up
+    at its next check (every second, worker/jobs/playground.py)."""
     what, idle = state
     rule = f"gives its slot to waiting jobs after {_secs(yield_s)} idle"
-    if what == "loading":
-        own = f"playground session, loading its model; once idle it {rule}"
-    elif what == "busy":
-        own = f"playground session, answering a prompt; once idle it {rule}"
-    elif waiter is None:
-        own = f"idle playground session (idle {_secs(idle)}): {rule}; no job waits for it now"
-    elif idle >= yield_s:
-        own = (f"idle playground session (idle {_secs(idle)}): gives its slot to {waiter} "
-               f"now (after {_secs(yield_s)} idle)")
-    else:
-        own = (f"idle playground session (idle {_secs(idle)}): gives its slot to {waiter} "
-               f"in {_secs(math.ceil(yield_s - idle))} unless it gets a prompt")
+    if what in ("loading", "busy"):
+        doing = "loading its model" if what == "loading" else "answering a prompt"
+        own = f"playground session, {doing}; once idle it {rule}"
+        if waiter is None:
+            return own, None
+        return own, (f"waits for {holder}: an idle playground session {rule}; it is {doing} "
+                     "now")
+    since = f"idle {_secs(idle)}"
     if waiter is None:
-        return own, None
-    now_ = {"loading": "it is loading its model now", "busy": "it is answering a prompt now",
-            "idle": f"it has been idle {_secs(idle or 0.0)}"}[what]
-    return own, (f"waits for {holder}: an idle playground session {rule}; {now_}")
+        return (f"idle playground session, {since}: no job waits for its slot; it gives the "
+                f"slot up after {_secs(yield_s)} idle when one does"), None
+    if idle >= yield_s:
+        return (f"idle playground session, {since}, past its {_secs(yield_s)} yield: it gives "
+                f"its slot to {waiter} within seconds"), (
+                f"waits for {holder}: {since}, past its {_secs(yield_s)} yield; it gives its "
+                "slot within seconds")
+    left = (f"in {_secs(math.ceil(yield_s - idle))} (at {_secs(yield_s)} idle) unless it gets "
+            "a prompt")
+    return (f"idle playground session, {since}: gives its slot to {waiter} {left}",
+            f"waits for {holder}: {since}; it gives its slot {left}")
+
+
+def session_yield(job: Job, settings: Settings) -> float:
+    """Seconds idle after which the playground session ``job`` gives its slot to a waiting
+    job: its payload's ``yield_seconds`` (fixed when it started; what its worker counts), else
+    the settings' ``playground_yield_seconds``."""
+    y = (job.payload or {}).get("yield_seconds")
+    return float(y) if y is not None else float(settings.playground_yield_seconds)
 
 
 def _frees_in(ends: list[float | None], t: float) -> float | None:
@@ -204,8 +225,9 @@ def queue_view(engine: Engine, settings: Settings, actor: User,
         cpu_jobs = in_claim_order(s, s.exec(select(Job).where(
             Job.kind.in_(CPU_KINDS), Job.state.in_([JobState.QUEUED, JobState.RUNNING]))).all())
         ids = {j.run_id for j in snap.running + ordered + cpu_jobs if j.run_id}
-        run_owner = {r.id: r.owner for r in s.exec(select(Run).where(Run.id.in_(ids)))} \
-            if ids else {}
+        runs = {r.id: r for r in s.exec(select(Run).where(Run.id.in_(ids)))} if ids else {}
+        run_owner = {k: r.owner for k, r in runs.items()}
+        run_name = {k: r.name for k, r in runs.items()}
         names = {u.id: u.name for u in s.exec(select(User))}
         typical = {k: typical_seconds(s, k, on_gpu=True) for k in {j.kind for j in ordered}}
         typical.update({k: typical_seconds(s, k) for k in {j.kind for j in cpu_jobs}})
@@ -214,8 +236,11 @@ def queue_view(engine: Engine, settings: Settings, actor: User,
         owner = run_owner.get(job.run_id, job.owner) if job.run_id else job.owner
         if access.can_see(actor, owner):
             return JobSlot(True, job.id, job.run_id, job.kind, names.get(owner, owner), need,
-                           **extra)
-        return JobSlot(False, None, None, None, None, need, **extra)
+                           run_name=run_name.get(job.run_id),
+                           memory=memory_words(job.estimate_gib, job.kind,
+                                               settings.gpu_admit_margin), **extra)
+        return JobSlot(False, None, None, None, None, need, **extra,
+                       memory=memory_words(job.estimate_gib, None, settings.gpu_admit_margin))
 
     gpus, holds, sessions = [], {}, []
     for slot in slots:
@@ -240,7 +265,8 @@ def queue_view(engine: Engine, settings: Settings, actor: User,
         where = "the CPU slot" if view.capacity_gib is None else (view.device or view.id)
         holder = (f"playground session job {job.id}" if row.visible
                   else "another user's playground session") + f" on {where}"
-        row.note, theirs = session_notes(session_state(engine, job, t), yield_s, name, holder)
+        row.note, theirs = session_notes(session_state(engine, job, t),
+                                         session_yield(job, settings), name, holder)
         if waiter is not None and waiter.id in by_id and theirs:
             waits_on[waiter.id] = theirs
     # replay admission over the waiting jobs

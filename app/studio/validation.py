@@ -185,7 +185,8 @@ def validate(engine: Engine, settings: Settings, dataset_id: str, options: dict[
     rows = report.get("valid_rows") or report.get("rows")
     _settle(engine, ds.id, status=PROCESSED, error=None, format=report.get("format"), rows=rows,
             purpose=purpose, report={**report, "validation_job_id": jid})
-    return {"status": PROCESSED, "rows": rows, "format": report.get("format")}
+    return {"status": PROCESSED, "rows": rows, "format": report.get("format"),
+            "invalid_rows": report.get("invalid_rows") or 0}
 
 
 def _settle(engine: Engine, dataset_id: str, **fields: Any) -> None:

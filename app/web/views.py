@@ -16,6 +16,7 @@ from app.studio import access, accounts, calibration, evaluation, playground_tar
 from app.studio import exports as exports_uc
 from app.studio import verification
 from app.studio.errors import StudioError
+from app.studio.estimate import memory_words
 from app.studio.job_states import state_words
 from app.studio.runs import input_names, template_tokens_to_add
 from app.web.deps import is_htmx
@@ -206,7 +207,8 @@ ESTIMATE_FIELDS = ("model", "r", "target_modules", "load_in_4bit", "optim", "max
 def estimate_view(engine, settings, user, run_kind: str, params) -> dict[str, Any]:
     """The run form's memory estimate (``sft`` or ``grpo``) from the form's current values
     (``params``: a multi-dict, e.g. the query string): ``estimate`` (``Estimate.as_dict()``) or
-    ``estimate_problem`` (what to fill in first), the largest live GPU (GiB) and whether it fits."""
+    ``estimate_problem`` (what to fill in first), ``estimate_words`` (how every page says it:
+    :func:`app.studio.estimate.memory_words`), the largest live GPU (GiB) and whether it fits."""
     from app.store import workers as workers_store
     from app.store.specs import GrpoSpec, TrainSpec
     from app.studio.runs import SpecError, parse_spec
@@ -238,6 +240,7 @@ def estimate_view(engine, settings, user, run_kind: str, params) -> dict[str, An
         out["estimate_problem"] = f"{model.name} is not imported yet; its shape is unknown"
         return out
     out["estimate"] = est.as_dict()
+    out["estimate_words"] = memory_words(est.allocated_gib, calibration.job_kind(run_kind))
     largest = out["largest_gpu_gib"]
     out["estimate_fits"] = largest is None or est.total_gib <= largest
     return out

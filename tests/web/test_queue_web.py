@@ -20,6 +20,24 @@ def _member(client, name: str = "bea") -> str:
     return r.json()["id"]
 
 
+def idle_session(engine, slot: Slot, owner: str, idle_s: float, estimate_gib: float,
+                 payload: dict | None = None) -> int:
+    """A playground session admitted on ``slot``, loaded ``idle_s`` seconds ago with no prompt
+    since; returns its job id."""
+    from sqlalchemy import text
+
+    from app.store import events
+
+    sid = queue.enqueue(engine, "playground", payload or {}, owner=owner,
+                        estimate_gib=estimate_gib).id
+    assert queue.admit(engine, slot, 300, ["playground"], 0.1, 24.0).id == sid
+    events.append_many(engine, sid, [("session", {"status": "ready"})])
+    with engine.begin() as c:
+        c.execute(text("UPDATE job_events SET ts = ts - :s WHERE job_id = :j"),
+                  {"s": idle_s, "j": sid})
+    return sid
+
+
 def test_queue_page_explains_every_waiting_job_and_hides_others(app, client, engine,
                                                                monkeypatch) -> None:
     monkeypatch.setattr(app.state.settings, "gpu_admit_margin", 0.1)  # 6 GiB -> 7.1 GiB slots
@@ -114,21 +132,21 @@ def test_queue_says_an_idle_playground_session_gives_its_slot_to_a_waiting_job(
     data = client.get("/api/queue").json()
     assert data["playground_yield_seconds"] == 15.0
     assert data["gpus"][0]["running"][0]["note"] == (
-        "idle playground session (idle 40 s): gives its slot to waiting jobs after 15 s idle; "
-        "no job waits for it now")
+        "idle playground session, idle 40 s: no job waits for its slot; it gives the slot up "
+        "after 15 s idle when one does")
     # a training job that fits only once the session ended waits behind it
     train = queue.enqueue(engine, "train", {}, owner=admin_id, estimate_gib=10.0).id
     data = client.get("/api/queue").json()
     assert data["gpus"][0]["running"][0]["note"] == (
-        f"idle playground session (idle 40 s): gives its slot to job {train} now "
-        "(after 15 s idle)")
+        f"idle playground session, idle 40 s, past its 15 s yield: it gives its slot to job "
+        f"{train} within seconds")
     wait = data["waiting"][0]
     assert wait["job_id"] == train and wait["reason"].startswith("no GPU has room")
     assert wait["note"] == (
-        f"waits for playground session job {sid} on cuda:0 NVIDIA test: an idle playground "
-        "session gives its slot to waiting jobs after 15 s idle; it has been idle 40 s")
+        f"waits for playground session job {sid} on cuda:0 NVIDIA test: idle 40 s, past its "
+        "15 s yield; it gives its slot within seconds")
     page = client.get("/queue").text
-    assert f"gives its slot to job {train} now" in page and wait["note"] in page
+    assert f"gives its slot to job {train} within seconds" in page and wait["note"] in page
     # a prompt in flight: the session is busy
     events.append_many(engine, sid, [("prompt", {"request_id": "r1"})])
     data = client.get("/api/queue").json()
@@ -145,28 +163,20 @@ def test_queue_says_an_idle_playground_session_gives_its_slot_to_a_waiting_job(
 
 def test_on_a_cpu_slot_the_waiting_job_hears_when_the_session_yields(app, client,
                                                                      engine) -> None:
-    from sqlalchemy import text
-
-    from app.store import events
-
     admin_id = client.get("/api/me").json()["id"]
     cpu = Slot("box-main", "box", None, None, None)
     workers.register(engine, cpu.id, cpu.host, 1, "cpu slot (2 cores, one job at a time)")
-    sid = queue.enqueue(engine, "playground", {}, owner=admin_id, estimate_gib=0.1).id
-    assert queue.admit(engine, cpu, 300, ["playground"], 0.1, 24.0).id == sid
-    events.append_many(engine, sid, [("session", {"status": "ready"})])
-    with engine.begin() as c:  # idle for 5 s
-        c.execute(text("UPDATE job_events SET ts = ts - 5 WHERE job_id = :j"), {"j": sid})
+    sid = idle_session(engine, cpu, admin_id, 5, 0.1)
     train = queue.enqueue(engine, "train", {}, owner=admin_id, estimate_gib=1.0).id
     data = client.get("/api/queue").json()
     assert data["gpus"][0]["running"][0]["note"] == (
-        f"idle playground session (idle 5 s): gives its slot to job {train} in 10 s unless it "
-        "gets a prompt")
+        f"idle playground session, idle 5 s: gives its slot to job {train} in 10 s (at 15 s "
+        "idle) unless it gets a prompt")
     assert data["waiting"][0]["reason"] == (
         "behind 1 job: the CPU slot (no GPU) runs one job at a time")
     assert data["waiting"][0]["note"] == (
-        f"waits for playground session job {sid} on the CPU slot: an idle playground session "
-        "gives its slot to waiting jobs after 15 s idle; it has been idle 5 s")
+        f"waits for playground session job {sid} on the CPU slot: idle 5 s; it gives its slot "
+        "in 10 s (at 15 s idle) unless it gets a prompt")
 
 
 def test_quota_messages_read_right(app, client, engine) -> None:

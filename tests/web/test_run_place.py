@@ -36,7 +36,7 @@ def test_queued_run_page_says_where_it_waits_and_only_this_attempts_eta(client, 
                                                    "memory_gib": 0.4, "memory_kind": "rss"})])
     page = client.get(f"/runs/{run_id}").text
     assert _eta_tile(page).startswith("2 min 0")
-    assert 'id="place">' in page and "in the queue" not in page
+    assert 'id="place" data-state="running">' in page and "in the queue" not in page
     _checkpoint(engine, settings, run_id, first, 2)
     _cancel(engine, first)
     with session_scope(engine) as s:  # the dataset check and model import: out of the way

@@ -15,5 +15,5 @@ def test_loss_column_shows_the_newest_training_loss_after_an_evaluation(client, 
     api = client.get(f"/api/runs/{run_id}").json()
     html = client.get("/", headers={"HX-Request": "true", "HX-Target": "runs"}).text
     row = html.split(f'href="/runs/{run_id}"', 1)[1].split("</tr>", 1)[0]
-    assert "<td>10 / 40</td>" in row and "<td>3.25</td>" in row, row
+    assert '"Progress">10 / 40</td>' in row and '"Loss">3.25</td>' in row, row
     assert api["metrics"]["last_loss"] == 3.25

@@ -102,7 +102,8 @@ def test_run_page_and_api_show_estimate_beside_measured_peak(client, engine):
     assert api["peak_gib"] == 6.76 and api["peak_kind"] == "gpu" and api["reserved_gib"] == 8.68
     assert api["error"] == round((mem["estimate_gib"] - 6.76) / 6.76, 4)
     page = client.get(f"/runs/{run_id}").text
-    assert f'id="mem-estimate">{mem["estimate_gib"]:.2f} GiB' in page
+    assert (f'id="mem-estimate">{mem["estimate_gib"] + 0.5:.1f} GiB on the GPU<span '
+            f'class="small muted mem-parts"> ({mem["estimate_gib"]:.2f} GiB for training') in page
     assert 'id="mem-peak">6.76 GiB GPU' in page
     assert f'id="mem-error">{api["error"] * 100:+.1f}%' in page and "NVML 9.30 GiB" in page
     # the next run of this model and shape is corrected by the measured peak

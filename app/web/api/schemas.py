@@ -97,7 +97,8 @@ class RunOut(BaseModel):
     memory: dict[str, Any] | None = Field(
         default=None, description="GPU memory in GiB: estimate_gib (allocator peak estimated at "
         "creation), context_gib, peak_gib + peak_kind (measured: gpu allocator peak, or rss on a "
-        "CPU worker), reserved_gib, nvml_gib, error ((estimate - peak) / peak, GPU only)")
+        "CPU worker), reserved_gib, nvml_gib, error ((estimate - peak) / peak, GPU only), "
+        "words (the estimate as the pages say it: total_gib, short, parts, text)")
     metrics: MetricsSummary | None = None
     artifacts: list[dict[str, Any]] | None = None
 
