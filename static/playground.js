@@ -149,8 +149,8 @@
   async function send(body, retry) {
     const mine = pending;  // Stop while queued ends this reply: then nothing below applies
     try {
-      const s = await api("/api/playground/sessions", {model, temperature: body.temperature,
-                                                        top_p: body.top_p, max_tokens: body.max_tokens});
+      const s = await api("/api/playground/sessions", {model, ...Object.fromEntries(
+        SAMPLING.map((name) => [name, body[name]]))});
       if (pending !== mine) return;
       if (s.id !== session) { session = s.id; lastId = 0; listen(); }
       waiting = s.status === "queued";
@@ -171,7 +171,7 @@
   // The sampling fields as numbers, or null after naming the first field that is not one (an
   // empty field, or text a number input cannot read, would otherwise go out as null and the
   // server would use its default unseen). Ranges are the server's to check: it names the field.
-  const SAMPLING = ["temperature", "top_p", "max_tokens"];
+  const SAMPLING = ["temperature", "top_p", "max_tokens", "top_k", "min_p", "repetition_penalty"];
   function numbers() {
     const out = {};
     for (const name of SAMPLING) form.elements[name].removeAttribute("aria-invalid");

@@ -40,7 +40,7 @@ from app.studio.errors import StudioError, invalid
 from app.studio.job_states import state_words
 from app.studio.estimate import GIB, lora_params, model_shape, weight_bytes
 from app.studio.playground_params import (  # noqa: F401 - part of the playground's API
-    DEFAULT_MAX_TOKENS, MAX_TOKENS, ROLES, messages, params, prompt_params)
+    DEFAULT_MAX_TOKENS, EXTRA_OFF, MAX_TOKENS, ROLES, messages, params, prompt_params)
 from app.studio.playground_targets import targets  # noqa: F401 - the page's model picker
 
 if TYPE_CHECKING:
@@ -330,7 +330,8 @@ def send_prompt(engine: Engine, actor: User, session_id: int | str,
     """Append a prompt to the caller's session ``session_id``. ``body``: ``messages`` (sent to
     every side of the session, or to ``sides`` when given) or ``messages_by_side`` (side ->
     messages, each side its own history), an optional ``system`` prompt, and the sampling
-    :func:`params` ``temperature``, ``top_p``, ``max_tokens``, ``seed``.
+    :func:`params` ``temperature``, ``top_p``, ``max_tokens``, ``seed``, ``top_k``, ``min_p``,
+    ``repetition_penalty``.
 
     Returns ``{"request_id", "after", "session"}``: the answer's events follow the prompt event
     ``after``. Raises StudioError: not_found (another user's session too, checked first);

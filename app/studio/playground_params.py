@@ -22,8 +22,13 @@ def _shown(given: Any, value: float) -> str:
     return str(int(value)) if value.is_integer() and abs(value) < 1e18 else f"{value:g}"
 
 
+def _g(x: float) -> str:
+    """A bound as written: ``1000000``, ``0.5``."""
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
 def _number(value: Any, name: str, default: float, lo: float, hi: float,
-            lo_open: bool = False) -> float:
+            lo_open: bool = False, hi_open: bool = False) -> float:
     if value is None:
         return default
     given = value
@@ -34,48 +39,64 @@ def _number(value: Any, name: str, default: float, lo: float, hi: float,
             raise invalid(name, f"must be a number, not {value!r}") from None
     if not math.isfinite(value):
         raise invalid(name, f"must be a finite number, not {value!r}")
-    if value < lo or (lo_open and value == lo) or value > hi:
-        low = f"greater than {lo:g}" if lo_open else f"at least {lo:g}"
-        raise invalid(name, f"must be {low} and at most {hi:g}, not {_shown(given, value)}")
+    if value < lo or (lo_open and value == lo) or value > hi or (hi_open and value == hi):
+        low = f"greater than {_g(lo)}" if lo_open else f"at least {_g(lo)}"
+        high = f"less than {_g(hi)}" if hi_open else f"at most {_g(hi)}"
+        raise invalid(name, f"must be {low} and {high}, not {_shown(given, value)}")
     return float(value)
 
 
+#: The samplers a prompt may switch on, off by default, with the value that means off: HF's
+#: ``top_k`` (an integer >= 0), ``min_p`` in [0, 1), ``repetition_penalty`` in (0, 10].
+EXTRA_OFF = {"top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+#: Largest repetition penalty and top_k a prompt may ask for (a top_k over the vocabulary is off).
+MAX_REPETITION_PENALTY, MAX_TOP_K = 10.0, 1_000_000
+
+
+def _whole(value: Any, name: str, default: float, lo: float, hi: float) -> int:
+    v = _number(value, name, default, lo, hi)
+    if v != int(v):
+        raise invalid(name, f"must be a whole number, not {v:g}")
+    return int(v)
+
+
 def params(temperature: Any = None, top_p: Any = None, max_tokens: Any = None,
-           seed: Any = None) -> dict[str, Any]:
+           seed: Any = None, top_k: Any = None, min_p: Any = None,
+           repetition_penalty: Any = None) -> dict[str, Any]:
     """Validated sampling parameters: ``temperature`` in [0, 2] (0: greedy; default 0.7),
     ``top_p`` in (0, 1] (default 1), ``max_tokens`` an integer in [1, :data:`MAX_TOKENS`]
-    (default :data:`DEFAULT_MAX_TOKENS`), ``seed`` an integer or None.
+    (default :data:`DEFAULT_MAX_TOKENS`), ``seed`` an integer or None; and, in the result only
+    when switched on (see :data:`EXTRA_OFF`): ``top_k`` an integer >= 0 (0: off),
+    ``min_p`` in [0, 1) (0: off), ``repetition_penalty`` in (0, 10] (1: off; HF's: a logit of a
+    token already in the prompt or the answer is divided by it, a negative one multiplied).
     Raises StudioError invalid naming the field."""
-    out = {"temperature": _number(temperature, "temperature", 0.7, 0.0, 2.0),
-           "top_p": _number(top_p, "top_p", 1.0, 0.0, 1.0, lo_open=True)}
-    mt = _number(max_tokens, "max_tokens", DEFAULT_MAX_TOKENS, 1, MAX_TOKENS)
-    if mt != int(mt):
-        raise invalid("max_tokens", f"must be a whole number, not {mt:g}")
-    out["max_tokens"] = int(mt)
+    out: dict[str, Any] = {"temperature": _number(temperature, "temperature", 0.7, 0.0, 2.0),
+                           "top_p": _number(top_p, "top_p", 1.0, 0.0, 1.0, lo_open=True)}
+    out["max_tokens"] = _whole(max_tokens, "max_tokens", DEFAULT_MAX_TOKENS, 1, MAX_TOKENS)
     if seed is not None:
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**31:
             raise invalid("seed", "must be an integer from 0 to 2147483647")
         out["seed"] = seed
+    k = _whole(top_k, "top_k", 0, 0, MAX_TOP_K)
+    mp = _number(min_p, "min_p", 0.0, 0.0, 1.0, hi_open=True)
+    rp = _number(repetition_penalty, "repetition_penalty", 1.0, 0.0, MAX_REPETITION_PENALTY,
+                 lo_open=True)
+    for name, value in (("top_k", k), ("min_p", mp), ("repetition_penalty", rp)):
+        if value != EXTRA_OFF[name]:
+            out[name] = value
     return out
 
 
-#: Sampling options other studios take that the playground's samplers do not apply: a prompt
-#: naming one is refused rather than answered as if it had been used.
-NOT_APPLIED = ("top_k", "min_p", "repetition_penalty")
+#: The sampling fields of a prompt body, in :func:`params`' order.
+FIELDS = ("temperature", "top_p", "max_tokens", "seed", "top_k", "min_p", "repetition_penalty")
 
 
 def prompt_params(body: dict[str, Any]) -> dict[str, Any]:
-    """The checked :func:`params` of a prompt body (``temperature``, ``top_p``, ``max_tokens``,
-    ``seed``). Raises StudioError invalid naming the field (``body`` not an object too; a
-    :data:`NOT_APPLIED` option given, even a valid-looking one)."""
+    """The checked :func:`params` of a prompt body (its :data:`FIELDS`). Raises StudioError
+    invalid naming the field (``body`` not an object too)."""
     if not isinstance(body, dict):
         raise invalid("prompt", "must be an object")
-    for name in NOT_APPLIED:
-        if body.get(name) is not None:
-            raise invalid(name, "the playground does not apply this option; it samples with "
-                                "temperature, top_p, max_tokens and seed")
-    return params(body.get("temperature"), body.get("top_p"), body.get("max_tokens"),
-                  body.get("seed"))
+    return params(*(body.get(name) for name in FIELDS))
 
 
 def messages(value: Any, name: str = "messages", system: str | None = None) -> list[dict]:

@@ -210,6 +210,27 @@ def test_openai_client_streaming_and_not(studio):
     assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
 
 
+def test_top_k_and_min_p_reach_the_worker_from_every_surface(studio):
+    """top_k=1 or min_p near 1 at temperature 1 samples the argmax: the greedy answers, on both
+    panes through /api and through /v1 as vLLM's extra body fields."""
+    import openai
+
+    greedy = _greedy(studio)
+    for extra in ({"top_k": 1}, {"min_p": 0.999}):
+        s, sent = _ask(studio, temperature=1, seed=5, **extra)
+        answers = _answers(studio["engine"], s["id"], sent["request_id"], s["sides"])[0]
+        assert {side: a["text"] for side, a in answers.items()} == greedy, extra
+    c = openai.OpenAI(base_url=studio["base"] + "/v1", api_key=studio["key"], max_retries=0)
+    out = c.chat.completions.create(model=studio["model"], messages=PROMPT, temperature=1,
+                                    seed=5, max_tokens=GREEDY["max_tokens"],
+                                    extra_body={"top_k": 1, "repetition_penalty": 1.0})
+    assert out.choices[0].message.content == greedy["fine_tuned"]
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=studio["model"], messages=PROMPT,
+                                  extra_body={"repetition_penalty": 0})
+    assert e.value.body["param"] == "repetition_penalty"
+
+
 def test_another_user_gets_404(studio):
     http = studio["http"]
     s, _ = _ask(studio)
@@ -374,6 +395,11 @@ def test_an_exported_gguf_through_llama_cpp(studio):
     assert text and out.usage.completion_tokens > 0
     # the merged F32 weights in llama.cpp answer as the adapter does in transformers
     assert text == _greedy(studio)["fine_tuned"], (text, _greedy(studio))
+    # vLLM's extra body fields reach llama.cpp: top_k=1 (min_p near 1) at temperature 1 is greedy
+    for extra in ({"top_k": 1}, {"min_p": 0.999}):
+        out = oc.chat.completions.create(model=model, messages=PROMPT, temperature=1, seed=3,
+                                         max_tokens=GREEDY["max_tokens"], extra_body=extra)
+        assert out.choices[0].message.content == text, extra
     chunks = list(oc.chat.completions.create(model=model, messages=PROMPT, stream=True,
                                              **GREEDY))
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == text

@@ -12,11 +12,14 @@ template, tokens streamed as they are decoded.
   special-token variables, :mod:`app.data.chat_template`); template ``None`` ("none") sends
   the last user message as is after BOS.
 * A :class:`Stream` produces one side's answer one token at a time (:meth:`Stream.step`), so
-  the caller can interleave the sides and write text as it comes. Sampling: temperature 0 is
-  greedy, else temperature then top-p (:func:`worker.engine.sampling.warp`, HF's order) and a
-  draw from a seeded generator. An answer stops at an EOS token id, at an end-of-turn marker
-  in its text (:data:`worker.engine.evaluation.END_MARKERS`, which is cut off and never
-  streamed), at ``max_tokens`` or at the model's context length.
+  the caller can interleave the sides and write text as it comes. Sampling
+  (:func:`worker.engine.sampling.warp`, HF's order): the repetition penalty over the prompt and
+  the answer so far, then temperature 0 is greedy, else temperature, top-k, top-p, min-p and a
+  draw from a seeded generator. llama.cpp gets the same values, its "off" ones explicit (its
+  own defaults are top_k 40, min_p 0.05); it applies temperature last and penalizes the tokens
+  it generated (the prompt's are not counted). An answer stops at an EOS token id, at an
+  end-of-turn marker in its text (:data:`worker.engine.evaluation.END_MARKERS`, which is cut
+  off and never streamed), at ``max_tokens`` or at the model's context length.
 """
 from __future__ import annotations
 
@@ -32,12 +35,17 @@ from worker.engine.evaluation import END_MARKERS
 @dataclass
 class Params:
     """Sampling parameters of one prompt: ``temperature`` >= 0 (0 = greedy), ``top_p`` in
-    (0, 1], ``max_tokens`` >= 1 new tokens, ``seed`` for the draws (None: random)."""
+    (0, 1], ``max_tokens`` >= 1 new tokens, ``seed`` for the draws (None: random),
+    ``top_k`` >= 0 (0 = off), ``min_p`` in [0, 1) (0 = off), ``repetition_penalty`` > 0
+    (1 = off; applied at temperature 0 too, as HF does)."""
 
     temperature: float = 0.7
     top_p: float = 1.0
     max_tokens: int = 256
     seed: int | None = None
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
 
 
 @dataclass
@@ -91,7 +99,7 @@ def load_gguf(path: str, cuda: bool, n_ctx: int = 4096) -> Loaded:
     from llama_cpp import Llama
 
     llm = Llama(model_path=path, n_ctx=n_ctx, n_gpu_layers=-1 if cuda else 0, verbose=False,
-                logits_all=False)
+                logits_all=False, last_n_tokens_size=n_ctx)  # penalize the whole answer
     specials = {}
     for key, tid in (("bos_token", llm.token_bos()), ("eos_token", llm.token_eos())):
         if tid is not None and tid >= 0:
@@ -152,8 +160,9 @@ class Stream:
         if loaded.kind == "gguf":
             self._it = iter(loaded.model.create_completion(
                 prompt=ids, max_tokens=self._budget, temperature=params.temperature,
-                top_p=params.top_p, stream=True, stop=list(END_MARKERS),
-                seed=params.seed))
+                top_p=params.top_p, top_k=params.top_k, min_p=params.min_p,
+                repeat_penalty=params.repetition_penalty, stream=True,
+                stop=list(END_MARKERS), seed=params.seed))
         else:
             self._ids, self._past, self._logits = ids, None, None
             import torch
@@ -223,12 +232,16 @@ class Stream:
         from worker.engine.sampling import warp
 
         p = self.params
-        if p.temperature <= 0:
+        greedy = p.temperature <= 0
+        cfg = SimpleNamespace(do_sample=not greedy, temperature=p.temperature,
+                              top_k=p.top_k or None, top_p=p.top_p, min_p=p.min_p or None,
+                              repetition_penalty=p.repetition_penalty)
+        ids = torch.tensor([self._ids + self.generated] if p.repetition_penalty != 1.0
+                           else [[]], dtype=torch.long, device=logits.device)
+        logits = warp(logits, ids, cfg)
+        if greedy:
             return int(logits.argmax(-1))
-        cfg = SimpleNamespace(do_sample=True, temperature=p.temperature, top_k=None,
-                              top_p=p.top_p, min_p=None, repetition_penalty=None)
-        probs = warp(logits, torch.zeros((1, 0), dtype=torch.long, device=logits.device),
-                     cfg).softmax(-1)
+        probs = logits.softmax(-1)
         return int(torch.multinomial(probs.to(self._gen.device), 1, generator=self._gen))
 
     def take(self) -> str:

@@ -96,7 +96,7 @@ def answer(ctx: JobContext, loaded, p: dict[str, Any], prompt: dict[str, Any],
 
     rid = prompt.get("request_id")
     params = chat.Params(**{k: v for k, v in (prompt.get("params") or {}).items()
-                            if k in ("temperature", "top_p", "max_tokens", "seed")})
+                            if k in chat.Params.__dataclass_fields__})
     streams, out = [], []
     skip = stopped(ctx, rid, after)
     for side, messages in (prompt.get("messages") or {}).items():

@@ -12,7 +12,9 @@ answer; its retry reuses the same session.
 content deltas, the ``finish_reason``, with ``stream_options.include_usage`` a usage chunk) and
 ``data: [DONE]``; otherwise one ``chat.completion`` with ``usage``. Supported: ``messages``
 (system / user / assistant, text), ``temperature`` (0-2), ``top_p``, ``max_tokens`` /
-``max_completion_tokens``, ``seed``, ``n`` = 1. Errors use the OpenAI shape (app/web/errors.py):
+``max_completion_tokens``, ``seed``, ``n`` = 1, and as vLLM's OpenAI-compatible server the
+extra body fields ``top_k`` (0 off), ``min_p`` (0 off), ``repetition_penalty`` (1 off;
+openai client: ``extra_body={...}``). Errors use the OpenAI shape (app/web/errors.py):
 a bad parameter is 400 naming it, an unknown model 404 ``model_not_found``.
 """
 from __future__ import annotations
@@ -56,7 +58,8 @@ def _prompt_body(body: dict[str, Any], side: str) -> dict[str, Any]:
         else "max_tokens"
     try:
         params = pg.params(body.get("temperature"), body.get("top_p"), body.get(mt_name),
-                           body.get("seed"))
+                           body.get("seed"), body.get("top_k"), body.get("min_p"),
+                           body.get("repetition_penalty"))
     except StudioError as e:
         if e.field == "max_tokens":
             raise invalid(mt_name, e.message) from None

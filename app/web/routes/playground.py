@@ -40,7 +40,8 @@ def playground_page(request: Request, engine: EngineDep, settings: SettingsDep,
         "choices": choices, "model": model, "target": target, "problem": problem,
         "note": pg.context_note(target) if target else None, "labels": pg.SIDE_LABELS,
         "idle_seconds": settings.playground_idle_seconds,
-        "defaults": {"temperature": 0.7, "top_p": 1.0, "max_tokens": pg.DEFAULT_MAX_TOKENS}})
+        "defaults": {"temperature": 0.7, "top_p": 1.0, "max_tokens": pg.DEFAULT_MAX_TOKENS,
+                     **pg.EXTRA_OFF}})
 
 
 @router.post("/api/playground/sessions", status_code=201)
@@ -48,7 +49,8 @@ async def open_session(request: Request, engine: EngineDep, settings: SettingsDe
                        user: CurrentUser):
     """Open a session for ``{"model": …}``, or answer the caller's live one for that model
     (200). The sampling parameters of the first prompt (``temperature``, ``top_p``,
-    ``max_tokens``, ``seed``), when given, are checked before any session is queued."""
+    ``max_tokens``, ``seed``, ``top_k``, ``min_p``, ``repetition_penalty``), when given, are
+    checked before any session is queued."""
     body = await json_object(request)
     job, reused = await run_in_threadpool(pg.open_session, engine, settings, user,
                                           body.get("model"), body)
@@ -65,7 +67,8 @@ def get_session(session_id: str, engine: EngineDep, user: CurrentUser):
 @router.post("/api/playground/sessions/{session_id}/prompts", status_code=202)
 async def send_prompt(session_id: str, request: Request, engine: EngineDep, user: CurrentUser):
     """Send a prompt (``messages`` or ``messages_by_side``, ``system``, ``temperature``,
-    ``top_p``, ``max_tokens``, ``seed``); its tokens arrive as the session's events."""
+    ``top_p``, ``max_tokens``, ``seed``, ``top_k``, ``min_p``, ``repetition_penalty``); its
+    tokens arrive as the session's events."""
     await run_in_threadpool(pg.session, engine, user, session_id)  # 404 before a 422
     body = await json_object(request)
     return await run_in_threadpool(pg.send_prompt, engine, user, session_id, body)
