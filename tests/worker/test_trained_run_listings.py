@@ -59,7 +59,10 @@ def test_rotated_checkpoints_are_not_listed(trained):
     for a in ckpts:  # a folder: served as one zip of its adapter files, built as it is sent
         step = a["meta"]["step"]
         assert a["download_url"] == f"/api/runs/{run['id']}/checkpoints/{step}/download"
-        names = zipfile.ZipFile(io.BytesIO(c.get(a["download_url"]).content)).namelist()
+        z = zipfile.ZipFile(io.BytesIO(c.get(a["download_url"]).content))
+        names = z.namelist()
+        config = json.loads(z.read(f"checkpoint-{step}/adapter_config.json"))
+        assert not config["base_model_name_or_path"].startswith(("/", "~")), config
         assert f"checkpoint-{step}/adapter_model.safetensors" in names
         assert f"checkpoint-{step}/adapter_config.json" in names
         assert not any(n.endswith(("optimizer.pt", "scheduler.pt", ".pth")) for n in names)
