@@ -25,11 +25,17 @@ def is_server_path(value: Any) -> bool:
 
 def public(art: Artifact) -> dict[str, Any]:
     """``art`` as JSON for users: its row without ``path``, ``meta`` without values that are
-    server paths (e.g. the adapter's ``folder``), and ``download_url`` (None for a folder such
-    as a checkpoint, which is not served as one file)."""
+    server paths (e.g. the adapter's ``folder``), and ``download_url``: a file's own; a trainer
+    checkpoint's folder as one zip (``/api/runs/<run>/checkpoints/<step>/download``, add
+    ``?state=true`` for the optimizer/scheduler/RNG state); None for another folder."""
     out = art.model_dump(mode="json", exclude={"path"})
     if art.meta:
         out["meta"] = {k: v for k, v in art.meta.items() if not is_server_path(v)}
-    out["download_url"] = (f"/artifacts/{art.id}/download" if os.path.isfile(art.path)
-                           else None)
+    step = (art.meta or {}).get("step")
+    if os.path.isfile(art.path):
+        out["download_url"] = f"/artifacts/{art.id}/download"
+    elif art.kind == "checkpoint" and isinstance(step, int) and os.path.isdir(art.path):
+        out["download_url"] = f"/api/runs/{art.run_id}/checkpoints/{step}/download"
+    else:
+        out["download_url"] = None
     return out

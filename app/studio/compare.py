@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy.engine import Engine
 
 from app.store import events, repo
-from app.studio import access, evaluation
+from app.studio import access, evaluation, train_time
 from app.studio.errors import invalid
 from app.studio.run_labels import run_tags, short_date
 from app.studio.runs import input_names
@@ -66,7 +66,9 @@ def config_diff(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _side(engine: Engine, run: Run, job: Job | None, label: str) -> dict[str, Any]:
     model, dataset = input_names(engine, run)
-    result = (job.result or {}) if job is not None else {}
+    result = dict((job.result or {}) if job is not None else {})
+    # a resumed run's time is the sum over its attempts, not the last attempt's train_runtime
+    result["train_runtime"] = (train_time.training_time(engine, job) or {}).get("all_attempts")
     return {"id": run.id, "name": run.name, "label": label, "kind": run.kind, "model": model,
             "dataset": dataset, "state": job.state if job else None,
             "created_at": run.created_at, "curves": curves(engine, job),

@@ -7,6 +7,7 @@ run would use (the same resolver as run creation, so preview == training), the o
 from __future__ import annotations
 
 import os
+import unicodedata
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -42,6 +43,24 @@ def safe_filename(name: str, limit: int = 120) -> str:
     room = max(1, limit - len(ext))
     clean = clean.encode("utf-8")[:room].decode("utf-8", "ignore") or "upload"
     return clean + ext
+
+
+def display_name(name: str, limit: int = 255) -> str:
+    """The name an uploaded file is shown and recorded under (``Dataset.filename``): the client's
+    name as sent, less what a name must not carry: the path before its last ``/`` or ``\\``,
+    control and format characters (newlines, NUL, right-to-left overrides), surrounding blanks
+    and leading dots (no hidden-file names); at most ``limit`` characters, a longer one cut in
+    the stem with ``…`` so its extension stays. ``"upload"`` when nothing is left. Pages escape
+    it when they show it; the file on disk is named by :func:`safe_filename`. An ordinary name
+    (``identity_alpaca.json``, ``my data.csv``, ``données.jsonl``) comes back unchanged."""
+    base = str(name).replace("\\", "/").rsplit("/", 1)[-1]
+    base = "".join(c for c in base if unicodedata.category(c)[0] != "C")
+    base = base.strip().lstrip(". ").strip() or "upload"
+    if len(base) > limit:
+        stem, ext = os.path.splitext(base)
+        ext = ext if len(ext) <= 16 else ""
+        base = stem[:max(1, limit - len(ext) - 1)].rstrip() + "…" + ext
+    return base
 
 
 def ready_tokenizer_path(model: Model | None) -> str | None:
@@ -144,9 +163,12 @@ def _prompts_report(path: Path, sft_error: DatasetError, prompt_column: str | No
     return {**report, "format": "prompts", "sft_error": str(sft_error)}
 
 
-def _place(settings: Settings, temp_path: Path, filename: str) -> tuple[str, Path]:
-    """Check the extension and move the received file to its final name under uploads/.
+def _place(settings: Settings, temp_path: Path, filename: str) -> tuple[str, Path, str]:
+    """Check the extension and move the received file to its final name under uploads/
+    (``<dataset id>-<safe_filename>``: unique, a base name only, length-capped); returns
+    ``(dataset id, final path, display name)`` (:func:`display_name` of ``filename``).
     Raises StudioError(invalid, ``file``); the temporary file is removed then."""
+    filename = display_name(filename)
     ext = os.path.splitext(filename)[1].lower()
     if ext not in SUPPORTED:
         Path(temp_path).unlink(missing_ok=True)
@@ -155,7 +177,7 @@ def _place(settings: Settings, temp_path: Path, filename: str) -> tuple[str, Pat
     ds_id = new_id("file")
     final = settings.data_dir / "uploads" / f"{ds_id}-{safe_filename(filename)}"
     os.replace(temp_path, final)
-    return ds_id, final
+    return ds_id, final, filename
 
 
 @contextmanager
@@ -181,7 +203,7 @@ def record_upload(engine: Engine, settings: Settings, actor: User, temp_path: Pa
     Raises:
         StudioError: invalid (field ``file``) for an unsupported file type.
     """
-    ds_id, final = _place(settings, temp_path, filename)
+    ds_id, final, filename = _place(settings, temp_path, filename)
     with _removed_on_error(final):
         return validation.start(engine, actor, ds_id, final, filename, size, "fine-tune",
                                 {"mode": "sft_or_prompts" if prompts_fallback else "sft"})
@@ -196,7 +218,7 @@ def record_prompt_upload(engine: Engine, settings: Settings, actor: User, temp_p
     Raises:
         StudioError: invalid (field ``file``) for an unsupported file type.
     """
-    ds_id, final = _place(settings, temp_path, filename)
+    ds_id, final, filename = _place(settings, temp_path, filename)
     with _removed_on_error(final):
         return validation.start(engine, actor, ds_id, final, filename, size, "grpo",
                                 {"mode": "prompts", "prompt_column": prompt_column or None,

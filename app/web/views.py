@@ -12,7 +12,8 @@ from fastapi.responses import RedirectResponse, Response
 from app.data.chat_template import DEFAULT_TEMPLATES, FALLBACK_TEMPLATE
 from app.store import repo
 from app.store.schema import JobState
-from app.studio import access, accounts, calibration, evaluation, playground_targets, resume
+from app.studio import (access, accounts, calibration, checkpoint_files, evaluation,
+                        playground_targets, resume, train_time)
 from app.studio import exports as exports_uc
 from app.studio import verification
 from app.studio.errors import StudioError
@@ -79,6 +80,8 @@ def run_view(engine, user, run_id: str) -> dict[str, Any]:
             "cancel_requested": bool(job and job.cancel_requested),
             "artifacts": [a for a in repo.list_artifacts(engine, run.id)
                           if a.kind in RUN_ARTIFACT_KINDS and not (a.meta or {}).get("export_id")],
+            "checkpoints": checkpoint_files.listing(engine, run.id),
+            "training_time": train_time.training_time(engine, job),
             "model_name": model_name, "dataset_name": dataset_name,
             "template_name": spec.get("chat_template_name"),
             "template_source": spec.get("chat_template"),

@@ -105,6 +105,11 @@ def objs(app, server, engine, settings, tmp_path):
     path.write_text(json.dumps({"spec": {}}))
     art = repo.add_artifact(engine, Artifact(run_id=run, job_id=job.id, kind="config",
                                              name="config.json", path=str(path), bytes=12))
+    ckpt = settings.data_dir / "runs" / run / "checkpoints" / "checkpoint-2"
+    ckpt.mkdir(parents=True)
+    (ckpt / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA"}))
+    repo.add_artifact(engine, Artifact(run_id=run, job_id=job.id, kind="checkpoint",
+                                       name=ckpt.name, path=str(ckpt), meta={"step": 2}))
     evaluation = queue.enqueue(engine, "evaluate", {"spec_version": 1, "run_id": run,
                                                     "checkpoint_step": 2, "samples": 1},
                                run_id=run, owner=users["alice"]["id"]).id

@@ -104,6 +104,16 @@ def test_cancelled_run_resumes_exactly(studio) -> None:
     job = queue.get_job(eng, run.job_id)
     assert job.state == JobState.SUCCEEDED, job.error
     assert job.result["steps"] == 20
+    # each attempt's training is recorded; the run's training time is their sum
+    from app.studio.train_time import segments
+    segs = segments(eng, job)
+    assert [(g["from_step"], g["to_step"]) for g in segs] == [(0, done), (done, 20)]
+    assert segs[1]["job_id"] == job.id != segs[0]["job_id"]
+    assert segs[1]["train_runtime"] == job.result["train_runtime"]
+    tt = c.get(f"/api/runs/{cut}").json()["training_time"]
+    assert tt == {"this_attempt": job.result["train_runtime"], "attempts": 2, "resumed": True,
+                  "all_attempts": round(sum(g["train_runtime"] for g in segs), 3)}
+    assert tt["all_attempts"] > tt["this_attempt"] > 0
 
     want, got = _steps(c, whole), _steps(c, cut)
     assert sorted(want) == sorted(got) == list(range(1, 21))

@@ -6,7 +6,9 @@ a server path, every checkpoint id chat accepts is a model GET /v1/models/{id} k
 """
 from __future__ import annotations
 
+import io
 import json
+import zipfile
 
 import openai
 import pytest
@@ -54,7 +56,16 @@ def test_rotated_checkpoints_are_not_listed(trained):
     assert sorted(a["name"] for a in ckpts) == ["checkpoint-4", "checkpoint-5"]
     assert sorted(a.meta["step"] for a in repo.list_artifacts(eng, run["id"], "checkpoint")) \
         == [4, 5]  # the rows of checkpoint-1 to -3 were deleted when the trainer removed them
-    assert all(a["download_url"] is None for a in ckpts)  # folders: not served as one file
+    for a in ckpts:  # a folder: served as one zip of its adapter files, built as it is sent
+        step = a["meta"]["step"]
+        assert a["download_url"] == f"/api/runs/{run['id']}/checkpoints/{step}/download"
+        z = zipfile.ZipFile(io.BytesIO(c.get(a["download_url"]).content))
+        names = z.namelist()
+        config = json.loads(z.read(f"checkpoint-{step}/adapter_config.json"))
+        assert not config["base_model_name_or_path"].startswith(("/", "~")), config
+        assert f"checkpoint-{step}/adapter_model.safetensors" in names
+        assert f"checkpoint-{step}/adapter_config.json" in names
+        assert not any(n.endswith(("optimizer.pt", "scheduler.pt", ".pth")) for n in names)
     for a in run["artifacts"]:
         if a["download_url"]:
             assert c.get(a["download_url"]).status_code == 200, a

@@ -238,6 +238,17 @@ def write_config(ctx: JobContext, run_id: str, run_dir: Path, config: dict[str, 
         add_artifact(ctx, run_id, "config", run_dir / "config.json")
 
 
+def record_segment(ctx: JobContext, start_step: int, state, runtime: float) -> None:
+    """Record this attempt's stretch of training as a log event (written before a cancel or
+    shutdown raises, so a stopped attempt is recorded too): ``segment = {"job_id",
+    "from_step", "to_step", "train_runtime"}`` (seconds in ``trainer.train``). A resumed job
+    carries the earlier jobs' log events (:func:`app.store.repo.resume_run`), so the run's
+    total training time is the sum over its segments (:mod:`app.studio.train_time`)."""
+    ctx.log(f"trained steps {start_step + 1}-{state.global_step} in {runtime:.1f}s",
+            segment={"job_id": ctx.job.id, "from_step": int(start_step),
+                     "to_step": int(state.global_step), "train_runtime": round(runtime, 3)})
+
+
 def training_ended(ctx: JobContext, callback, state) -> None:
     """After ``trainer.train()`` returned: when ``callback`` (a
     :func:`worker.engine.callbacks.stopping_callback`) did not stop it, training ended on its

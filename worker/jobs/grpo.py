@@ -135,8 +135,9 @@ def run(ctx: JobContext) -> dict[str, Any]:
         raise JobError(f"stopped: {e}") from e
     finally:
         scorer.close()
-    common.training_ended(ctx, callback, trainer.state)  # or a cancel that came too late
     runtime = time.monotonic() - t0
+    common.record_segment(ctx, callback.start_step, trainer.state, runtime)
+    common.training_ended(ctx, callback, trainer.state)  # or a cancel that came too late
     if not main:
         return {}
 

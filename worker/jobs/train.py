@@ -123,9 +123,10 @@ def run(ctx: JobContext) -> dict[str, Any]:
     t0 = time.monotonic()
     with common.frozen_gc():
         out = trainer.train(resume_from_checkpoint=last)
+    runtime = time.monotonic() - t0
+    common.record_segment(ctx, callback.start_step, trainer.state, runtime)
     # cancelled / shutdown (checkpoint already saved) / lease lost; or a cancel too late
     common.training_ended(ctx, callback, trainer.state)
-    runtime = time.monotonic() - t0
     if not main:
         return {}
 

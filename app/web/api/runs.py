@@ -5,13 +5,14 @@ from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 
 from app.store.specs import GrpoSpec, TrainSpec
-from app.studio import access
+from app.studio import access, checkpoint_files
 from app.studio import grpo as grpo_runs
 from app.studio import removal
 from app.studio import resume as resume_uc
 from app.studio import runs as runs_uc
 from app.web.api.schemas import RunList, RunOut, json_object, run_out
 from app.web.deps import CurrentUser, EngineDep, SettingsDep
+from app.web.downloads import zip_stream
 
 router = APIRouter(prefix="/api", tags=["runs"])
 
@@ -26,6 +27,18 @@ def list_runs(engine: EngineDep, user: CurrentUser, limit: int = 100, after: str
 @router.get("/runs/{run_id}", response_model=RunOut)
 def get_run(run_id: str, engine: EngineDep, user: CurrentUser):
     return run_out(engine, access.run(engine, user, run_id), full=True)
+
+
+@router.get("/runs/{run_id}/checkpoints/{step}/download")
+async def download_checkpoint(run_id: str, step: int, engine: EngineDep, settings: SettingsDep,
+                              user: CurrentUser, state: bool = False):
+    """Checkpoint ``step`` as a zip streamed as it is built: ``checkpoint-<step>/`` with the
+    adapter, tokenizer files and model card; with ``state=true`` also the trainer's resume
+    state (optimizer, scheduler, RNG). 404 for another user's run or a checkpoint not on disk
+    (rotated away by ``save_total_limit``)."""
+    name, chunks = await run_in_threadpool(checkpoint_files.archive, engine, settings, user,
+                                           run_id, step, state)
+    return zip_stream(name, chunks)
 
 
 @router.post("/runs", status_code=201, response_model=RunOut)

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from app.store import events, repo
 from app.store.schema import Dataset, Model, Run
 from app.studio import access
-from app.studio import artifacts, calibration
+from app.studio import artifacts, calibration, train_time
 from app.web.errors import ApiError
 
 
@@ -101,6 +101,10 @@ class RunOut(BaseModel):
         "words (the estimate as the pages say it: total_gib, short, parts, text)")
     metrics: MetricsSummary | None = None
     artifacts: list[dict[str, Any]] | None = None
+    training_time: dict[str, Any] | None = Field(
+        default=None, description="seconds in training (single-run reads): all_attempts (the "
+        "run's total over every attempt of a resumed run), this_attempt (its current job), "
+        "attempts (segments trained), resumed (app.studio.train_time)")
 
 
 class RunList(BaseModel):
@@ -184,6 +188,7 @@ def run_out(engine, run: Run, full: bool = False) -> RunOut:
     if full:
         out.metrics = metrics_summary(engine, run.job_id)
         out.artifacts = [artifacts.public(a) for a in artifacts.present(engine, run.id)]
+        out.training_time = train_time.training_time(engine, job)
     return out
 
 

@@ -6,14 +6,17 @@ import os
 from pathlib import Path
 
 from fastapi import APIRouter
+from starlette.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse
 
 from app.studio import access
+from app.studio import checkpoint_files
 from app.studio import datasets as datasets_uc
 from app.studio import exports as exports_uc
 from app.studio.datasets import is_under
 from app.studio.errors import StudioError
 from app.web.deps import CurrentUser, EngineDep, SettingsDep
+from app.web.downloads import zip_stream
 
 router = APIRouter()
 
@@ -28,3 +31,13 @@ def download(artifact_id: str, engine: EngineDep, settings: SettingsDep, user: C
         "application/json" if art.path.endswith(".json") else "application/octet-stream")
     name = exports_uc.download_name(engine, art.run_id, Path(art.name).name)
     return FileResponse(art.path, filename=name, media_type=media)
+
+
+@router.get("/runs/{run_id}/checkpoints/{step}/download")
+async def download_checkpoint(run_id: str, step: int, engine: EngineDep, settings: SettingsDep,
+                              user: CurrentUser, state: bool = False):
+    """Checkpoint ``step`` of the run as one zip streamed as it is built (the adapter and
+    tokenizer files; the trainer's resume state too with ``?state=true``)."""
+    name, chunks = await run_in_threadpool(checkpoint_files.archive, engine, settings, user,
+                                           run_id, step, state)
+    return zip_stream(name, chunks)

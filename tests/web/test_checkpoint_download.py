@@ -1,0 +1,116 @@
+"""A trainer checkpoint downloads as one zip from the run page and through /api (trial defect):
+the adapter and tokenizer files under ``checkpoint-<step>/``, the trainer's resume state only
+with ``?state=true``, nothing written under the data dir, owner-only (another user's run is a
+404), a rotated checkpoint a 404 naming it. The worker's side is simulated through the store
+(claim, checkpoint artifacts) as in test_export_checkpoint; the files are real."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import zipfile
+
+from app.store import queue, repo
+from app.store.schema import Artifact
+from app.store.specs import TrainSpec
+from app.studio import accounts
+from tests.web.conftest import ADMIN_PASSWORD, ADMIN_USER, signed_in, upload_sft
+
+ADAPTER = {"adapter_model.safetensors": b"\x08\0\0\0\0\0\0\0{}      " + b"\1" * 4000,
+           "adapter_config.json": json.dumps({"peft_type": "LORA",
+                                              "base_model_name_or_path": "stories260K"}).encode(),
+           "tokenizer.json": b'{"model": {}}', "tokenizer_config.json": b"{}",
+           "special_tokens_map.json": b"{}", "README.md": b"# checkpoint"}
+STATE = {"optimizer.pt": b"o" * 9000, "scheduler.pt": b"s" * 100, "rng_state.pth": b"r" * 50,
+         "trainer_state.json": b'{"global_step": 4}', "training_args.bin": b"t" * 10}
+
+
+def _run_with_checkpoints(client, engine, settings, steps=(2, 4)) -> str:
+    ds = upload_sft(client)
+    model = client.get("/api/models").json()["data"][0]["id"]
+    run, job = repo.create_run(engine, TrainSpec(model=model, dataset=ds, max_steps=10,
+                                                 save_steps=2), name="Tiny Stories run")
+    assert queue.claim(engine, "w-test", 30, kinds=["train"]).id == job.id
+    for step in steps:
+        folder = settings.data_dir / "runs" / run.id / "checkpoints" / f"checkpoint-{step}"
+        folder.mkdir(parents=True)
+        for name, data in {**ADAPTER, **STATE}.items():
+            (folder / name).write_bytes(data)
+        repo.add_artifact(engine, Artifact(run_id=run.id, job_id=job.id, kind="checkpoint",
+                                           name=folder.name, path=str(folder),
+                                           meta={"step": step}))
+    return run.id
+
+
+def _tree(root) -> set[str]:
+    return {os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root) for f in fs}
+
+
+def test_checkpoint_downloads_as_one_zip_from_page_and_api(client, engine, settings):
+    run_id = _run_with_checkpoints(client, engine, settings)
+    before = _tree(settings.data_dir)
+
+    page = client.get(f"/runs/{run_id}").text
+    assert f'href="/runs/{run_id}/checkpoints/4/download"' in page
+    assert f'href="/runs/{run_id}/checkpoints/4/download?state=true"' in page
+    arts = client.get(f"/api/runs/{run_id}").json()["artifacts"]
+    ck = {a["meta"]["step"]: a for a in arts if a["kind"] == "checkpoint"}
+    assert ck[4]["download_url"] == f"/api/runs/{run_id}/checkpoints/4/download"
+    assert "path" not in ck[4]
+
+    for url in (f"/runs/{run_id}/checkpoints/4/download", ck[4]["download_url"]):
+        r = client.get(url)
+        assert r.status_code == 200, r.text
+        assert r.headers["content-type"] == "application/zip"
+        assert r.headers["content-disposition"] == \
+            'attachment; filename="tiny-stories-run-checkpoint-4.zip"'
+        z = zipfile.ZipFile(io.BytesIO(r.content))
+        assert z.testzip() is None
+        assert sorted(z.namelist()) == sorted(f"checkpoint-4/{n}" for n in ADAPTER)
+        for name, data in ADAPTER.items():
+            assert z.read(f"checkpoint-4/{name}") == data
+        assert not any(os.path.isabs(n) or ".." in n or str(settings.data_dir) in n
+                       for n in z.namelist())
+
+    r = client.get(f"/api/runs/{run_id}/checkpoints/2/download", params={"state": "true"})
+    assert r.status_code == 200
+    assert 'filename="tiny-stories-run-checkpoint-2-with-state.zip"' in \
+        r.headers["content-disposition"]
+    z = zipfile.ZipFile(io.BytesIO(r.content))
+    assert sorted(z.namelist()) == sorted(f"checkpoint-2/{n}" for n in {**ADAPTER, **STATE})
+    assert z.read("checkpoint-2/optimizer.pt") == STATE["optimizer.pt"]
+    # built on the fly: nothing was written under the data dir (the audit log is in the db)
+    assert {p for p in _tree(settings.data_dir) - before if not p.startswith("whetstone.db")} \
+        == set()
+
+
+def test_rotated_or_unknown_checkpoint_is_404_naming_it(client, engine, settings):
+    run_id = _run_with_checkpoints(client, engine, settings)
+    shutil.rmtree(settings.data_dir / "runs" / run_id / "checkpoints" / "checkpoint-2")
+    for step in (2, 3):
+        r = client.get(f"/api/runs/{run_id}/checkpoints/{step}/download")
+        assert r.status_code == 404
+        msg = r.json()["error"]["message"]
+        assert f"checkpoint-{step} of run {run_id} is not on disk" in msg
+        assert "save_total_limit" in msg and str(settings.data_dir) not in msg
+        r = client.get(f"/runs/{run_id}/checkpoints/{step}/download")
+        assert r.status_code == 404 and f"checkpoint-{step} of run {run_id}" in r.text
+    page = client.get(f"/runs/{run_id}").text
+    assert f"/runs/{run_id}/checkpoints/4/download" in page
+    assert f"/runs/{run_id}/checkpoints/2/download" not in page
+    r = client.get(f"/api/runs/{run_id}/checkpoints/abc/download")
+    assert r.status_code in (400, 404, 422) and r.status_code != 500
+
+
+def test_another_users_checkpoint_is_404(client, app, engine, settings):
+    run_id = _run_with_checkpoints(client, engine, settings, steps=(2,))
+    admin = accounts.authenticate(engine, ADMIN_USER, ADMIN_PASSWORD)
+    accounts.create_user(engine, "bea", "bea-password-1", actor=admin)
+    with signed_in(app, "bea", "bea-password-1") as bea:
+        for url in (f"/api/runs/{run_id}/checkpoints/2/download",
+                    f"/runs/{run_id}/checkpoints/2/download"):
+            r = bea.get(url)
+            assert r.status_code == 404, url
+            assert b"PK" not in r.content[:2]
+

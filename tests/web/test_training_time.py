@@ -1,0 +1,58 @@
+"""A resumed run's training time is the sum over its attempts (trial defect: it showed only the
+last attempt's ``train_runtime``). The worker records each attempt's segment as a log event
+(worker.jobs.common.record_segment; tests/worker/test_resume_run.py drives the real one); here
+the worker is simulated through the store, the channel it uses, as in test_run_resume."""
+from __future__ import annotations
+
+from app.store import events, queue, repo
+from app.store.schema import JobState
+from tests.web.test_export_checkpoint import _cancel, _checkpoint, _running_run
+
+
+def _segment(engine, job_id: int, first: int, last: int, seconds: float) -> None:
+    events.append_many(engine, job_id, [("log", {
+        "level": "info", "message": f"trained steps {first + 1}-{last} in {seconds:.1f}s",
+        "segment": {"job_id": job_id, "from_step": first, "to_step": last,
+                    "train_runtime": seconds}})])
+
+
+def test_resumed_run_counts_every_attempt(client, engine, settings):
+    run_id, job1 = _running_run(client, engine)
+    _segment(engine, job1, 0, 4, 125.5)
+    _checkpoint(engine, settings, run_id, job1, 4)
+    _cancel(engine, job1)
+    r = client.get(f"/api/runs/{run_id}").json()
+    assert r["training_time"] == {"this_attempt": 125.5, "all_attempts": 125.5, "attempts": 1,
+                                  "resumed": False}
+    assert "Training time: <strong>2 min 05 s</strong></p>" in client.get(f"/runs/{run_id}").text
+
+    assert client.post(f"/api/runs/{run_id}/resume").status_code == 200
+    job2 = repo.get_run(engine, run_id).job_id
+    assert job2 != job1 and queue.claim(engine, "w-test", 30, kinds=["train"]).id == job2
+    page = client.get(f"/runs/{run_id}").text  # running: the earlier attempt, so far
+    assert "Training time: <strong>2 min 05 s</strong> so far" in page
+    _segment(engine, job2, 4, 10, 60.25)
+    queue.finish(engine, job2, "w-test", {"steps": 10, "train_runtime": 60.25,
+                                          "final_loss": 1.0, "train_loss": 1.5})
+    assert queue.get_job(engine, job2).state == JobState.SUCCEEDED
+
+    r = client.get(f"/api/runs/{run_id}").json()
+    assert r["training_time"] == {"this_attempt": 60.25, "all_attempts": 185.75, "attempts": 2,
+                                  "resumed": True}
+    page = client.get(f"/runs/{run_id}").text
+    assert ("Training time: <strong>3 min 05 s</strong> over all 2 attempts "
+            "(this attempt 1 min 00 s)</p>") in page
+    other, _ = _running_run(client, engine)
+    cmp = client.get(f"/api/runs/{run_id}/compare", params={"other": other})
+    assert cmp.status_code == 200, cmp.text
+    assert cmp.json()["a"]["result"]["train_runtime"] == 185.75
+
+
+def test_run_finished_before_segments_were_recorded_shows_its_runtime(client, engine):
+    run_id, job = _running_run(client, engine)
+    queue.finish(engine, job, "w-test", {"steps": 10, "train_runtime": 42.0})
+    assert client.get(f"/api/runs/{run_id}").json()["training_time"] == {
+        "this_attempt": 42.0, "all_attempts": 42.0, "attempts": 1, "resumed": False}
+    fresh, _ = _running_run(client, engine)
+    assert client.get(f"/api/runs/{fresh}").json()["training_time"] is None
+    assert 'id="training-time"' not in client.get(f"/runs/{fresh}").text
