@@ -116,29 +116,55 @@ def check_fits(engine: Engine, settings: Settings, est: Estimate | None) -> None
             "vram_budget_gib.", None, code="too_big_for_gpus")
 
 
-def check_quota(settings: Settings, owner: User | None, est: Estimate | None,
-                num_gpus: int = 1) -> None:
-    """Refuse a job its owner's GPU memory quota (``users.quota_gib``, "GPU memory at once")
-    could never admit, even with no other job of theirs running: raises StudioError(invalid,
-    code ``over_gpu_memory_quota``) naming the need and the quota (GiB) when the memory the job
-    would be admitted with on all its ``num_gpus`` GPUs (:func:`app.store.admission.need_gib`)
-    is more than the quota (:func:`app.store.admission.over_gib_quota`, the rule admission
-    applies). No owner, no quota or no estimate: no refusal."""
-    if owner is None or est is None or est.total_gib <= 0:
+#: What a refused new run can change (:func:`check_job_quota`'s ``remedy``).
+RUN_REMEDY = ("Lower max_seq_length or the batch size, set load_in_4bit, or ask an admin to raise "
+              "your quota (GPU memory at once, on the Admin page).")
+#: What a refused job of an existing run or model can change: only the quota.
+QUOTA_REMEDY = "Ask an admin to raise your quota (GPU memory at once, on the Admin page)."
+
+
+def check_job_quota(engine: Engine | None, settings: Settings, owner: User | str | None,
+                    allocated_gib: float | None, num_gpus: int = 1, what: str = "this run",
+                    remedy: str = RUN_REMEDY) -> None:
+    """The one check before any GPU job is queued for a user (a new run, a resume, a Playground
+    session, a checkpoint eval): refuse a job its owner's GPU memory quota (``users.quota_gib``,
+    "GPU memory at once") could never admit, even with no other job of theirs running.
+
+    ``owner``: the job's owner (a User, or its id, read with ``engine``); ``allocated_gib``:
+    the job's estimated allocator peak per GPU (GiB, the ``estimate_gib`` it is queued with);
+    ``what``: the job as the message names it ("this run"); ``remedy``: the message's last
+    sentence. Raises StudioError(invalid, code ``over_gpu_memory_quota``) naming the need and
+    the quota (GiB) when the memory the job would be admitted with on all its ``num_gpus`` GPUs
+    (:func:`app.store.admission.need_gib`) is more than the quota
+    (:func:`app.store.admission.over_gib_quota`, the rule admission applies). No owner, no
+    quota or no estimate: no refusal."""
+    if owner is None or allocated_gib is None or allocated_gib <= 0:
         return
-    per_gpu = admission.need_gib(est.allocated_gib, settings.gpu_admit_margin, None)
+    if isinstance(owner, str):
+        with session_scope(engine) as s:
+            owner = s.get(User, owner)
+        if owner is None:
+            return
+    per_gpu = admission.need_gib(allocated_gib, settings.gpu_admit_margin, None)
     need = per_gpu * max(1, num_gpus)
     if not admission.over_gib_quota(owner.quota_gib, need):
         return
     each = f" ({admission.gib(per_gpu)} GiB on each of {num_gpus} GPUs)" if num_gpus > 1 else ""
     raise StudioError(
-        "invalid", f"this run needs about {admission.gib(need)} GiB of GPU memory at once{each} "
-        f"(estimate {est.allocated_gib:.2f} GiB, plus the {settings.gpu_admit_margin:.0%} "
+        "invalid", f"{what} needs about {admission.gib(need)} GiB of GPU memory at once{each} "
+        f"(estimate {allocated_gib:.2f} GiB, plus the {settings.gpu_admit_margin:.0%} "
         f"admission margin and the {CUDA_CONTEXT_GIB:g} GiB CUDA context), more than your GPU "
         f"memory quota of {admission.gib(owner.quota_gib)} GiB at once: it could never start. "
-        "Lower max_seq_length or the batch size, set load_in_4bit, or ask an admin to raise "
-        "your quota (GPU memory at once, on the Admin page).", None,
-        code="over_gpu_memory_quota")
+        f"{remedy}", None, code="over_gpu_memory_quota")
+
+
+def check_quota(settings: Settings, owner: User | None, est: Estimate | None,
+                num_gpus: int = 1) -> None:
+    """A new run's :func:`check_job_quota` for its calibrated estimate ``est`` (raises
+    StudioError ``over_gpu_memory_quota``; no estimate: no refusal)."""
+    if est is None or est.total_gib <= 0:
+        return
+    check_job_quota(None, settings, owner, est.allocated_gib, num_gpus)
 
 
 #: Codes of the refusals above: about the whole spec, not one field (a form shows them on top).

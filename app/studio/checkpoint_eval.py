@@ -17,10 +17,11 @@ from sqlalchemy.engine import Engine
 from app.store import queue, repo
 from app.store.schema import Job, JobState, Run
 from app.store.specs import ALL_LINEAR
-from app.studio import access, audit, jobs
+from app.studio import access, audit, calibration, jobs
 from app.studio.errors import StudioError, invalid, not_found
 
 if TYPE_CHECKING:
+    from app.settings import Settings
     from app.store.schema import User
 
 #: The job kind.
@@ -121,14 +122,16 @@ def refusal(engine: Engine, run: Run, step: int, steps: list[int] | None = None,
     return None
 
 
-def queue_eval(engine: Engine, actor: User, run_id: str, step: Any,
+def queue_eval(engine: Engine, settings: Settings, actor: User, run_id: str, step: Any,
                samples: Any = None) -> Job:
     """Queue the generation eval of checkpoint ``step`` of run ``run_id`` on up to ``samples``
     held-out prompts (default :func:`default_samples`).
 
     Raises StudioError: not_found (unknown or another user's run; no such checkpoint),
     conflict (no held-out set; that checkpoint's eval already queued or running), invalid
-    (``checkpoint_step`` or ``samples`` not a whole number in range)."""
+    (``checkpoint_step`` or ``samples`` not a whole number in range; code
+    ``over_gpu_memory_quota``: the run owner's GPU memory quota could never admit the eval,
+    :func:`app.studio.calibration.check_job_quota`)."""
     run = access.run(engine, actor, run_id)
     try:
         step = int(step)
@@ -146,10 +149,12 @@ def queue_eval(engine: Engine, actor: User, run_id: str, step: Any,
     problem = refusal(engine, run, step)
     if problem is not None:
         raise problem
+    need = estimate_gib(engine, run)
+    calibration.check_job_quota(engine, settings, run.owner, need, 1,
+                                f"this evaluation of checkpoint {step}", calibration.QUOTA_REMEDY)
     job = queue.enqueue(engine, KIND, {"spec_version": 1, "run_id": run.id,
                                        "checkpoint_step": step, "samples": n},
-                        run_id=run.id, owner=run.owner, max_attempts=2,
-                        estimate_gib=estimate_gib(engine, run))
+                        run_id=run.id, owner=run.owner, max_attempts=2, estimate_gib=need)
     audit.record(engine, actor.id, "run.checkpoint_eval", "run", run.id, step=step, job=job.id)
     return job
 

@@ -34,7 +34,7 @@ from app.settings import Settings
 from app.store import events, queue, repo
 from app.store.db import session_scope
 from app.store.schema import Artifact, Job, JobEvent, JobState, Model, Run, now
-from app.studio import access
+from app.studio import access, calibration
 from app.studio import checkpoint_eval as ckpt_eval
 from app.studio.errors import StudioError, invalid
 from app.studio.job_states import state_words
@@ -208,15 +208,20 @@ def open_session(engine: Engine, settings: Settings, actor: User, model: str,
     ending), or a new one queued with its memory estimate; the look and the insert are one
     write transaction, so concurrent calls (a client's retry) never open two. ``prompt``: the
     prompt about to be sent (its sampling :func:`prompt_params` are checked first, so a bad one
-    queues no session). Raises StudioError as :func:`resolve` and :func:`params`."""
+    queues no session). Raises StudioError as :func:`resolve` and :func:`params`, and invalid
+    (code ``over_gpu_memory_quota``) when the caller's GPU memory quota could never admit the
+    session (:func:`app.studio.calibration.check_job_quota`)."""
     if prompt is not None:
         prompt_params(prompt)
     t = resolve(engine, actor, model)
+    need = estimate_gib(t)
+    calibration.check_job_quota(engine, settings, actor.id, need, 1,
+                                f"a Playground session of {t.model}", calibration.QUOTA_REMEDY)
     return queue.enqueue_unless(
         engine, KIND, t.payload(settings.playground_idle_seconds,
                                 settings.playground_yield_seconds),
         lambda s: _live(s, actor, t.model), run_id=t.run.id if t.run else None,
-        owner=actor.id, estimate_gib=estimate_gib(t), max_attempts=1)
+        owner=actor.id, estimate_gib=need, max_attempts=1)
 
 
 def sessions_using(engine: Engine, artifact_ids: list[str]) -> list[Job]:

@@ -15,12 +15,13 @@ from sqlalchemy.engine import Engine
 
 from app.store import repo
 from app.store.schema import Job, JobState, Run
-from app.studio import access, audit
+from app.studio import access, audit, calibration
 from app.studio.errors import StudioError
 from app.studio.exports import checkpoint_steps
 from app.studio.job_states import state_words
 
 if TYPE_CHECKING:
+    from app.settings import Settings
     from app.store.schema import User
 
 
@@ -42,7 +43,8 @@ def resumable(engine: Engine, run: Run, job: Job | None) -> tuple[int | None, st
     return steps[0], None
 
 
-def resume_run(engine: Engine, actor: User, run_id: str) -> tuple[Run, Job]:
+def resume_run(engine: Engine, settings: Settings, actor: User, run_id: str
+               ) -> tuple[Run, Job]:
     """Queue a cancelled or failed run again; its new job resumes from the run's newest
     checkpoint (the learning-rate schedule, optimizer state, data order and RNG continue).
 
@@ -51,7 +53,9 @@ def resume_run(engine: Engine, actor: User, run_id: str) -> tuple[Run, Job]:
     Raises:
         StudioError: not_found (unknown or another user's run); conflict (code
             ``not_resumable``) when its job is queued or running, it succeeded, it saved no
-            checkpoint, or its validation_file was deleted since.
+            checkpoint, or its validation_file was deleted since; invalid (code
+            ``over_gpu_memory_quota``) when the owner's GPU memory quota could never admit
+            the new job (:func:`app.studio.calibration.check_job_quota`).
     """
     run, job = access.run_with_job(engine, actor, run_id)
     step, why = resumable(engine, run, job)
@@ -65,6 +69,9 @@ def resume_run(engine: Engine, actor: User, run_id: str) -> tuple[Run, Job]:
             raise StudioError("conflict", f"run {run.id} evaluates on validation_file {val}, "
                                           "which was deleted; it cannot resume", "validation_file",
                               "not_resumable") from None
+    calibration.check_job_quota(
+        engine, settings, run.owner, job.estimate_gib, int((run.spec or {}).get("num_gpus") or 1),
+        f"the resumed job of run {run.id}", calibration.QUOTA_REMEDY)
     try:
         run, new = repo.resume_run(engine, run.id, step,
                                    f"resumed from checkpoint-{step} (job {job.id} {job.state})")

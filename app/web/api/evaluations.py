@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request
 
 from app.studio import checkpoint_eval as evals_uc
 from app.web.api.schemas import CheckpointEvalOut, RunEvaluationsOut, json_object
-from app.web.deps import CurrentUser, EngineDep
+from app.web.deps import CurrentUser, EngineDep, SettingsDep
 
 router = APIRouter(prefix="/api", tags=["evaluations"])
 
@@ -27,12 +27,12 @@ def run_evaluations(run_id: str, engine: EngineDep, user: CurrentUser):
 @router.post("/runs/{run_id}/checkpoints/{step}/evaluations", status_code=202,
              response_model=CheckpointEvalOut)
 async def evaluate_checkpoint(run_id: str, step: int, request: Request, engine: EngineDep,
-                              user: CurrentUser):
+                              settings: SettingsDep, user: CurrentUser):
     """Queue the generation eval of checkpoint ``step`` (404: no such run or checkpoint;
     409: no held-out set, or that checkpoint's eval is already queued or running)."""
     body = await json_object(request, 'a JSON object: {"samples": n} or {}') \
         if await request.body() else {}
-    job = evals_uc.queue_eval(engine, user, run_id, step, body.get("samples"))
+    job = evals_uc.queue_eval(engine, settings, user, run_id, step, body.get("samples"))
     return evals_uc.eval_info(job)
 
 

@@ -70,10 +70,10 @@ def cancel_run(run_id: str, engine: EngineDep, user: CurrentUser):
 
 
 @router.post("/runs/{run_id}/resume", response_model=RunOut)
-def resume_run(run_id: str, engine: EngineDep, user: CurrentUser):
+def resume_run(run_id: str, engine: EngineDep, settings: SettingsDep, user: CurrentUser):
     """Queue a cancelled or failed run again: its new job resumes from the newest checkpoint
     (409 with the reason when it cannot: still active, succeeded, no checkpoint)."""
-    run, _ = resume_uc.resume_run(engine, user, run_id)
+    run, _ = resume_uc.resume_run(engine, settings, user, run_id)
     return run_out(engine, run, full=True)
 
 

@@ -8,7 +8,7 @@ from fastapi.responses import RedirectResponse
 
 from app.studio import checkpoint_eval as evals_uc
 from app.studio.errors import StudioError
-from app.web.deps import CurrentUser, EngineDep, is_htmx
+from app.web.deps import CurrentUser, EngineDep, SettingsDep, is_htmx
 from app.web.errors import conflict_of
 from app.web.render import render
 from app.web.views import run_view
@@ -18,13 +18,13 @@ router = APIRouter()
 
 @router.post("/runs/{run_id}/checkpoints/{step}/evaluate")
 async def evaluate_checkpoint(request: Request, run_id: str, step: int, engine: EngineDep,
-                              user: CurrentUser):
+                              settings: SettingsDep, user: CurrentUser):
     """Queue the eval of checkpoint ``step``; a refusal (no held-out set, checkpoint gone, an
     eval of it already running) is shown on the card (409/422). Another user's run: 404."""
     form = await request.form()
     error, status = None, 200
     try:
-        evals_uc.queue_eval(engine, user, run_id, step, form.get("samples"))
+        evals_uc.queue_eval(engine, settings, user, run_id, step, form.get("samples"))
     except StudioError as exc:
         if exc.kind == "not_found" and exc.field is None:
             raise

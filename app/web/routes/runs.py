@@ -209,10 +209,11 @@ def cancel_run(request: Request, run_id: str, engine: EngineDep, user: CurrentUs
 
 
 @router.post("/runs/{run_id}/resume")
-def resume_run(request: Request, run_id: str, engine: EngineDep, user: CurrentUser):
+def resume_run(request: Request, run_id: str, engine: EngineDep, settings: SettingsDep,
+               user: CurrentUser):
     """Resume a cancelled or failed run from its newest checkpoint; back to its page (whose
     live view follows the new job)."""
-    resume_uc.resume_run(engine, user, run_id)
+    resume_uc.resume_run(engine, settings, user, run_id)
     if is_htmx(request):
         return Response(status_code=200, headers={"HX-Redirect": f"/runs/{run_id}"})
     return RedirectResponse(f"/runs/{run_id}", status_code=303)
