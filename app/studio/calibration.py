@@ -125,7 +125,7 @@ QUOTA_REMEDY = "Ask an admin to raise your quota (GPU memory at once, on the Adm
 
 def check_job_quota(engine: Engine | None, settings: Settings, owner: User | str | None,
                     allocated_gib: float | None, num_gpus: int = 1, what: str = "this run",
-                    remedy: str = RUN_REMEDY) -> None:
+                    remedy: str = RUN_REMEDY, actor: User | None = None) -> None:
     """The one check before any GPU job is queued for a user (a new run, a resume, a Playground
     session, a checkpoint eval): refuse a job its owner's GPU memory quota (``users.quota_gib``,
     "GPU memory at once") could never admit, even with no other job of theirs running.
@@ -133,8 +133,9 @@ def check_job_quota(engine: Engine | None, settings: Settings, owner: User | str
     ``owner``: the job's owner (a User, or its id, read with ``engine``); ``allocated_gib``:
     the job's estimated allocator peak per GPU (GiB, the ``estimate_gib`` it is queued with);
     ``what``: the job as the message names it ("this run"); ``remedy``: the message's last
-    sentence. Raises StudioError(invalid, code ``over_gpu_memory_quota``) naming the need and
-    the quota (GiB) when the memory the job would be admitted with on all its ``num_gpus`` GPUs
+    sentence; ``actor``: who asks, when not the owner (an admin resuming a member's run: the
+    message says "alice's quota", not "your"). Raises StudioError(invalid, code
+    ``over_gpu_memory_quota``) naming the need and the quota (GiB) when the memory the job would be admitted with on all its ``num_gpus`` GPUs
     (:func:`app.store.admission.need_gib`) is more than the quota
     (:func:`app.store.admission.over_gib_quota`, the rule admission applies). No owner, no
     quota or no estimate: no refusal."""
@@ -150,11 +151,14 @@ def check_job_quota(engine: Engine | None, settings: Settings, owner: User | str
     if not admission.over_gib_quota(owner.quota_gib, need):
         return
     each = f" ({admission.gib(per_gpu)} GiB on each of {num_gpus} GPUs)" if num_gpus > 1 else ""
+    whose = "your" if actor is None or actor.id == owner.id else f"{owner.name}'s"
+    if whose != "your":
+        remedy = remedy.replace("your quota", f"{owner.name}'s quota")
     raise StudioError(
         "invalid", f"{what} needs about {admission.gib(need)} GiB of GPU memory at once{each} "
         f"(estimate {allocated_gib:.2f} GiB, plus the {settings.gpu_admit_margin:.0%} "
-        f"admission margin and the {CUDA_CONTEXT_GIB:g} GiB CUDA context), more than your GPU "
-        f"memory quota of {admission.gib(owner.quota_gib)} GiB at once: it could never start. "
+        f"admission margin and the {CUDA_CONTEXT_GIB:g} GiB CUDA context), more than {whose} "
+        f"GPU memory quota of {admission.gib(owner.quota_gib)} GiB at once: it could never start. "
         f"{remedy}", None, code="over_gpu_memory_quota")
 
 

@@ -151,7 +151,8 @@ def queue_eval(engine: Engine, settings: Settings, actor: User, run_id: str, ste
         raise problem
     need = estimate_gib(engine, run)
     calibration.check_job_quota(engine, settings, run.owner, need, 1,
-                                f"this evaluation of checkpoint {step}", calibration.QUOTA_REMEDY)
+                                f"this evaluation of checkpoint {step}", calibration.QUOTA_REMEDY,
+                                actor)
     job = queue.enqueue(engine, KIND, {"spec_version": 1, "run_id": run.id,
                                        "checkpoint_step": step, "samples": n},
                         run_id=run.id, owner=run.owner, max_attempts=2, estimate_gib=need)

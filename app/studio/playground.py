@@ -210,13 +210,21 @@ def open_session(engine: Engine, settings: Settings, actor: User, model: str,
     prompt about to be sent (its sampling :func:`prompt_params` are checked first, so a bad one
     queues no session). Raises StudioError as :func:`resolve` and :func:`params`, and invalid
     (code ``over_gpu_memory_quota``) when the caller's GPU memory quota could never admit the
-    session (:func:`app.studio.calibration.check_job_quota`)."""
+    session (:func:`app.studio.calibration.check_job_quota`) and no session of theirs for
+    ``model`` already runs (one started before an admin lowered the quota keeps serving)."""
     if prompt is not None:
         prompt_params(prompt)
     t = resolve(engine, actor, model)
     need = estimate_gib(t)
-    calibration.check_job_quota(engine, settings, actor.id, need, 1,
-                                f"a Playground session of {t.model}", calibration.QUOTA_REMEDY)
+    try:
+        calibration.check_job_quota(engine, settings, actor.id, need, 1,
+                                    f"a Playground session of {t.model}", calibration.QUOTA_REMEDY)
+    except StudioError:
+        with session_scope(engine) as s:
+            live = _live(s, actor, t.model)
+        if live is None or live.state != JobState.RUNNING:
+            raise
+        return live, True
     return queue.enqueue_unless(
         engine, KIND, t.payload(settings.playground_idle_seconds,
                                 settings.playground_yield_seconds),

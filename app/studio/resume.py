@@ -71,7 +71,7 @@ def resume_run(engine: Engine, settings: Settings, actor: User, run_id: str
                               "not_resumable") from None
     calibration.check_job_quota(
         engine, settings, run.owner, job.estimate_gib, int((run.spec or {}).get("num_gpus") or 1),
-        f"the resumed job of run {run.id}", calibration.QUOTA_REMEDY)
+        f"the resumed job of run {run.id}", calibration.QUOTA_REMEDY, actor)
     try:
         run, new = repo.resume_run(engine, run.id, step,
                                    f"resumed from checkpoint-{step} (job {job.id} {job.state})")

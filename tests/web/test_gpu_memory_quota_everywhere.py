@@ -74,8 +74,20 @@ def test_resume_eval_and_playground_refuse_a_job_over_the_gpu_memory_quota(
         assert repo.get_run(engine, run.id).job_id == job.id
         assert queue.get_job(engine, job.id).state == JobState.CANCELLED
 
+        # an admin resuming alice's run is told it is alice's quota
+        r = client.post(f"/api/runs/{run.id}/resume")
+        assert r.status_code == 422 and r.json()["error"]["code"] == "over_gpu_memory_quota"
+        assert "more than alice's GPU memory quota of 0.3 GiB" in r.json()["error"]["message"]
+        assert "Ask an admin to raise alice's quota" in r.json()["error"]["message"]
+
         # within the quota each is queued as before
         _quota(client, alice, "100")
         assert c.post(f"/api/runs/{run.id}/resume").status_code == 200
-        assert c.post("/api/playground/sessions", json={"model": model}).status_code == 201
+        r = c.post("/api/playground/sessions", json={"model": model})
+        assert r.status_code == 201, r.text
         assert _jobs(engine) == before + 2
+        # a session that started before the quota was lowered keeps serving its owner
+        assert queue.claim(engine, "w-test", 30, kinds=["playground"]).id == r.json()["id"]
+        _quota(client, alice, "0.3")
+        again = c.post("/api/playground/sessions", json={"model": model})
+        assert again.status_code == 200 and again.json()["id"] == r.json()["id"], again.text
