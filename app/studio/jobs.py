@@ -56,6 +56,9 @@ class JobRow:
     badge_look: str = ""
     #: the outcome a user cares about, in words (e.g. "dataset valid: 120 rows"); None: none
     outcome: str | None = None
+    #: the name of the run it works on (None: no run, or the run has no name); only jobs the
+    #: reader may see are listed, so it is never another member's run name
+    run_name: str | None = None
 
 
 def lane_of(kind: str) -> str:
@@ -106,8 +109,9 @@ def list_jobs(engine: Engine, actor: User, recent: int = 20,
         done = list(s.exec(select(Job).where(Job.state.in_(JobState.FINAL))
                            .order_by(Job.id.desc()).limit(recent * 5)).all())
         run_ids = {j.run_id for j in active + done if j.run_id}
-        run_owner = ({r.id: r.owner for r in s.exec(select(Run).where(Run.id.in_(run_ids))).all()}
-                     if run_ids else {})
+        runs = s.exec(select(Run).where(Run.id.in_(run_ids))).all() if run_ids else []
+        run_owner = {r.id: r.owner for r in runs}
+        run_name = {r.id: r.name for r in runs}
     counters = {"cpu": 0, "gpu": 0}
     rows: list[JobRow] = []
     finished: list[JobRow] = []
@@ -124,7 +128,8 @@ def list_jobs(engine: Engine, actor: User, recent: int = 20,
         row = JobRow(job.id, job.kind, KIND_LABELS.get(job.kind, job.kind), lane,
                      lane_name(lane, gpu), job.state,
                      position, job.run_id or payload.get("dataset_id") or payload.get("model_id"),
-                     job.run_id, owner, job.created_at, job.error, badge, look, words)
+                     job.run_id, owner, job.created_at, job.error, badge, look, words,
+                     run_name.get(job.run_id))
         (rows if job.state not in JobState.FINAL else finished).append(row)
     return rows + finished[:recent]
 

@@ -127,3 +127,28 @@ def test_jobs_table_says_a_rejected_dataset_was_rejected(app, client, engine) ->
     assert ("dataset rejected: row 1, field &#39;conversations[1].value&#39;: empty assistant "
             "turn") in bad_row
     assert good in good_row and "dataset valid:" in good_row and "rejected" not in good_row
+
+
+def _for_cells(html: str) -> dict[str, str]:
+    """The Jobs table's "For" cell of each train job on the dashboard, by job id."""
+    table = html[html.index('id="jobs-table"'):]
+    return dict(re.findall(r'<tr data-job="(\d+)" data-kind="train">.*?<td data-label="For" '
+                           r'class="wide">(.*?)</td>', table, re.S))
+
+
+def test_jobs_table_names_the_run_as_the_queue_does(app, client, engine) -> None:
+    admin_id = client.get("/api/me").json()["id"]
+    bea = client.post("/api/users", json={"name": "bea", "password": "member-password-1"}
+                      ).json()["id"]
+    mine = _runs(client, engine, admin_id, ["tiny stories lr 3e-4"])[0]
+    with signed_in(app, "bea", "member-password-1") as c:
+        hers = _runs(c, engine, bea, ["bea's secret run"])[0]
+        cells = _for_cells(c.get("/").text)
+        job = str(repo.get_run(engine, hers).job_id)
+        assert cells == {job: f'<a class="run-name" href="/runs/{hers}">bea&#39;s secret run</a>'
+                              f' <span class="muted small">{hers}</span>'}
+        assert "tiny stories lr 3e-4" not in c.get("/").text  # another user's job: not listed
+    cells = _for_cells(client.get("/").text)  # an admin sees every run's name
+    assert f'<a class="run-name" href="/runs/{mine}">tiny stories lr 3e-4</a>' in \
+        cells[str(repo.get_run(engine, mine).job_id)]
+    assert "bea&#39;s secret run" in cells[str(repo.get_run(engine, hers).job_id)]
