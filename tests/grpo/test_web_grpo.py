@@ -522,6 +522,42 @@ def test_openai_files_accepts_prompt_files_for_reinforcement(env, server, tmp_pa
     assert f.status == "error" and "could not detect the dataset format" in f.status_details
 
 
+BROKEN_CHAT = b"".join(json.dumps(r).encode() + b"\n" for r in (
+    {"messages": [{"role": "user", "content": "hi"}]},
+    {"messages": [{"role": "usr", "content": "hi"}, {"role": "assistant", "content": ""}]},
+    {"messages": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "yo"}]}))
+
+
+def test_broken_chat_file_is_rejected_on_every_upload_surface(env):
+    """A messages file with unknown roles / an empty assistant turn is rejected by the Datasets
+    page and by /v1/files alike (never reclassified as GRPO prompts); the GRPO upload lists
+    each bad row by number with its reason."""
+    c = env["client"]
+    r = c.post("/datasets", files={"file": ("broken.jsonl", BROKEN_CHAT)}, follow_redirects=False)
+    assert r.status_code == 303, r.text
+    page_id = r.headers["location"].rsplit("/", 1)[-1]
+    r = c.post("/v1/files", data={"purpose": "fine-tune"},
+               files={"file": ("broken.jsonl", BROKEN_CHAT)})
+    assert r.status_code == 200, r.text
+    v1_id = r.json()["id"]
+    r = c.post("/api/grpo/datasets", files={"file": ("broken.jsonl", BROKEN_CHAT)})
+    grpo_id = r.json()["id"]
+    run_validations(env["app"])
+    page = repo.get_dataset(env["engine"], page_id)
+    assert page.status == "error" and "ends with a user turn" in page.error
+    f = c.get(f"/v1/files/{v1_id}").json()
+    assert f["status"] == "error", f
+    assert "row 2, field 'messages[0].role': unknown role 'usr'" in f["status_details"]
+    assert "row 3, field 'messages[1].role': unknown role 'bot'" in f["status_details"]
+    assert repo.get_dataset(env["engine"], v1_id).format != "prompts"
+    grpo = c.get(f"/api/datasets/{grpo_id}").json()
+    assert grpo["report"]["valid_rows"] == 1
+    assert [(i["row"], i["field"]) for i in grpo["report"]["invalid"]] == [
+        (2, "messages[0].role"), (3, "messages[1].role")]
+    html = c.get(f"/datasets/{grpo_id}").text
+    assert "unknown role &#39;bot&#39;" in html or "unknown role 'bot'" in html
+
+
 def test_unknown_lora_target_is_a_field_error(env, tmp_path):
     """target_modules are checked against the model's weight names (safetensors header) when a
     run is created (SFT and GRPO), listing the modules the layers do have."""
