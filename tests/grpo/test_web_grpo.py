@@ -457,9 +457,10 @@ def test_prompt_and_completion_longer_than_the_context_are_refused(env, tmp_path
             ({"max_prompt_length": 100000}, "max_prompt_length",
              f"max_prompt_length 100000 + max_completion_length 256 = 100256 tokens is longer "
              f"than {window}, which must hold a prompt and its completion together; use "
-             f"max_prompt_length 256 or less"),
+             f"max_prompt_length 256 or less with this completion length"),
             ({"max_prompt_length": 300, "max_completion_length": 300}, "max_prompt_length",
-             "use max_prompt_length 212 or less"),
+             "lower either (max_prompt_length 212 or less with this completion length, or "
+             "max_completion_length 212 or less with this prompt length)"),
             ({"max_completion_length": 100000}, "max_completion_length",
              f"100000 tokens is longer than {window}"),
             ({"max_completion_length": 512}, "max_completion_length",
@@ -471,6 +472,18 @@ def test_prompt_and_completion_longer_than_the_context_are_refused(env, tmp_path
     r = c.post("/runs/grpo", data=_form(env["dataset"], max_prompt_length="100000"),
                headers={"HX-Request": "true"})
     assert "use max_prompt_length 384 or less" in r.text.replace("&#39;", "'")  # form: 128
+    # the trial's form: both lengths sent, the completion is what outgrew the window
+    r = c.post("/runs/grpo", data=_form(env["dataset"], max_prompt_length="100",
+                                        max_completion_length="500"),
+               headers={"HX-Request": "true"})
+    text = r.text.replace("&#39;", "'")
+    message = (f"max_prompt_length 100 + max_completion_length 500 = 600 tokens is longer than "
+               f"{window}, which must hold a prompt and its completion together; lower either "
+               f"(max_completion_length 412 or less with this prompt length, or "
+               f"max_prompt_length 12 or less with this completion length)")
+    at = text.index('name="max_completion_length"')
+    assert text.index(f'<span class="field-error" role="alert">{message}</span>') > at
+    assert text.index('name="max_prompt_length"') < at
     r = c.post("/runs/grpo", data=_form(env["dataset"], max_completion_length="4096"),
                headers={"HX-Request": "true"})
     assert f"4096 tokens is longer than {window}" in r.text.replace("&#39;", "'")
