@@ -74,13 +74,38 @@ def prompt_messages(value: Any, column: str, system_prompt: str | None = None) -
     return msgs
 
 
+def message_problem(value: Any, column: str) -> tuple[str, str] | None:
+    """``(field, reason)`` of the first bad message in a ``messages`` prompt cell (a role
+    that is not system/user/assistant/tool, an assistant turn with no content), else None
+    (also for a text cell). The SFT check reports the same problems (:mod:`app.data.formats`)."""
+    from app.data.formats import MESSAGE_ROLES
+
+    if not isinstance(value, list):
+        return None
+    for i, msg in enumerate(value):
+        if not isinstance(msg, dict):
+            return f"{column}[{i}]", f"message is a {type(msg).__name__}, expected an object"
+        role = msg.get("role")
+        if not isinstance(role, str) or role.strip().lower() not in MESSAGE_ROLES:
+            return (f"{column}[{i}].role",
+                    f"unknown role {role!r}; expected system, user, assistant or tool")
+        content = msg.get("content")
+        if MESSAGE_ROLES[role.strip().lower()] == "assistant" and not msg.get("tool_calls") \
+                and (content is None or (isinstance(content, str) and not content.strip())):
+            return f"{column}[{i}].content", "the assistant turn has no content"
+    return None
+
+
 def inspect_prompts(path: str | os.PathLike, prompt_column: str | None = None,
                     answer_column: str | None = None, preview: int = 3,
                     on_rows=None) -> dict[str, Any]:
     """A report for a prompt dataset: rows, usable rows, columns, the prompt and reference
     columns and a preview; ``on_rows(n)`` is called as rows are read (it may raise to stop).
+    Rows whose messages are malformed (:func:`message_problem`) are listed in ``invalid``
+    (``{row, field, message}``), as the SFT report lists its invalid rows.
     Raises DatasetError when no row is readable or has a prompt."""
     rows = bad = usable = 0
+    invalid: list[dict] = []
     first: dict | None = None
     columns: set[str] = set()
     previews: list[dict] = []
@@ -96,8 +121,11 @@ def inspect_prompts(path: str | os.PathLike, prompt_column: str | None = None,
             first = rec.data
             pcol, acol = pick_columns(first, prompt_column, answer_column)
         columns.update(rec.data)
+        problem = message_problem(rec.data.get(pcol), pcol)
+        if problem is not None:
+            invalid.append({"row": rec.row, "field": problem[0], "message": problem[1]})
         try:
-            ok = prompt_messages(rec.data.get(pcol), pcol) is not None
+            ok = problem is None and prompt_messages(rec.data.get(pcol), pcol) is not None
         except DatasetError:
             ok = False
         usable += ok
@@ -109,6 +137,6 @@ def inspect_prompts(path: str | os.PathLike, prompt_column: str | None = None,
     if not usable:
         raise DatasetError(f"no row has a non-empty prompt in column {pcol!r}")
     return {"format": "prompts", "rows": rows, "valid_rows": usable, "unreadable_rows": bad,
-            "invalid_rows": rows - usable, "invalid": [], "warnings": [],
+            "invalid_rows": rows - usable, "invalid": invalid, "warnings": [],
             "columns": sorted(columns), "prompt_column": pcol, "answer_column": acol,
             "prompt_preview": previews}

@@ -153,13 +153,24 @@ def report_for(path: str, model: Model | None, template_choice: str | None, max_
 def _prompts_report(path: Path, sft_error: DatasetError, prompt_column: str | None = None,
                     answer_column: str | None = None) -> dict | None:
     """The prompt-dataset report of a file that is no SFT dataset (GSM8K rows, OpenAI RFT rows
-    whose messages end on a user turn), with the SFT reason kept; None when it is neither."""
+    whose messages end on a user turn), with the SFT reason kept; None when it is neither.
+
+    Raises:
+        DatasetError: a file with malformed messages (an unknown role, an empty assistant
+            turn) is neither: the SFT reason plus each bad row, by number, with its reason.
+    """
     from app.data.prompts import inspect_prompts
 
     try:
         report = inspect_prompts(str(path), prompt_column, answer_column)
     except DatasetError:
         return None
+    if report["invalid"]:
+        rows = "; ".join(f"row {i['row']}, field {i['field']!r}: {i['message']}"
+                         for i in report["invalid"][:10])
+        more = len(report["invalid"]) - 10
+        raise DatasetError(f"{sft_error}; it is no GRPO prompt dataset either: {rows}"
+                           f"{f'; and {more} more' if more > 0 else ''}")
     return {**report, "format": "prompts", "sft_error": str(sft_error)}
 
 

@@ -32,6 +32,13 @@ FORMATS = [("adapter", "LoRA adapter (PEFT)"), ("merged_16bit", "Merged 16-bit (
            ("gguf", "GGUF"), ("ollama", "Ollama (GGUF + Modelfile)")]
 #: The GGUF types an export may ask for: the form offers exactly what the API accepts.
 QUANTS = list(GGUF_TYPES)
+#: What a few GGUF types are for: the form's checkbox labels and the "needs a quantization"
+#: message read these (Q2_K and TQ1_0 are smaller than Q4_K_M; TQ1_0 is the smallest).
+QUANT_NOTES = {"F16": "16-bit weights", "Q8_0": "near-lossless, half the size of F16",
+               "Q4_K_M": "common size/quality balance", "Q2_K": "small, lossy",
+               "TQ1_0": "smallest; for ternary models"}
+#: The export formats as a sentence names them, with their article.
+FORMAT_WORDS = {"gguf": "a GGUF export", "ollama": "an Ollama export"}
 #: The largest id a job row can have (a 64-bit signed integer); larger ids name nothing.
 MAX_ID = 2**63 - 1
 
@@ -207,9 +214,9 @@ def queue_export(engine: Engine, actor: User, run_id: str, body: dict[str, Any])
     if spec.quantization and spec.format not in ("gguf", "ollama"):
         raise invalid("quantization", f"applies to gguf and ollama exports, not {spec.format}")
     if not spec.quantization and spec.format in ("gguf", "ollama"):
-        raise invalid("quantization", f"a {spec.format} export needs at least one GGUF type, "
-                                      "e.g. Q8_0 (near-lossless, half the size of F16), F16 "
-                                      "(16-bit weights) or Q4_K_M (smallest)")
+        examples = ", ".join(f"{q} ({QUANT_NOTES[q]})" for q in ("Q8_0", "F16", "Q4_K_M"))
+        raise invalid("quantization", f"{FORMAT_WORDS[spec.format]} needs at least one GGUF "
+                                      f"type, e.g. {examples}")
     payload = spec.model_dump(mode="json")
     if spec.format == "ollama":
         model = repo.get_model(engine, run.model_id)

@@ -97,12 +97,18 @@ def context_window(model: Model) -> int | None:
     return n if isinstance(n, int) and n > 0 else context_length(model.path)
 
 
+GRPO_LENGTHS = {"max_prompt_length": "prompt length", "max_completion_length": "completion length"}
+
+
 def grpo_length_problem(prompt: int, completion: int, context: int | None, model_name: str,
-                        blame_prompt: bool = True) -> StudioError | None:
+                        named: frozenset[str] | set[str] = frozenset()) -> StudioError | None:
     """Why a GRPO prompt of ``prompt`` tokens plus a completion of ``completion`` tokens cannot
     fit a ``context``-token window (None when they fit, or the window is unknown): an invalid
-    StudioError naming ``max_completion_length`` when the completion alone leaves no room for
-    a prompt, else ``max_prompt_length`` (``blame_prompt``) or ``max_completion_length``."""
+    StudioError on ``max_completion_length`` when the completion alone leaves no room for a
+    prompt. Otherwise the message names both lengths and their sum; its field is the one length
+    in ``named`` (the field the caller set) when only one is, else the longer of the two (the
+    form sends both), and it says how far to lower that one, and the other when both are named
+    and lowering it alone can fit."""
     if not context or prompt + completion <= context:
         return None
     window = f"{model_name}'s context window ({context} tokens, max_position_embeddings)"
@@ -112,11 +118,20 @@ def grpo_length_problem(prompt: int, completion: int, context: int | None, model
                        f"must hold a prompt and its completion together; use at most "
                        f"{context - 1}, and less to leave room for the prompt "
                        f"(max_prompt_length {prompt})")
-    field, other = (("max_prompt_length", completion) if blame_prompt
-                    else ("max_completion_length", prompt))
+    value = {"max_prompt_length": prompt, "max_completion_length": completion}
+    mine = [f for f in GRPO_LENGTHS if f in named]
+    field = mine[0] if len(mine) == 1 else max(GRPO_LENGTHS, key=lambda f: value[f])
+    other = next(f for f in GRPO_LENGTHS if f != field)
+
+    def lower(f: str) -> str:
+        o = next(g for g in GRPO_LENGTHS if g != f)
+        return f"{f} {context - value[o]} or less with this {GRPO_LENGTHS[o]}"
+    advice = f"use {lower(field)}"
+    if len(mine) != 1 and context - value[field] >= 1:
+        advice = f"lower either ({lower(field)}, or {lower(other)})"
     return invalid(field, f"max_prompt_length {prompt} + max_completion_length {completion} = "
                    f"{prompt + completion} tokens is longer than {window}, which must hold a "
-                   f"prompt and its completion together; use {field} {context - other} or less")
+                   f"prompt and its completion together; {advice}")
 
 
 def fit_grpo_lengths(spec, model: Model):
@@ -125,9 +140,8 @@ def fit_grpo_lengths(spec, model: Model):
     kept), after checking that the sum fits.
 
     Raises:
-        StudioError: invalid (field ``max_prompt_length``, or ``max_completion_length`` when
-            only it was named or it alone fills the window): the sum is longer than the model's
-            context window.
+        StudioError: invalid (:func:`grpo_length_problem`: the field the caller named, or the
+            longer one when both were): the sum is longer than the model's context window.
     """
     context = context_window(model)
     p, c = spec.max_prompt_length, spec.max_completion_length
@@ -142,9 +156,7 @@ def fit_grpo_lengths(spec, model: Model):
             c = context - p
         if (p, c) != (spec.max_prompt_length, spec.max_completion_length):
             spec = spec.model_copy(update={"max_prompt_length": p, "max_completion_length": c})
-    problem = grpo_length_problem(p, c, context, model.name,
-                                  blame_prompt="max_prompt_length" in named
-                                  or "max_completion_length" not in named)
+    problem = grpo_length_problem(p, c, context, model.name, named)
     if problem:
         raise problem
     return spec

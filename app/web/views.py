@@ -47,14 +47,17 @@ def template_ctx(engine, user, model_ref: str | None, choice: str | None = None,
 
 
 def exports_view(engine, user, run_id: str, error: str | None = None,
-                 values: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The exports card of a run page: the form's choices and values, and the run's exports."""
+                 values: dict[str, Any] | None = None,
+                 field_errors: dict[str, str] | None = None) -> dict[str, Any]:
+    """The exports card of a run page: the form's choices and values, and the run's exports;
+    ``error`` shows under the form, ``field_errors`` (``{field: message}``) beside each field."""
     run, job = access.run_with_job(engine, user, run_id)
     items = [{**e, "verification_summary": verification.summarize(e["verification"])}
              for e in exports_uc.list_exports(engine, user, run_id)]
     can_export, checkpoint = exports_uc.exportable(engine, run.id, job)
     return {"run": run, "exports": items, "export_formats": exports_uc.FORMATS,
-            "export_quants": exports_uc.QUANTS, "export_error": error,
+            "export_quants": exports_uc.QUANTS, "export_quant_notes": exports_uc.QUANT_NOTES,
+            "export_error": error, "export_field_errors": field_errors or {},
             "export_values": values or {"format": "gguf", "quantization": ["Q8_0"]},
             "can_export": can_export, "export_checkpoint": checkpoint,
             "run_state": job.state if job else None,

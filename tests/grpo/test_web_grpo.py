@@ -457,9 +457,10 @@ def test_prompt_and_completion_longer_than_the_context_are_refused(env, tmp_path
             ({"max_prompt_length": 100000}, "max_prompt_length",
              f"max_prompt_length 100000 + max_completion_length 256 = 100256 tokens is longer "
              f"than {window}, which must hold a prompt and its completion together; use "
-             f"max_prompt_length 256 or less"),
+             f"max_prompt_length 256 or less with this completion length"),
             ({"max_prompt_length": 300, "max_completion_length": 300}, "max_prompt_length",
-             "use max_prompt_length 212 or less"),
+             "lower either (max_prompt_length 212 or less with this completion length, or "
+             "max_completion_length 212 or less with this prompt length)"),
             ({"max_completion_length": 100000}, "max_completion_length",
              f"100000 tokens is longer than {window}"),
             ({"max_completion_length": 512}, "max_completion_length",
@@ -471,6 +472,18 @@ def test_prompt_and_completion_longer_than_the_context_are_refused(env, tmp_path
     r = c.post("/runs/grpo", data=_form(env["dataset"], max_prompt_length="100000"),
                headers={"HX-Request": "true"})
     assert "use max_prompt_length 384 or less" in r.text.replace("&#39;", "'")  # form: 128
+    # the trial's form: both lengths sent, the completion is what outgrew the window
+    r = c.post("/runs/grpo", data=_form(env["dataset"], max_prompt_length="100",
+                                        max_completion_length="500"),
+               headers={"HX-Request": "true"})
+    text = r.text.replace("&#39;", "'")
+    message = (f"max_prompt_length 100 + max_completion_length 500 = 600 tokens is longer than "
+               f"{window}, which must hold a prompt and its completion together; lower either "
+               f"(max_completion_length 412 or less with this prompt length, or "
+               f"max_prompt_length 12 or less with this completion length)")
+    at = text.index('name="max_completion_length"')
+    assert text.index(f'<span class="field-error" role="alert">{message}</span>') > at
+    assert text.index('name="max_prompt_length"') < at
     r = c.post("/runs/grpo", data=_form(env["dataset"], max_completion_length="4096"),
                headers={"HX-Request": "true"})
     assert f"4096 tokens is longer than {window}" in r.text.replace("&#39;", "'")
@@ -520,6 +533,42 @@ def test_openai_files_accepts_prompt_files_for_reinforcement(env, server, tmp_pa
     run_validations(env["app"])
     f = client.files.retrieve(f.id)
     assert f.status == "error" and "could not detect the dataset format" in f.status_details
+
+
+BROKEN_CHAT = b"".join(json.dumps(r).encode() + b"\n" for r in (
+    {"messages": [{"role": "user", "content": "hi"}]},
+    {"messages": [{"role": "usr", "content": "hi"}, {"role": "assistant", "content": ""}]},
+    {"messages": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "yo"}]}))
+
+
+def test_broken_chat_file_is_rejected_on_every_upload_surface(env):
+    """A messages file with unknown roles / an empty assistant turn is rejected by the Datasets
+    page and by /v1/files alike (never reclassified as GRPO prompts); the GRPO upload lists
+    each bad row by number with its reason."""
+    c = env["client"]
+    r = c.post("/datasets", files={"file": ("broken.jsonl", BROKEN_CHAT)}, follow_redirects=False)
+    assert r.status_code == 303, r.text
+    page_id = r.headers["location"].rsplit("/", 1)[-1]
+    r = c.post("/v1/files", data={"purpose": "fine-tune"},
+               files={"file": ("broken.jsonl", BROKEN_CHAT)})
+    assert r.status_code == 200, r.text
+    v1_id = r.json()["id"]
+    r = c.post("/api/grpo/datasets", files={"file": ("broken.jsonl", BROKEN_CHAT)})
+    grpo_id = r.json()["id"]
+    run_validations(env["app"])
+    page = repo.get_dataset(env["engine"], page_id)
+    assert page.status == "error" and "ends with a user turn" in page.error
+    f = c.get(f"/v1/files/{v1_id}").json()
+    assert f["status"] == "error", f
+    assert "row 2, field 'messages[0].role': unknown role 'usr'" in f["status_details"]
+    assert "row 3, field 'messages[1].role': unknown role 'bot'" in f["status_details"]
+    assert repo.get_dataset(env["engine"], v1_id).format != "prompts"
+    grpo = c.get(f"/api/datasets/{grpo_id}").json()
+    assert grpo["report"]["valid_rows"] == 1
+    assert [(i["row"], i["field"]) for i in grpo["report"]["invalid"]] == [
+        (2, "messages[0].role"), (3, "messages[1].role")]
+    html = c.get(f"/datasets/{grpo_id}").text
+    assert "unknown role &#39;bot&#39;" in html or "unknown role 'bot'" in html
 
 
 def test_unknown_lora_target_is_a_field_error(env, tmp_path):

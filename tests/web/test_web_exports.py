@@ -54,16 +54,23 @@ def test_gguf_and_ollama_exports_need_a_quantization(client, engine):
     """No GGUF type chosen is a field error on /api and on the run page's form, not a silent
     F16 (gguf) or Q8_0 (ollama) export recorded with ``quantization: []``."""
     run_id = _finished_run(client, engine)
-    for fmt in ("gguf", "ollama"):
+    for fmt, words in (("gguf", "a GGUF export"), ("ollama", "an Ollama export")):
         for quant in ({}, {"quantization": []}, {"quantization": " , "}):
             r = client.post(f"/api/runs/{run_id}/exports", json={"format": fmt, **quant})
             assert r.status_code == 422, r.text
             err = r.json()["error"]
-            assert err["param"] == "quantization" and f"a {fmt} export needs at least one GGUF " \
-                "type, e.g. Q8_0" in err["message"]
+            assert err["param"] == "quantization" and err["message"] == (
+                f"{words} needs at least one GGUF type, e.g. Q8_0 (near-lossless, half the size "
+                "of F16), F16 (16-bit weights), Q4_K_M (common size/quality balance)")
         r = client.post(f"/runs/{run_id}/exports", data={"format": fmt},
                         headers={"HX-Request": "true"})
-        assert r.status_code == 422 and f"quantization: a {fmt} export needs at least one" in r.text
+        assert r.status_code == 422
+        # beside the quantization checkboxes (inside their fieldset), not under the Export button
+        fieldset = r.text.split('<fieldset class="inline invalid"', 1)[1].split("</fieldset>")[0]
+        assert f'id="quantization-error" role="alert">{words} needs at least one' in fieldset
+        assert 'class="alert error"' not in r.text
+        assert 'Q4_K_M <span class="muted">(common size/quality balance)</span>' in r.text
+        assert 'TQ1_0 <span class="muted">(smallest; for ternary models)</span>' in r.text
     assert repo.list_run_jobs(engine, run_id, "export") == []
     r = client.post(f"/runs/{run_id}/exports", data={"format": "gguf", "quantization": "F16"},
                     headers={"HX-Request": "true"})

@@ -18,6 +18,8 @@ from app.web.render import render
 from app.web.views import exports_view
 
 router = APIRouter()
+#: The export form's fields: an error naming one is shown beside it.
+FORM_FIELDS = ("format", "quantization", "dtype")
 
 
 @router.get("/runs/{run_id}/exports")
@@ -32,15 +34,20 @@ async def exports_submit(request: Request, run_id: str, engine: EngineDep, user:
               "dtype": form.get("dtype") or None}
     if values["format"] not in ("gguf", "ollama"):
         values["quantization"] = []  # the form always posts its checkboxes
-    error = None
+    error, field_errors = None, {}
     try:
         exports_uc.queue_export(engine, user, run_id, values)
     except StudioError as exc:
         if exc.kind == "not_found":
             raise
-        error = f"{exc.field}: {exc.message}" if exc.field else exc.message
-    status = 422 if error is not None and is_htmx(request) else 200
-    return render(request, "_exports.html", exports_view(engine, user, run_id, error, values),
+        if exc.field in FORM_FIELDS:  # shown beside its field
+            field_errors[exc.field] = exc.message
+        else:
+            error = f"{exc.field}: {exc.message}" if exc.field else exc.message
+    failed = error is not None or bool(field_errors)
+    status = 422 if failed and is_htmx(request) else 200
+    return render(request, "_exports.html",
+                  exports_view(engine, user, run_id, error, values, field_errors),
                   block="exports", status_code=status)
 
 
