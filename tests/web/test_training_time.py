@@ -28,6 +28,16 @@ def _set_ts(engine, job_id: int, ts: float) -> None:
         s.add(ev)
 
 
+def _shows(client, run_id: str, want: tuple[float, float, bool], text: str) -> None:
+    """The API's training_time of a resumed run is ``want`` (this attempt, all, running) and
+    the run page says ``Training time: <text>``."""
+    this, total, running = want
+    assert client.get(f"/api/runs/{run_id}").json()["training_time"] == {
+        "this_attempt": this, "all_attempts": total, "attempts": 2, "resumed": True,
+        "running": running}
+    assert f"Training time: {text}" in client.get(f"/runs/{run_id}").text
+
+
 def test_resumed_run_counts_every_attempt(client, engine, settings):
     run_id, job1 = _running_run(client, engine)
     _segment(engine, job1, 0, 4, 125.5)
@@ -51,23 +61,15 @@ def test_resumed_run_counts_every_attempt(client, engine, settings):
         events.append_many(engine, job2, [("metric", {"step": step, "total_steps": 10,
                                                       "loss": 1.0, "eta_seconds": 20.0})])
         _set_ts(engine, job2, started + 5 + 20 * i)
-    r = client.get(f"/api/runs/{run_id}").json()
-    assert r["training_time"] == {"this_attempt": 40.0, "all_attempts": 165.5, "attempts": 2,
-                                  "resumed": True, "running": True}
-    page = client.get(f"/runs/{run_id}").text
-    assert ("Training time: <strong>2 min 45 s</strong> over all 2 attempts "
-            "(this attempt 40 s) so far</p>") in page
+    _shows(client, run_id, (40.0, 165.5, True),
+           "<strong>2 min 45 s</strong> over all 2 attempts (this attempt 40 s) so far</p>")
     _segment(engine, job2, 4, 10, 60.25)
     queue.finish(engine, job2, "w-test", {"steps": 10, "train_runtime": 60.25,
                                           "final_loss": 1.0, "train_loss": 1.5})
     assert queue.get_job(engine, job2).state == JobState.SUCCEEDED
 
-    r = client.get(f"/api/runs/{run_id}").json()
-    assert r["training_time"] == {"this_attempt": 60.25, "all_attempts": 185.75, "attempts": 2,
-                                  "resumed": True, "running": False}
-    page = client.get(f"/runs/{run_id}").text
-    assert ("Training time: <strong>3 min 05 s</strong> over all 2 attempts "
-            "(this attempt 1 min 00 s)</p>") in page
+    _shows(client, run_id, (60.25, 185.75, False),
+           "<strong>3 min 05 s</strong> over all 2 attempts (this attempt 1 min 00 s)</p>")
     other, _ = _running_run(client, engine)
     cmp = client.get(f"/api/runs/{run_id}/compare", params={"other": other})
     assert cmp.status_code == 200, cmp.text
