@@ -39,7 +39,9 @@ def portable_text(text: str, server_paths: list[str], public_id: str) -> str:
                    reverse=True)
     if not roots:
         return text
-    pattern = "(?:" + "|".join(re.escape(r) for r in roots) + r")(?:/[^\s\"'`,\]\)]*)?"
+    # a root counts only as a whole path component: "/data" is not replaced in "/database"
+    pattern = "(?:" + "|".join(re.escape(r) for r in roots) + \
+        r")(?=[/\s\"'`,\]\)]|$)(?:/[^\s\"'`,\]\)]*)?"
     return re.sub(pattern, lambda _: public_id, text)
 
 

@@ -71,10 +71,10 @@ def test_make_portable_rewrites_the_card_peft_writes(tmp_path: Path) -> None:
     d.mkdir()
     (d / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": base}))
     (d / "README.md").write_text(f"---\nbase_model: {base}\nlibrary_name: peft\ntags:\n"
-                                 f"- base_model:adapter:{base}\n- lora\n---\n")
+                                 f"- base_model:adapter:{base}\n- lora\n---\n{base}-v2 is another model\n")
     make_portable(d, Model(name="stories260K", source="llama2c", source_ref="/x/a.bin|/x/t.bin"))
     assert json.loads((d / "adapter_config.json").read_text())["base_model_name_or_path"] \
         == "stories260K"
     assert (d / "README.md").read_text() == ("---\nbase_model: stories260K\nlibrary_name: peft\n"
                                              "tags:\n- base_model:adapter:stories260K\n- lora\n"
-                                             "---\n")
+                                             f"---\n{base}-v2 is another model\n")
