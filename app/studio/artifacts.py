@@ -4,12 +4,13 @@ row keeps ``path`` and the worker's ``meta`` paths for the server's own use)."""
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 from sqlalchemy.engine import Engine
 
 from app.store import repo
-from app.store.schema import Artifact
+from app.store.schema import Artifact, Model
 
 
 def present(engine: Engine, run_id: str, kind: str | None = None) -> list[Artifact]:
@@ -21,6 +22,27 @@ def present(engine: Engine, run_id: str, kind: str | None = None) -> list[Artifa
 def is_server_path(value: Any) -> bool:
     """Whether ``value`` is a string naming a server filesystem path (absolute, or ``~``)."""
     return isinstance(value, str) and (os.path.isabs(value) or value.startswith("~"))
+
+
+def base_model_id(model: Model) -> str:
+    """How an adapter names its base outside the studio: the Hub id for ``hf`` models, else the
+    registered name (never a server path)."""
+    return model.source_ref if model.source == "hf" and model.source_ref else model.name
+
+
+def portable_text(text: str, server_paths: list[str], public_id: str) -> str:
+    """``text`` (a model card, ``adapter_config.json``...) with every path that starts with one
+    of ``server_paths`` (absolute folders: the base's folder, the data dir) replaced by
+    ``public_id``: ``base_model: /data/models/x`` and the tag ``base_model:adapter:/data/...``
+    PEFT writes into a checkpoint's card name the base as :func:`base_model_id` does."""
+    roots = sorted({p.rstrip("/") for p in server_paths if is_server_path(p)}, key=len,
+                   reverse=True)
+    if not roots:
+        return text
+    # a root counts only as a whole path component: "/data" is not replaced in "/database"
+    pattern = "(?:" + "|".join(re.escape(r) for r in roots) + \
+        r")(?=[/\s\"'`,\]\)]|$)(?:/[^\s\"'`,\]\)]*)?"
+    return re.sub(pattern, lambda _: public_id, text)
 
 
 def public(art: Artifact) -> dict[str, Any]:

@@ -4,13 +4,20 @@ it is sent (no file is written), owner-only.
 The plain download holds what loads the checkpoint elsewhere: the adapter
 (``adapter_model.safetensors``, ``adapter_config.json``), the tokenizer files and chat template
 when the trainer saved them, the model card. The trainer's own state (``optimizer.pt``,
-``scheduler.pt``, ``rng_state*.pth``, ``trainer_state.json``, ``training_args.bin``), needed only
+``scheduler.pt``, ``rng_state*.pth``, ``trainer_state.json``), needed only
 to continue training, comes with ``state=True``. Entries are named ``checkpoint-<step>/<file>``:
-never a server path.
+never a server path, and the text files (``TEXT_SUFFIXES``: the model card PEFT writes with
+``base_model: <folder>``, the configs) are sent with every path under the data dir or the base's
+folder replaced by the base's public id (:func:`app.studio.artifacts.portable_text`), as the
+worker rewrites them too. ``training_args.bin`` (the pickled ``TrainingArguments``, which hold
+the run's server paths: ``output_dir``, ``logging_dir``) is never sent: the trainer only writes
+it, resuming (``resume_from_checkpoint``) reads the optimizer, scheduler, RNG and
+``trainer_state.json``, not it.
 """
 from __future__ import annotations
 
 import fnmatch
+import io
 import os
 import zipfile
 from collections.abc import Iterator
@@ -23,20 +30,37 @@ from app.settings import Settings
 from app.store import repo
 from app.store.schema import Artifact, User
 from app.studio import access, audit
+from app.studio.artifacts import base_model_id, portable_text
 from app.studio.datasets import is_under
 from app.studio.errors import StudioError
 from app.studio.exports import download_name
 
 #: File names (glob) of the trainer's resume state, left out of the plain download.
 STATE_FILES = ("optimizer.pt", "optimizer.bin", "scheduler.pt", "scaler.pt", "rng_state*.pth",
-               "trainer_state.json", "training_args.bin", "global_step*", "latest")
+               "trainer_state.json", "global_step*", "latest")
+#: Files never sent: the trainer's pickled arguments name server paths; resuming does not read them.
+NEVER_SENT = ("training_args.bin",)
 CHUNK = 1024 * 1024
+#: Suffixes of the text files whose server paths are rewritten in a download.
+TEXT_SUFFIXES = (".json", ".md", ".txt", ".jinja", ".yaml", ".yml")
+#: Larger text files (a big ``tokenizer.json``) are sent as saved: they name no folders.
+TEXT_LIMIT = 64 * 1024 * 1024
 
 
 def is_state(relpath: str) -> bool:
     """Whether ``relpath`` (inside a checkpoint folder) is trainer resume state."""
     top = relpath.split("/", 1)[0]
     return any(fnmatch.fnmatch(top, pat) for pat in STATE_FILES)
+
+
+def step_of(value: str) -> int:
+    """``value`` (the ``{step}`` of a checkpoint URL) as a step number. Raises StudioError
+    invalid (field ``step``) unless it is a whole number >= 0."""
+    text = str(value).strip()
+    if not text.isdigit():
+        raise StudioError("invalid", f"step {value!r} is not a checkpoint step: use a whole "
+                          "number >= 0, as the run page lists (checkpoint-<step>)", field="step")
+    return int(text)
 
 
 def _folder(engine: Engine, settings: Settings, run_id: str, step: int) -> Artifact:
@@ -52,7 +76,7 @@ def _folder(engine: Engine, settings: Settings, run_id: str, step: int) -> Artif
 
 def files(folder: str | Path, state: bool = False) -> list[tuple[Path, str]]:
     """``[(file, relative name)]`` of a checkpoint folder, sorted: regular files only (links
-    are skipped), the trainer's state only with ``state``."""
+    are skipped), the trainer's state only with ``state``, never ``NEVER_SENT``."""
     root = Path(folder)
     out = []
     for dirpath, dirnames, names in os.walk(root):
@@ -60,7 +84,8 @@ def files(folder: str | Path, state: bool = False) -> list[tuple[Path, str]]:
         for name in sorted(names):
             path = Path(dirpath) / name
             rel = path.relative_to(root).as_posix()
-            if path.is_symlink() or not path.is_file() or (not state and is_state(rel)):
+            if path.is_symlink() or not path.is_file() or rel in NEVER_SENT or \
+                    (not state and is_state(rel)):
                 continue
             out.append((path, rel))
     return out
@@ -120,7 +145,7 @@ def _stream(opened: list[tuple[IO[bytes], zipfile.ZipInfo]]) -> Iterator[bytes]:
             fh.close()
 
 
-def archive(engine: Engine, settings: Settings, actor: User, run_id: str, step: int,
+def archive(engine: Engine, settings: Settings, actor: User, run_id: str, step: int | str,
             state: bool = False) -> tuple[str, Iterator[bytes]]:
     """``(download name, zip bytes)`` of checkpoint ``step`` of the run: the zip is produced
     chunk by chunk as the iterator is read (stored, not compressed: safetensors weights do not
@@ -130,15 +155,26 @@ def archive(engine: Engine, settings: Settings, actor: User, run_id: str, step: 
 
     Raises:
         StudioError: not_found when the run is unknown or another user's, or the checkpoint is
-            not (or no longer) on disk.
+            not (or no longer) on disk; invalid (field ``step``) for a step that is not a whole
+            number >= 0 (:func:`step_of`).
     """
-    access.run(engine, actor, run_id)
+    run = access.run(engine, actor, run_id)
+    step = step_of(str(step))
     art = _folder(engine, settings, run_id, step)
-    opened = []
+    model = repo.get_model(engine, run.model_id)
+    roots = [str(settings.data_dir), os.path.realpath(settings.data_dir), model.path or "",
+             *model.source_ref.split("|")]
+    opened: list[tuple[IO[bytes], zipfile.ZipInfo]] = []
     try:
         for path, rel in files(art.path, state):
-            fh = open(path, "rb")
-            opened.append((fh, zipfile.ZipInfo.from_file(path, f"checkpoint-{step}/{rel}")))
+            fh: IO[bytes] = open(path, "rb")
+            info = zipfile.ZipInfo.from_file(path, f"checkpoint-{step}/{rel}")
+            if path.suffix in TEXT_SUFFIXES and info.file_size <= TEXT_LIMIT:
+                with fh:
+                    data = portable_text(fh.read().decode("utf-8", "surrogateescape"), roots,
+                                         base_model_id(model)).encode("utf-8", "surrogateescape")
+                fh, info.file_size = io.BytesIO(data), len(data)
+            opened.append((fh, info))
     except OSError:
         for fh, _ in opened:
             fh.close()

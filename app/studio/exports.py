@@ -22,7 +22,7 @@ from app.studio import access, audit, jobs
 from app.studio.artifacts import is_server_path
 from app.studio.datasets import is_under
 from app.studio.errors import StudioError, invalid
-from app.studio.job_states import state_words
+from app.studio.job_states import no_checkpoint_words
 from app.studio.runs import SpecError, field_errors
 
 if TYPE_CHECKING:
@@ -177,9 +177,9 @@ def _checkpoint_step(engine: Engine, run_id: str, job: Job | None, asked) -> int
     if job.state == JobState.SUCCEEDED:
         return None
     if not steps:
-        raise StudioError("conflict", f"run {run_id} {state_words(state)} before it saved a "
-                                      "checkpoint (one is saved every save_steps steps); there "
-                                      "is nothing to export")
+        save_steps = (repo.get_run(engine, run_id).spec or {}).get("save_steps")
+        raise StudioError("conflict", f"run {run_id} {no_checkpoint_words(job, save_steps)}; "
+                                      "there is nothing to export")
     return steps[0]
 
 

@@ -18,7 +18,7 @@ from app.store.schema import Job, JobState, Run
 from app.studio import access, audit, calibration
 from app.studio.errors import StudioError
 from app.studio.exports import checkpoint_steps
-from app.studio.job_states import state_words
+from app.studio.job_states import no_checkpoint_words
 
 if TYPE_CHECKING:
     from app.settings import Settings
@@ -37,9 +37,8 @@ def resumable(engine: Engine, run: Run, job: Job | None) -> tuple[int | None, st
         return None, f"run {run.id} already succeeded; there is nothing left to train"
     steps = checkpoint_steps(engine, run.id)
     if not steps:
-        return None, (f"run {run.id} {state_words(job.state)} before it saved a checkpoint "
-                      f"(one is saved every save_steps = {(run.spec or {}).get('save_steps', '?')} "
-                      "steps); clone it to start again")
+        return None, (f"run {run.id} {no_checkpoint_words(job, (run.spec or {}).get('save_steps'))}"
+                      "; clone it to start again")
     return steps[0], None
 
 
@@ -104,7 +103,8 @@ def cancel_outcome(engine: Engine, run: Run, job: Job | None, step: int | None) 
     if job is None or job.state not in (JobState.QUEUED, JobState.RUNNING):
         return None
     if job.state == JobState.QUEUED:
-        return "Cancel this queued run? It has not started, so nothing is trained or kept."
+        return ("Cancel this queued run? It has not started: it simply leaves the queue, and "
+                "nothing is trained or kept.")
     steps = checkpoint_steps(engine, run.id)
     kept = (f" The {len(steps)} checkpoint{'s' if len(steps) > 1 else ''} saved so far (newest "
             f"at step {steps[0]}) {'are' if len(steps) > 1 else 'is'} kept." if steps else "")

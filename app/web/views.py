@@ -18,7 +18,7 @@ from app.studio import exports as exports_uc
 from app.studio import verification
 from app.studio.errors import StudioError
 from app.studio.estimate import memory_words
-from app.studio.job_states import state_words
+from app.studio.job_states import never_started, no_checkpoint_words, state_words
 from app.studio.runs import input_names, template_tokens_to_add
 from app.web.deps import is_htmx
 
@@ -62,6 +62,7 @@ def exports_view(engine, user, run_id: str, error: str | None = None,
             "can_export": can_export, "export_checkpoint": checkpoint,
             "run_state": job.state if job else None,
             "run_state_words": state_words(job.state if job else None),
+            "no_checkpoint_words": no_checkpoint_words(job, (run.spec or {}).get("save_steps")),
             "exports_active": any(e["status"] in (JobState.QUEUED, JobState.RUNNING) for e in items)}
 
 
@@ -81,6 +82,7 @@ def run_view(engine, user, run_id: str) -> dict[str, Any]:
     return {"run": run, "job": job, "state": state, "metric": m, "progress": progress,
             "error": job.error if job else None,
             "cancel_requested": bool(job and job.cancel_requested),
+            "never_started": never_started(job),
             "artifacts": [a for a in repo.list_artifacts(engine, run.id)
                           if a.kind in RUN_ARTIFACT_KINDS and not (a.meta or {}).get("export_id")],
             "checkpoints": checkpoint_files.listing(engine, run.id),

@@ -5,9 +5,11 @@ with ``?state=true``, nothing written under the data dir, owner-only (another us
 (claim, checkpoint artifacts) as in test_export_checkpoint; the files are real."""
 from __future__ import annotations
 
+import html
 import io
 import json
 import os
+import re
 import shutil
 import zipfile
 
@@ -26,7 +28,21 @@ STATE = {"optimizer.pt": b"o" * 9000, "scheduler.pt": b"s" * 100, "rng_state.pth
          "trainer_state.json": b'{"global_step": 4}', "training_args.bin": b"t" * 10}
 
 
-def _run_with_checkpoints(client, engine, settings, steps=(2, 4)) -> str:
+#: What PEFT writes into a checkpoint: its model card and config name the folder the base was
+#: loaded from (a server path under the data dir); the download names the base's public id.
+LEAKY = {"README.md": "---\nbase_model: {base}\nlibrary_name: peft\ntags:\n"
+                      "- base_model:adapter:{base}\n- lora\n---\n\n# Model Card\n",
+         "adapter_config.json": json.dumps({"peft_type": "LORA",
+                                            "base_model_name_or_path": "{base}"}),
+         "chat_template.jinja": "{% for m in messages %}{{ m.content }}{% endfor %}",
+         "notes.txt": "saved from {base}/model.safetensors", "extra.yaml": "base: '{base}'\n"}
+
+
+def _text_of(name: str) -> bool:
+    return name.rsplit(".", 1)[-1] in ("json", "md", "txt", "jinja", "yaml", "yml")
+
+
+def _run_with_checkpoints(client, engine, settings, steps=(2, 4), leaky=False) -> str:
     ds = upload_sft(client)
     model = client.get("/api/models").json()["data"][0]["id"]
     run, job = repo.create_run(engine, TrainSpec(model=model, dataset=ds, max_steps=10,
@@ -37,6 +53,10 @@ def _run_with_checkpoints(client, engine, settings, steps=(2, 4)) -> str:
         folder.mkdir(parents=True)
         for name, data in {**ADAPTER, **STATE}.items():
             (folder / name).write_bytes(data)
+        if leaky:
+            base = str(settings.data_dir / "models" / "stories260K")
+            for name, text in LEAKY.items():
+                (folder / name).write_text(text.replace("{base}", base), encoding="utf-8")
         repo.add_artifact(engine, Artifact(run_id=run.id, job_id=job.id, kind="checkpoint",
                                            name=folder.name, path=str(folder),
                                            meta={"step": step}))
@@ -78,7 +98,9 @@ def test_checkpoint_downloads_as_one_zip_from_page_and_api(client, engine, setti
     assert 'filename="tiny-stories-run-checkpoint-2-with-state.zip"' in \
         r.headers["content-disposition"]
     z = zipfile.ZipFile(io.BytesIO(r.content))
-    assert sorted(z.namelist()) == sorted(f"checkpoint-2/{n}" for n in {**ADAPTER, **STATE})
+    # training_args.bin (pickled TrainingArguments: server paths) is not read on resume
+    assert sorted(z.namelist()) == sorted(f"checkpoint-2/{n}" for n in {**ADAPTER, **STATE}
+                                          if n != "training_args.bin")
     assert z.read("checkpoint-2/optimizer.pt") == STATE["optimizer.pt"]
     # built on the fly: nothing was written under the data dir (the audit log is in the db)
     assert {p for p in _tree(settings.data_dir) - before if not p.startswith("whetstone.db")} \
@@ -99,8 +121,38 @@ def test_rotated_or_unknown_checkpoint_is_404_naming_it(client, engine, settings
     page = client.get(f"/runs/{run_id}").text
     assert f"/runs/{run_id}/checkpoints/4/download" in page
     assert f"/runs/{run_id}/checkpoints/2/download" not in page
-    r = client.get(f"/api/runs/{run_id}/checkpoints/abc/download")
-    assert r.status_code in (400, 404, 422) and r.status_code != 500
+    for bad in ("-1", "abc", "2.5"):
+        for url in (f"/api/runs/{run_id}/checkpoints/{bad}/download",
+                    f"/runs/{run_id}/checkpoints/{bad}/download"):
+            r = client.get(url)
+            assert r.status_code == 422, (url, r.status_code)
+            assert f"step '{bad}' is not a checkpoint step" in html.unescape(r.text)
+            assert "not on disk" not in r.text
+
+
+def test_checkpoint_text_files_name_no_server_path(client, engine, settings):
+    """PEFT's model card (``base_model: <folder>``, tag ``base_model:adapter:<folder>``) and
+    every other text file of the zip, with and without state, name the base's public id."""
+    run_id = _run_with_checkpoints(client, engine, settings, steps=(2,), leaky=True)
+    for params in ({}, {"state": "true"}):
+        r = client.get(f"/api/runs/{run_id}/checkpoints/2/download", params=params)
+        assert r.status_code == 200
+        z = zipfile.ZipFile(io.BytesIO(r.content))
+        assert z.testzip() is None
+        texts = {n: z.read(n).decode() for n in z.namelist() if _text_of(n)}
+        assert len(texts) == 8 + len(params), sorted(texts)  # + trainer_state.json
+        for name, text in texts.items():
+            assert str(settings.data_dir) not in text and os.path.realpath(
+                settings.data_dir) not in text, name
+            assert not re.search(r"(?<![\w.])/(tmp|home|work|data|var|srv)/", text), (name, text)
+        card = texts["checkpoint-2/README.md"]
+        assert card.startswith("---\nbase_model: stories260K\n")
+        assert "- base_model:adapter:stories260K\n" in card
+        assert json.loads(texts["checkpoint-2/adapter_config.json"])[
+            "base_model_name_or_path"] == "stories260K"
+        assert texts["checkpoint-2/notes.txt"] == "saved from stories260K"
+        assert texts["checkpoint-2/chat_template.jinja"] == \
+            "{% for m in messages %}{{ m.content }}{% endfor %}"
 
 
 def test_another_users_checkpoint_is_404(client, app, engine, settings):

@@ -90,7 +90,8 @@ def test_cancelled_before_any_checkpoint_says_so(client, engine):
     assert "has not finished training" not in msg
     frag = client.get(f"/runs/{run_id}/exports").text
     assert 'id="export_form"' not in frag
-    assert "cancelled before it saved a checkpoint (one is saved every 50 steps)" in frag
+    assert "cancelled before it saved a checkpoint (one is saved every save_steps = 50 " \
+        "steps)" in frag
 
 
 def test_downloads_are_named_by_the_run_name(client, engine, settings):

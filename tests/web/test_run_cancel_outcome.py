@@ -15,8 +15,8 @@ def _confirm(client, run_id: str) -> str:
 
 def test_the_confirmation_follows_the_runs_progress(client, engine, tmp_path):
     run_id = _queued_run(client, engine)
-    assert _confirm(client, run_id) == ("Cancel this queued run? It has not started, so nothing "
-                                        "is trained or kept.")
+    assert _confirm(client, run_id) == ("Cancel this queued run? It has not started: it simply "
+                                        "leaves the queue, and nothing is trained or kept.")
     job = queue.claim(engine, "w-test", 30, kinds=["train"])
     assert "saves no checkpoint. Nothing is kept" in _confirm(client, run_id)
     events.append_many(engine, job.id, [("metric", {"step": 19, "total_steps": 40, "loss": 4.0})])
@@ -53,3 +53,20 @@ def test_the_question_is_asked_when_cancel_is_clicked(client, engine):
     queue.acknowledge_cancel(engine, job.id, "w-test")
     assert client.get(f"/runs/{run_id}/cancel-question").text == (
         "This run has ended; there is nothing to cancel.")
+
+
+def test_a_run_cancelled_while_queued_says_it_never_started(client, engine):
+    """Trial: a run cancelled in the queue was said to be "cancelled before it saved a
+    checkpoint (one is saved every save_steps = 10 steps)"; it never started."""
+    run_id = _queued_run(client, engine)
+    assert "it simply leaves the queue" in client.get(f"/runs/{run_id}/cancel-question").text
+    assert client.post(f"/api/runs/{run_id}/cancel").status_code == 200
+    page = client.get(f"/runs/{run_id}").text
+    assert f"Cannot resume: run {run_id} was cancelled before it started; clone it" in page
+    assert "The run was cancelled before it started, so there is nothing to export." in page
+    assert "The run was cancelled before it started, so it produced no adapter." in page
+    assert "one is saved every" not in page and "before it saved" not in page
+    r = client.post(f"/api/runs/{run_id}/exports", json={"format": "adapter"})
+    assert r.status_code == 409
+    assert r.json()["error"]["message"] == (f"run {run_id} was cancelled before it started; "
+                                            "there is nothing to export")

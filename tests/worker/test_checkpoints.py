@@ -58,3 +58,23 @@ def test_no_complete_checkpoint_means_start_over(tmp_path: Path) -> None:
     (only / "trainer_state.json").write_text(json.dumps({"global_step": 4}))  # another step's
     assert newest_complete(tmp_path) is None
     assert newest_complete(tmp_path / "missing") is None
+
+
+def test_make_portable_rewrites_the_card_peft_writes(tmp_path: Path) -> None:
+    """A checkpoint's README.md (PEFT: ``base_model: <folder>``, tag
+    ``base_model:adapter:<folder>``) names the base as adapter_config.json does."""
+    from app.store.schema import Model
+    from worker.jobs.card import make_portable
+
+    base = str(tmp_path / "data" / "models" / "stories260K")
+    d = tmp_path / "checkpoint-74"
+    d.mkdir()
+    (d / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": base}))
+    (d / "README.md").write_text(f"---\nbase_model: {base}\nlibrary_name: peft\ntags:\n"
+                                 f"- base_model:adapter:{base}\n- lora\n---\n{base}-v2 is another model\n")
+    make_portable(d, Model(name="stories260K", source="llama2c", source_ref="/x/a.bin|/x/t.bin"))
+    assert json.loads((d / "adapter_config.json").read_text())["base_model_name_or_path"] \
+        == "stories260K"
+    assert (d / "README.md").read_text() == ("---\nbase_model: stories260K\nlibrary_name: peft\n"
+                                             "tags:\n- base_model:adapter:stories260K\n- lora\n"
+                                             f"---\n{base}-v2 is another model\n")

@@ -63,6 +63,14 @@ def test_rotated_checkpoints_are_not_listed(trained):
         names = z.namelist()
         config = json.loads(z.read(f"checkpoint-{step}/adapter_config.json"))
         assert not config["base_model_name_or_path"].startswith(("/", "~")), config
+        # PEFT's model card: the worker rewrote it on disk as it rewrote the config (trial: it
+        # said base_model: <data dir>/models/stories260K)
+        card = (folder / f"checkpoint-{step}" / "README.md").read_text()
+        assert card.startswith("---\nbase_model: stories260K\n"), card[:200]
+        assert "base_model:adapter:stories260K" in card
+        for n in names:
+            if n.endswith((".json", ".md", ".txt", ".jinja", ".yaml")):
+                assert str(trained["data_dir"]) not in z.read(n).decode(), n
         assert f"checkpoint-{step}/adapter_model.safetensors" in names
         assert f"checkpoint-{step}/adapter_config.json" in names
         assert not any(n.endswith(("optimizer.pt", "scheduler.pt", ".pth")) for n in names)

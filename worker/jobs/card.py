@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from app.store.schema import Model
+from app.studio.artifacts import base_model_id, portable_text
 
 #: Where models registered from llama2.c checkpoints come from (the demo model's origin).
 LLAMA2C_ORIGIN = "karpathy/tinyllamas"
@@ -24,12 +25,6 @@ CARD_SETTINGS = ("r", "lora_alpha", "lora_dropout", "target_modules", "use_rslor
                  "num_train_epochs", "per_device_train_batch_size", "gradient_accumulation_steps",
                  "max_seq_length", "packing", "padding_free", "train_on_responses_only", "num_generations", "beta",
                  "max_completion_length", "seed")
-
-
-def base_model_id(model: Model) -> str:
-    """How an adapter names its base outside the studio: the Hub id for ``hf`` models, else the
-    registered name (never a server path)."""
-    return model.source_ref if model.source == "hf" and model.source_ref else model.name
 
 
 def studio_version() -> str:
@@ -42,12 +37,21 @@ def studio_version() -> str:
 
 def make_portable(adapter_dir: Path, model: Model) -> None:
     """Rewrite ``adapter_config.json`` so that ``base_model_name_or_path`` is
-    :func:`base_model_id` (PEFT wrote the local folder). Raises OSError/ValueError on a missing
-    or unreadable config."""
+    :func:`base_model_id` (PEFT wrote the local folder), and the model card ``README.md`` PEFT
+    writes into a checkpoint (``base_model: <folder>``, tag ``base_model:adapter:<folder>``)
+    the same way (:func:`app.studio.artifacts.portable_text`). Raises OSError/ValueError on a
+    missing or unreadable config."""
     path = adapter_dir / "adapter_config.json"
     cfg = json.loads(path.read_text(encoding="utf-8"))
+    local = cfg.get("base_model_name_or_path")
     cfg["base_model_name_or_path"] = base_model_id(model)
     path.write_text(json.dumps(cfg, indent=2, sort_keys=True), encoding="utf-8")
+    card = adapter_dir / "README.md"
+    if isinstance(local, str) and card.is_file():
+        text = card.read_text(encoding="utf-8")
+        new = portable_text(text, [local], base_model_id(model))
+        if new != text:
+            card.write_text(new, encoding="utf-8")
 
 
 def model_card(model: Model, run_id: str, run_name: str | None, kind: str, spec: dict[str, Any],

@@ -30,12 +30,14 @@ def get_run(run_id: str, engine: EngineDep, user: CurrentUser):
 
 
 @router.get("/runs/{run_id}/checkpoints/{step}/download")
-async def download_checkpoint(run_id: str, step: int, engine: EngineDep, settings: SettingsDep,
+async def download_checkpoint(run_id: str, step: str, engine: EngineDep, settings: SettingsDep,
                               user: CurrentUser, state: bool = False):
     """Checkpoint ``step`` as a zip streamed as it is built: ``checkpoint-<step>/`` with the
     adapter, tokenizer files and model card; with ``state=true`` also the trainer's resume
-    state (optimizer, scheduler, RNG). 404 for another user's run or a checkpoint not on disk
-    (rotated away by ``save_total_limit``)."""
+    state (optimizer, scheduler, RNG, ``trainer_state.json``; not ``training_args.bin``, which
+    names server paths and is not needed to resume). Text files name the base by its public id,
+    never a server path. 404 for another user's run or a checkpoint not on disk (rotated away
+    by ``save_total_limit``); 422 naming ``step`` for a step that is not a whole number >= 0."""
     name, chunks = await run_in_threadpool(checkpoint_files.archive, engine, settings, user,
                                            run_id, step, state)
     return zip_stream(name, chunks)

@@ -104,7 +104,8 @@ class RunOut(BaseModel):
     training_time: dict[str, Any] | None = Field(
         default=None, description="seconds in training (single-run reads): all_attempts (the "
         "run's total over every attempt of a resumed run), this_attempt (its current job), "
-        "attempts (segments trained), resumed (app.studio.train_time)")
+        "attempts (segments trained), resumed, running (the job is training: the figures are so "
+        "far, its own stretch up to its newest logged step) (app.studio.train_time)")
 
 
 class RunList(BaseModel):

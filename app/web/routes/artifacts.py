@@ -34,7 +34,7 @@ def download(artifact_id: str, engine: EngineDep, settings: SettingsDep, user: C
 
 
 @router.get("/runs/{run_id}/checkpoints/{step}/download")
-async def download_checkpoint(run_id: str, step: int, engine: EngineDep, settings: SettingsDep,
+async def download_checkpoint(run_id: str, step: str, engine: EngineDep, settings: SettingsDep,
                               user: CurrentUser, state: bool = False):
     """Checkpoint ``step`` of the run as one zip streamed as it is built (the adapter and
     tokenizer files; the trainer's resume state too with ``?state=true``)."""
