@@ -153,7 +153,7 @@ def test_cancel_stops_a_long_generation(studio):
 
     run, job = repo.create_run(studio["engine"], GrpoSpec(
         model="stories260K", dataset=studio["toy"], max_steps=2,
-        **{**TOY, "max_completion_length": 512, "per_device_train_batch_size": 64}), kind="grpo")
+        **{**TOY, "max_completion_length": 480, "per_device_train_batch_size": 64}), kind="grpo")
     seen = {}
 
     def cancel_when_generating():

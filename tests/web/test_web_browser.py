@@ -235,7 +235,9 @@ def test_back_shows_whole_pages_never_a_fragment_or_a_signed_out_key(page, clien
     expect(page.locator("header nav a[href='/runs/new']")).to_have_count(0)  # signed out: no app nav
 
 
-def test_admin_role_select_shows_its_whole_value(page):
+def test_admin_role_select_shows_its_whole_value(page, client):
+    # the admin's own row has no role select (you cannot demote yourself): a member's row has one
+    assert client.post("/api/users", json={"name": "rosa", "password": "member-password-1"}).status_code == 201
     page.goto(f"{page.base}/admin")
     select = page.locator("td select[name=value]").first
     width, text = select.evaluate("""el => {
