@@ -9,7 +9,7 @@ final name.
 The event loop only receives the chunks: they are handed in batches of about
 :data:`FEED_BATCH_BYTES` to a worker thread (``run_in_threadpool``), which runs the parser and
 the file writes, so neither a slow disk nor the parser holds up other requests
-(``tests/web/test_upload_bombs.py`` probes ``/healthz`` while 190 MiB stream in). At most one
+(``tests/web/test_upload_bombs.py`` probes ``/healthz`` while 430 MiB stream in). At most one
 batch waits while the previous one is written: an upload holds about two batches in memory.
 """
 from __future__ import annotations

@@ -129,7 +129,12 @@ def test_the_page_names_an_unreadable_field_and_sends_nothing(server, client, en
         page.fill("input[name=min_p]", "0.05")
         page.fill("input[name=repetition_penalty]", "1.3")
         page.fill("#pg-prompt", "Once upon a time")
-        page.click("#pg-send")
+        # the prompt's POST answered: its event is written (the status line can show the
+        # session waiting while the prompt is still on its way)
+        with page.expect_response(lambda r: r.request.method == "POST"
+                                  and r.url.endswith("/prompts")) as answer:
+            page.click("#pg-send")
+        assert answer.value.status == 202, answer.value.text()
         page.wait_for_function("document.querySelector('#pg-status').textContent"
                                ".includes('Waiting in the queue')")
         want = {"top_k": 40, "min_p": 0.05, "repetition_penalty": 1.3}

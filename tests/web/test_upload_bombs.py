@@ -1,7 +1,8 @@
 """Uploads against the real web process (``python -m app.web.main``, a subprocess): the upload
 returns at once with the dataset ``validating``, the web's memory stays under 512 MiB and
-``/healthz`` keeps answering while large files stream in (probed from another process: its
-p99 during the uploads stays within 100 ms of its p99 on the same machine just before them);
+``/healthz`` keeps answering while large files stream in (probed from another process every
+10 ms: its p99 over the 200-300 probes during the uploads stays within 100 ms of its p99 on the same
+machine just before them, and no probe waits a second);
 the files that took minutes and gigabytes before (a 50 MB one-row JSONL, a 20 MiB CSV field, a
 Parquet file that decompresses to gigabytes) end ``error`` naming the row or the limit,
 validated by the real job function."""
@@ -100,11 +101,12 @@ def _bombs() -> dict[str, bytes]:
     buf = io.BytesIO()  # 1 row group, 400k rows of a 4 KiB string: ~1.6 GB once decompressed
     pq.write_table(pa.table({"text": ["c" * 4096] * 400_000}), buf, compression="zstd",
                    use_dictionary=False)
-    # a 120 MiB file just within the limit (128 MiB here): the longest stream of the set
+    # a 120 MiB file just within the limit (128 MiB here): the longest stream of the set, sent
+    # three times so the uploads last long enough (200-300 probes) for a p99 that is not the max
     row = json.dumps({"text": "d" * 1000}).encode() + b"\n"
     many = row * (120 * MiB // len(row))
     return {"one_row.jsonl": one_row, "field.csv": csv, "bomb.parquet": buf.getvalue(),
-            "many_rows.jsonl": many}
+            **{f"many_rows_{i}.jsonl": many for i in (1, 2, 3)}}
 
 
 def test_uploads_keep_the_web_small_and_responsive(web):
@@ -148,10 +150,13 @@ def test_uploads_keep_the_web_small_and_responsive(web):
           f"{os.cpu_count()} cores; uploads: "
           + ", ".join(f"{n} {size / MiB:.1f} MiB in {took:.2f} s" for n, (_, took, size) in ids.items()))
     assert rss_peak[0] < 512 * MiB
-    assert len(busy) >= 50 and len(idle) >= 20
+    assert len(busy) >= 150 and len(idle) >= 20
     # target: no upload blocks other requests for more than 100 ms; what the machine's own load
-    # adds (the idle p99, measured just before) is allowed on top
-    assert _p99(busy) < 0.1 + _p99(idle)
+    # adds (the idle p99, measured just before) is allowed on top; no probe waits a second
+    allowance = 0.1 + _p99(idle)
+    slow = [f"{d * 1000:.0f} ms at +{t - a:.2f} s into {name}" for t, d in probes
+            for name, (a, b) in zip(ids, windows) if a <= t <= b and d >= allowance]
+    assert _p99(busy) < allowance and max(busy) < 1.0, slow
 
     # the validation (the real job function, in this process) refuses each, bounded
     settings = Settings(data_dir=web["dir"])
@@ -165,8 +170,10 @@ def test_uploads_keep_the_web_small_and_responsive(web):
     from tests.web.conftest import run_validations
 
     t = time.monotonic()
-    many = ids.pop("many_rows.jsonl")[0]  # there for the latency only: not validated
-    assert httpx.delete(f"{web['base']}/v1/files/{many}", headers=web["headers"]).status_code == 200
+    for name in [n for n in ids if n.startswith("many_rows")]:  # for the latency only
+        many = ids.pop(name)[0]
+        assert httpx.delete(f"{web['base']}/v1/files/{many}",
+                            headers=web["headers"]).status_code == 200
     assert run_validations(_App) == 3
     took = time.monotonic() - t
     files = {n: httpx.get(f"{web['base']}/v1/files/{i}", headers=web["headers"]).json()
