@@ -73,6 +73,9 @@ def test_leading_dims_and_noncontiguous_x():
 def test_default_config_uses_split_k():
     cfg = pick_config(8, 72, 320, 64, torch.device(DEV))
     assert cfg["BLOCK_M"] == 16 and cfg["SPLIT_K"] > 1
+    # one row takes the CUDA-core FMA path; two rows and more the tensor-core tiles
+    assert [pick_config(m, 72, 320, 64, torch.device(DEV))["BLOCK_M"] for m in (1, 2, 17, 33, 63)] == \
+        [1, 16, 32, 64, 64]
 
 
 def test_bitsandbytes_state():
