@@ -91,7 +91,8 @@ def test_polled_queue_note_carries_the_state(app, client, engine) -> None:
     assert client.get(f"/runs/{run_id}").text.count('id="m-state"') == 1
 
 
-def test_idle_session_note_says_how_long_idle_and_when_it_yields(app, client, engine) -> None:
+def test_idle_session_note_says_how_long_idle_and_when_it_yields(app, client, engine,
+                                                                monkeypatch) -> None:
     from tests.web.test_queue_web import idle_session
 
     # the numbers add up: idle 4 s + 11 s = the 15 s yield; past it, no "in -13 s"
@@ -106,7 +107,7 @@ def test_idle_session_note_says_how_long_idle_and_when_it_yields(app, client, en
     # the yield is the session's own (its payload's, what its worker counts), not today's setting
     admin_id = client.get("/api/me").json()["id"]
     workers.register(engine, GPU.id, GPU.host, 1, "cuda:0 NVIDIA test", 24.0, 0, 22.0)
-    idle_session(engine, GPU, admin_id, 28, 15.0, {"yield_seconds": 60.0})
+    idle_session(engine, monkeypatch, GPU, admin_id, 28, 15.0, {"yield_seconds": 60.0})
     train = queue.enqueue(engine, "train", {}, owner=admin_id, estimate_gib=10.0).id
     data = client.get("/api/queue").json()
     assert data["gpus"][0]["running"][0]["note"] == (
