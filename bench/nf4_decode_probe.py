@@ -1,15 +1,18 @@
-"""Where the NF4 decode matmul's time goes: variants of whetstone_kernels/nf4_matmul.py's kernel that
-each leave one thing out, timed like bench/nf4_matmul_bench.py (CUDA graph over HBM-resident weight
-copies), with each compiled kernel's registers and spills.
+"""Where the NF4 decode matmul's time goes (s19-c2): variants of a several-row kernel that each leave
+one thing out, timed like bench/nf4_matmul_bench.py (CUDA graph over HBM-resident weight copies), with
+each compiled kernel's registers and spills. The kernel probed is the two-dot variant of f91d9bf
+(per piece of an absmax block, code[hi] . x_even and code[lo] . x_odd as two tensor-core dots scaled
+by the absmax), which 1040df7 did not keep for several rows: whetstone_kernels/nf4_matmul.py
+dequantises W's chunk, interleaves it into k order and makes one dot (bench/RESULTS.md, session 19).
 
-MODE 0 full (the library kernel's maths), 1 no table lookup (the nibble itself converted to a
+MODE 0 full (the two-dot variant's maths), 1 no table lookup (the nibble itself converted to a
 float: wrong values, the dots kept), 2 no dots (lookups summed elementwise, no x), 3 bytes only
 (the packed bytes summed: the load structure's bound). PREFETCH 1 loads the next piece's bytes
 before computing on the current one (software pipelining in registers). Only modes 0 give right
 numbers; the others are timing probes. Prints one line per (shape, M, variant) and a JSON row each
 to --out.
 
-    python3 bench/nf4_decode_probe.py [--m 1 8 16]
+    python3 bench/nf4_decode_probe.py [--m 1 8 16]     # M <= 16: one 16-row tile
 """
 from __future__ import annotations
 

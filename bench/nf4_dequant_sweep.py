@@ -100,8 +100,9 @@ def copy_tbps(flush, reps) -> float:
     return 2 * src.numel() * src.element_size() / us / 1e6
 
 
-def sweep_shape(shape_s, dtype, args, flush, copy=None):
-    """Check and time every candidate at one weight shape; prints table rows, returns the best exact."""
+def sweep_shape(shape_s, dtype, args, flush, copy: float):
+    """Check and time every candidate at one weight shape; prints table rows, returns the best exact.
+    ``copy``: the device's copy bandwidth in TB/s (:func:`copy_tbps`), the "of copy" column's base."""
     shape = tuple(int(x) for x in shape_s.split("x"))
     torch.manual_seed(0)
     packed, st = nf4_quantize_ref(torch.randn(shape, device="cuda") * 0.02)

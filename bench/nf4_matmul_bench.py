@@ -7,7 +7,8 @@ overhead, as in worker.engine.decode) over enough distinct copies of the weight 
 divided by the copies. GB/s = NF4 bytes read (N*K/2 + absmax) / time. ``per-token`` times one
 Llama-3.1-8B decode step's 224 distinct weights (32 layers x q, k, v, o, gate, up, down) in one
 graph. ``--sweep`` tries tile configs per shape at M=8 (BLOCK_N, BLOCK_K, SPLIT_K, warps, stages) and
-at M=1 (also BLOCK_M 1 vs 16) and uses each shape's best in the per-token line (M=8's for M > 1). Each measurement is a JSON line appended to
+at M=1 (also BLOCK_M 1 vs 16) and uses each shape's best in the per-token line (M=1's for one row,
+M=8's with the row count's BLOCK_M for more). Each measurement is a JSON line appended to
 --out (default $OUT/nf4_matmul.jsonl when $OUT is set, as on a device call; else bench/results.jsonl).
 
     python bench/nf4_matmul_bench.py [--m 1 8 16] [--sweep]
@@ -163,8 +164,9 @@ def main():
                         xx, c = x[k], best_cfg.get((n, k, 1 if m == 1 else 8))
                         calls_f.append(lambda p=p, xx=xx, st=st: nf4_matmul(xx, p, st))
                         calls_u.append(lambda p=p, xx=xx, st=st: xx @ nf4_fwd(p, st, dtype).t())
-                        if c and m != 1:
-                            c = dict(c, BLOCK_M=pick_config(m, n, k, st.blocksize, xx.device)["BLOCK_M"])
+                        if c:  # M=1's sweep chose BLOCK_M itself; M=8's tiles take this M's
+                            if m != 1:
+                                c = dict(c, BLOCK_M=pick_config(m, n, k, st.blocksize, xx.device)["BLOCK_M"])
                             calls_b.append(lambda p=p, xx=xx, st=st, c=c: nf4_matmul_fwd(xx, p, st, None, c))
             a, b = _graph_ms(calls_f), _graph_ms(calls_u)
             t_best = _graph_ms(calls_b) if len(calls_b) == len(calls_f) else None

@@ -12,12 +12,14 @@ BLOCK_K, reading the packed bytes as whole vectors, with the maths of ``whetston
 Several rows (BLOCK_M = 16/32/64, M padded and masked): W's chunk is dequantised in registers to x's
 dtype exactly as bitsandbytes does (bit-identical values; FMA contraction off), interleaved back into
 k order (tl.join) and multiplied on tensor cores, acc[n, m] += W[n, chunk] . x[m, chunk].
-One row (BLOCK_M = 1): per absmax block, sum_i code[hi_i] x[2i] + code[lo_i] x[2i+1] on CUDA-core
-FMAs in fp32, times the block's absmax, into a [BLOCK_N, blocksize/2] accumulator reduced once at
-the end: the same W values, unrounded (the dequantised path rounds them to x's dtype first).
+One row (BLOCK_M = 1): per absmax block (or BLOCK_K piece of one), sum_i code[hi_i] x[2i] +
+code[lo_i] x[2i+1] on CUDA-core FMAs in fp32, times the block's absmax, into a
+[BLOCK_N, min(blocksize, BLOCK_K)/2] accumulator reduced once at the end: the same W values,
+unrounded (the dequantised path rounds them to x's dtype first).
 
 The LoRA term of an adapted projection, scale * (x A^T) B^T, is added in the epilogue when the
-caller passes xa = x A^T and B (one [BLOCK_N, r] x [r, BLOCK_M] dot per tile; r <= 16 padded to 16),
+caller passes xa = x A^T and B (one [BLOCK_N, R] x [R, BLOCK_M] dot per tile, r masked to R: the next
+power of two, at least 16; one row: a [BLOCK_N, R] product summed over R),
 so decoding needs no separate B GEMM and add per projection.
 
 Grid: (ceil(N / BLOCK_N), SPLIT_K, ceil(M / BLOCK_M)), SPLIT_K a runtime argument; M is padded to
@@ -44,6 +46,8 @@ Source: Dettmers et al. 2023, "QLoRA: Efficient Finetuning of Quantized LLMs" (N
 quantisation); bitsandbytes' ``quantize_4bit`` format (see whetstone_kernels/nf4_ref.py).
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
@@ -272,7 +276,7 @@ def nf4_matmul(x: torch.Tensor, packed: torch.Tensor, state, bias: torch.Tensor 
         raise ValueError(f"bias must have shape ({N},), got {tuple(bias.shape)}")
     if lora is not None:
         xa, lb, scale = lora
-        rows = x.numel() // K if K else 0
+        rows = math.prod(x.shape[:-1])
         if xa.dim() != 2 or lb.dim() != 2 or xa.shape[0] != rows or lb.shape[0] != N or xa.shape[1] != lb.shape[1]:
             raise ValueError(f"lora needs xa [{rows}, r] and B [{N}, r], got {tuple(xa.shape)} and {tuple(lb.shape)}")
         if xa.dtype != x.dtype or lb.dtype != x.dtype:

@@ -33,8 +33,8 @@ def _check(x, packed, st, bias=None, config=None):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m,n,k,nested,bias", [
-    (1, 72, 64, True, False), (3, 200, 320, True, True), (8, 72, 320, False, False), (16, 40, 128, False, True),
-    (17, 72, 192, True, False), (33, 24, 64, True, True)])
+    (1, 72, 64, True, False), (1, 40, 128, False, True), (3, 200, 320, True, True), (8, 72, 320, False, False),
+    (16, 40, 128, False, True), (17, 72, 192, True, False), (33, 24, 64, True, True)])
 def test_matches_reference(dtype, m, n, k, nested, bias):
     packed, st = _weight(n, k, nested)
     x = torch.randn(m, k, device=DEV, dtype=dtype)
@@ -44,13 +44,15 @@ def test_matches_reference(dtype, m, n, k, nested, bias):
 
 # explicit configs: split-K with an uneven last split, several absmax blocks per K chunk (NB > 1),
 # a K chunk inside one absmax block (blocksize 128 > BLOCK_K 64), M over one M tile, one-row tiles
-# (BLOCK_M 1: CUDA-core FMAs) over several rows, two K chunks sharing one absmax block
+# (BLOCK_M 1: CUDA-core FMAs) over several rows and with a K chunk inside one absmax block, two K
+# chunks sharing one absmax block
 @pytest.mark.parametrize("m,n,k,blocksize,cfg", [
     (5, 72, 640, 64, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SPLIT_K=3)),
     (2, 40, 384, 128, dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, SPLIT_K=2)),
     (20, 48, 256, 64, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, SPLIT_K=4)),
     (4, 33, 192, 32, dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, SPLIT_K=1)),
     (3, 40, 256, 64, dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=128, SPLIT_K=2)),
+    (1, 40, 384, 128, dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=64, SPLIT_K=2)),
     (2, 24, 512, 256, dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, SPLIT_K=2))])
 def test_configs(m, n, k, blocksize, cfg):
     packed, st = _weight(n, k, True, blocksize)
@@ -71,6 +73,9 @@ def test_leading_dims_and_noncontiguous_x():
 def test_default_config_uses_split_k():
     cfg = pick_config(8, 72, 320, 64, torch.device(DEV))
     assert cfg["BLOCK_M"] == 16 and cfg["SPLIT_K"] > 1
+    # one row takes the CUDA-core FMA path; two rows and more the tensor-core tiles
+    assert [pick_config(m, 72, 320, 64, torch.device(DEV))["BLOCK_M"] for m in (1, 2, 17, 33, 63)] == \
+        [1, 16, 32, 64, 64]
 
 
 def test_bitsandbytes_state():
@@ -128,10 +133,12 @@ def test_bf16_on_device():
 @pytest.mark.parametrize("m,n,k,r,cfg", [
     (1, 40, 256, 16, None), (3, 72, 320, 8, None),
     (5, 40, 512, 16, dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, SPLIT_K=2)),
-    (1, 24, 256, 4, dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=64, SPLIT_K=3))])
+    (1, 24, 256, 4, dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=64, SPLIT_K=3)),
+    (1, 40, 128, 24, None), (4, 24, 128, 20, None)])
 def test_lora_term_in_the_epilogue(dtype, m, n, k, r, cfg):
     """y = x W^T + b + s (x A^T) B^T with xa a column slice of a wider product (as the decoder's
-    shared q/k/v A GEMM gives it), with and without split-K, r below the padded 16."""
+    shared q/k/v A GEMM gives it), with and without split-K, r below the padded 16 and above it
+    (24, 20: masked to 32), one row and several."""
     packed, st = _weight(n, k)
     x = torch.randn(m, k, device=DEV, dtype=dtype)
     b = torch.randn(n, device=DEV, dtype=dtype)
@@ -142,8 +149,24 @@ def test_lora_term_in_the_epilogue(dtype, m, n, k, r, cfg):
         got = nf4_matmul(x, packed, st, b, config=cfg, lora=(xa, B, 0.5))
         want = nf4_matmul(x, packed, st, b, impl="reference") + 0.5 * (xa @ B.t())
         without = nf4_matmul(x, packed, st, b, config=cfg)
+        ref = nf4_matmul(x, packed, st, b, impl="reference", lora=(xa, B, 0.5))
+    assert torch.equal(ref, want)  # the reference adds the same term
     assert_close_lowp(got, want, dtype)
     assert not torch.allclose(got, without)  # the term is there
+
+
+def test_lora_with_leading_dims():
+    """x [2, 3, K] (a batch of sequences): xa holds the flattened rows, [6, r]; y [2, 3, N]."""
+    packed, st = _weight(24, 128)
+    x = torch.randn(2, 3, 128, device=DEV)
+    xa, B = torch.randn(6, 8, device=DEV), torch.randn(24, 8, device=DEV)
+    with torch.no_grad():
+        got = nf4_matmul(x, packed, st, lora=(xa, B, 2.0))
+        want = nf4_matmul(x, packed, st, impl="reference") + 2.0 * (xa @ B.t()).view(2, 3, 24)
+    assert got.shape == (2, 3, 24)
+    assert_close_lowp(got, want, torch.float32)
+    with pytest.raises(ValueError, match=r"lora needs xa \[6, r\]"):
+        nf4_matmul(x, packed, st, lora=(xa[:3], B, 2.0))
 
 
 def test_lora_shapes_are_checked():

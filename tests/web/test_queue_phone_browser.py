@@ -13,6 +13,15 @@ pytestmark = [pytest.mark.browser,
               pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed")]
 
 LONG = "tiny-stories-lora-r16-alpha32-lr3e-4-cosine-warmup-0.03-seq512-batch8"
+#: Counts the page's EventSource streams that have opened (window.openStreams), so a test waits
+#: for the live stream instead of sleeping until it probably is
+OPEN_STREAMS = """window.openStreams = 0;
+window.EventSource = class extends window.EventSource {
+  constructor(...args) {
+    super(...args);
+    this.addEventListener("open", () => { window.openStreams += 1; });
+  }
+};"""
 
 
 def _no_horizontal_overflow(pg) -> None:
@@ -68,9 +77,10 @@ def test_run_page_queue_note_leaves_with_the_queued_state(page, client, engine):
     slot = Slot("box-gpu0", "box", 0, 22.0, 24.0)
     workers.register(engine, slot.id, slot.host, 1, "cuda:0 NVIDIA test", 24.0, 0, 22.0)
     run_id = _runs(client, engine, admin_id, ["claimed while watched"])[0]
+    page.add_init_script(OPEN_STREAMS)
     page.goto(f"{page.base}/runs/{run_id}")
     expect(page.locator("#place")).to_contain_text("1st in the queue")
-    page.wait_for_timeout(300)  # the live stream is open
+    page.wait_for_function("window.openStreams > 0")  # the live stream is open
     assert queue.admit(engine, slot, 300, ["train"], 0.25, 24.0) is not None
     # the stream's state event flips the badge; the note goes with it, before the 5 s poll
     expect(page.locator("#m-state")).to_have_text("running", timeout=4000)

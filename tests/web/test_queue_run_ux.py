@@ -11,22 +11,14 @@ from app.store.admission import Slot
 from app.store.specs import TrainSpec
 from app.studio.queue_view import session_notes
 from tests.conftest import SHARED_DATA as SHARED
-from tests.web.conftest import run_validations, signed_in
+from tests.web.conftest import run_validations, signed_in, upload_sft
 
 GPU = Slot("box-gpu0", "box", 0, 22.0, 24.0)
 
 
-def _dataset(client) -> str:
-    path = SHARED / "sft" / "alpaca_en_demo.json"
-    with path.open("rb") as fh:
-        r = client.post("/datasets", files={"file": (path.name, fh)}, follow_redirects=False)
-    run_validations(client.app)
-    return r.headers["location"].rsplit("/", 1)[1]
-
-
 def _runs(client, engine, owner: str, names: list[str], estimate_gib: float = 0.07) -> list[str]:
     """Queue one run per name on the demo model (estimate as the run form stores it)."""
-    ds = _dataset(client)
+    ds = upload_sft(client, "alpaca_en_demo.json")
     model = client.get("/api/models").json()["data"][0]["id"]
     return [repo.create_run(engine, TrainSpec(model=model, dataset=ds, max_steps=2), name=n,
                             owner=owner, estimate_gib=estimate_gib)[0].id for n in names]
@@ -63,9 +55,10 @@ def test_every_page_says_the_memory_estimate_the_same_way(app, client, engine) -
                   r'\((6\.7\d GiB for training \+ 0\.5 GiB CUDA context);', form)
     assert m, form
     short, parts = m.groups()
+    ds = upload_sft(client, "alpaca_en_demo.json")
     run_id = client.post("/api/runs", json={
-        "model": model.id, "dataset": _dataset(client), "load_in_4bit": True,
-        "max_seq_length": 2048, "per_device_train_batch_size": 2}).json()["id"]
+        "model": model.id, "dataset": ds, "load_in_4bit": True, "max_seq_length": 2048,
+        "per_device_train_batch_size": 2}).json()["id"]
     page = client.get(f"/runs/{run_id}").text
     assert f'id="mem-estimate">{short}<span class="small muted mem-parts"> ({parts})</span>' in page
     q = client.get("/queue").text
@@ -91,7 +84,8 @@ def test_polled_queue_note_carries_the_state(app, client, engine) -> None:
     assert client.get(f"/runs/{run_id}").text.count('id="m-state"') == 1
 
 
-def test_idle_session_note_says_how_long_idle_and_when_it_yields(app, client, engine) -> None:
+def test_idle_session_note_says_how_long_idle_and_when_it_yields(app, client, engine,
+                                                                monkeypatch) -> None:
     from tests.web.test_queue_web import idle_session
 
     # the numbers add up: idle 4 s + 11 s = the 15 s yield; past it, no "in -13 s"
@@ -106,7 +100,7 @@ def test_idle_session_note_says_how_long_idle_and_when_it_yields(app, client, en
     # the yield is the session's own (its payload's, what its worker counts), not today's setting
     admin_id = client.get("/api/me").json()["id"]
     workers.register(engine, GPU.id, GPU.host, 1, "cuda:0 NVIDIA test", 24.0, 0, 22.0)
-    idle_session(engine, GPU, admin_id, 28, 15.0, {"yield_seconds": 60.0})
+    idle_session(engine, monkeypatch, GPU, admin_id, 28, 15.0, {"yield_seconds": 60.0})
     train = queue.enqueue(engine, "train", {}, owner=admin_id, estimate_gib=10.0).id
     data = client.get("/api/queue").json()
     assert data["gpus"][0]["running"][0]["note"] == (
@@ -119,7 +113,7 @@ def test_jobs_table_says_a_rejected_dataset_was_rejected(app, client, engine) ->
     with path.open("rb") as fh:
         client.post("/datasets", files={"file": (path.name, fh)}, follow_redirects=False)
     assert run_validations(app) == 1
-    good = _dataset(client)
+    good = upload_sft(client, "alpaca_en_demo.json")
     html = client.get("/", headers={"HX-Request": "true", "HX-Target": "jobs"}).text
     rows = re.findall(r'<tr data-job="\d+" data-kind="validate_dataset">(.*?)</tr>', html, re.S)
     bad_row, good_row = rows[1], rows[0]  # newest first

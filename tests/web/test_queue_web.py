@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import io
+import time
 
 from app.store import queue, workers
 from app.store.admission import Slot
@@ -20,21 +21,33 @@ def _member(client, name: str = "bea") -> str:
     return r.json()["id"]
 
 
-def idle_session(engine, slot: Slot, owner: str, idle_s: float, estimate_gib: float,
-                 payload: dict | None = None) -> int:
-    """A playground session admitted on ``slot``, loaded ``idle_s`` seconds ago with no prompt
-    since; returns its job id."""
+def idle_for(engine, monkeypatch, job_id: int, idle_s: float) -> None:
+    """Date the events of ``job_id`` ``idle_s`` seconds back and stop the queue view's clock
+    (``app.studio.queue_view.now``) there: the idle time and the time to the yield that the
+    notes print stay exact however long a loaded machine takes between the test's requests
+    (they count whole seconds)."""
     from sqlalchemy import text
 
+    from app.studio import queue_view
+
+    t = time.time()
+    monkeypatch.setattr(queue_view, "now", lambda: t)
+    with engine.begin() as c:
+        c.execute(text("UPDATE job_events SET ts = :ts WHERE job_id = :j"),
+                  {"ts": t - idle_s, "j": job_id})
+
+
+def idle_session(engine, monkeypatch, slot: Slot, owner: str, idle_s: float,
+                 estimate_gib: float, payload: dict | None = None) -> int:
+    """A playground session admitted on ``slot``, loaded ``idle_s`` seconds ago with no prompt
+    since (:func:`idle_for`); returns its job id."""
     from app.store import events
 
     sid = queue.enqueue(engine, "playground", payload or {}, owner=owner,
                         estimate_gib=estimate_gib).id
     assert queue.admit(engine, slot, 300, ["playground"], 0.1, 24.0).id == sid
     events.append_many(engine, sid, [("session", {"status": "ready"})])
-    with engine.begin() as c:
-        c.execute(text("UPDATE job_events SET ts = ts - :s WHERE job_id = :j"),
-                  {"s": idle_s, "j": sid})
+    idle_for(engine, monkeypatch, sid, idle_s)
     return sid
 
 
@@ -112,8 +125,6 @@ def test_admin_sets_quotas_and_downloads_gpu_hours(app, client, engine) -> None:
 
 def test_queue_says_an_idle_playground_session_gives_its_slot_to_a_waiting_job(
         app, client, engine, monkeypatch) -> None:
-    from sqlalchemy import text
-
     from app.store import events
 
     monkeypatch.setattr(app.state.settings, "gpu_admit_margin", 0.1)
@@ -127,8 +138,7 @@ def test_queue_says_an_idle_playground_session_gives_its_slot_to_a_waiting_job(
     assert row["note"] == ("playground session, loading its model; once idle it gives its "
                            "slot to waiting jobs after 15 s idle")
     events.append_many(engine, sid, [("session", {"status": "ready"})])
-    with engine.begin() as c:  # loaded 40 s ago, no prompt since
-        c.execute(text("UPDATE job_events SET ts = ts - 40 WHERE job_id = :j"), {"j": sid})
+    idle_for(engine, monkeypatch, sid, 40)  # loaded 40 s ago, no prompt since
     data = client.get("/api/queue").json()
     assert data["playground_yield_seconds"] == 15.0
     assert data["gpus"][0]["running"][0]["note"] == (
@@ -161,12 +171,12 @@ def test_queue_says_an_idle_playground_session_gives_its_slot_to_a_waiting_job(
             "waits for another user's playground session on cuda:0 NVIDIA test:")
 
 
-def test_on_a_cpu_slot_the_waiting_job_hears_when_the_session_yields(app, client,
-                                                                     engine) -> None:
+def test_on_a_cpu_slot_the_waiting_job_hears_when_the_session_yields(app, client, engine,
+                                                                     monkeypatch) -> None:
     admin_id = client.get("/api/me").json()["id"]
     cpu = Slot("box-main", "box", None, None, None)
     workers.register(engine, cpu.id, cpu.host, 1, "cpu slot (2 cores, one job at a time)")
-    sid = idle_session(engine, cpu, admin_id, 5, 0.1)
+    sid = idle_session(engine, monkeypatch, cpu, admin_id, 5, 0.1)
     train = queue.enqueue(engine, "train", {}, owner=admin_id, estimate_gib=1.0).id
     data = client.get("/api/queue").json()
     assert data["gpus"][0]["running"][0]["note"] == (

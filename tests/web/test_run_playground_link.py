@@ -8,7 +8,7 @@ import re
 from urllib.parse import unquote
 
 from app.store import queue, repo
-from app.store.schema import Artifact
+from tests.web.test_export_checkpoint import _checkpoint
 from tests.web.test_web_exports import _queued_run
 
 
@@ -26,20 +26,11 @@ def _claimed(client, engine) -> tuple[str, int, str]:
     return run_id, job.id, model
 
 
-def _checkpoint(engine, run_id: str, job_id: int, step: int, tmp_path) -> None:
-    folder = tmp_path / run_id / f"checkpoint-{step}"
-    folder.mkdir(parents=True)
-    (folder / "adapter_config.json").write_text("{}")
-    repo.add_artifact(engine, Artifact(run_id=run_id, job_id=job_id, kind="checkpoint",
-                                       path=str(folder), bytes=1, name=folder.name,
-                                       meta={"step": step}))
-
-
-def test_a_cancelled_run_links_to_its_newest_checkpoint(client, engine, tmp_path):
+def test_a_cancelled_run_links_to_its_newest_checkpoint(client, engine, settings):
     run_id, job_id, model = _claimed(client, engine)
     assert _link(client, run_id) is None  # running: nothing to chat with yet
     for step in (3, 5):
-        _checkpoint(engine, run_id, job_id, step, tmp_path)
+        _checkpoint(engine, settings, run_id, job_id, step)
     queue.cancel(engine, job_id)
     assert queue.acknowledge_cancel(engine, job_id, "w-test")
     target = f"{model}:ft:{run_id}:checkpoint-5"
@@ -55,8 +46,8 @@ def test_a_failed_run_without_a_checkpoint_has_no_link(client, engine):
     assert 'id="open-playground"' not in client.get(f"/runs/{run_id}").text
 
 
-def test_a_succeeded_run_links_to_its_final_adapter(client, engine, tmp_path):
+def test_a_succeeded_run_links_to_its_final_adapter(client, engine, settings):
     run_id, job_id, model = _claimed(client, engine)
-    _checkpoint(engine, run_id, job_id, 2, tmp_path)
+    _checkpoint(engine, settings, run_id, job_id, 2)
     assert queue.finish(engine, job_id, "w-test", {"steps": 2})
     assert _link(client, run_id) == (f"{model}:ft:{run_id}", "Open in playground")

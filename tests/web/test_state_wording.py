@@ -3,8 +3,9 @@ failed)", "The run failed: ..." (the trial read "was failed" and "(it is failed)
 from __future__ import annotations
 
 from app.store import queue, repo
-from app.store.schema import Artifact, JobState
+from app.store.schema import JobState
 from app.studio.job_states import state_words
+from tests.web.test_export_checkpoint import _checkpoint
 from tests.web.test_web_exports import _queued_run
 
 
@@ -14,7 +15,7 @@ def test_state_words():
         "is queued", "is running", "succeeded", "failed", "was cancelled", "has no job"]
 
 
-def test_a_failed_runs_messages(client, engine, tmp_path):
+def test_a_failed_runs_messages(client, engine, settings):
     run_id = _queued_run(client, engine)
     job = queue.claim(engine, "w-test", 30, kinds=["train"])
     assert queue.fail(engine, job.id, "w-test", "CUDA out of memory")
@@ -30,11 +31,6 @@ def test_a_failed_runs_messages(client, engine, tmp_path):
     assert "has not finished training (it failed)" in r.json()["error"]["message"]
     for page in (client.get(f"/runs/{run_id}").text, r.text):
         assert "was failed" not in page and "is failed" not in page
-    folder = tmp_path / "checkpoint-4"
-    folder.mkdir()
-    (folder / "adapter_config.json").write_text("{}")
-    repo.add_artifact(engine, Artifact(run_id=run_id, job_id=job.id, kind="checkpoint",
-                                       path=str(folder), bytes=1, name=folder.name,
-                                       meta={"step": 4}))
+    _checkpoint(engine, settings, run_id, job.id, 4)
     assert ("The run failed: exports are made from its newest checkpoint, step 4."
             in client.get(f"/runs/{run_id}").text)

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -51,22 +52,23 @@ def _claimed_ctx(tmp_path):
 @needs_data
 def test_a_step_end_reads_the_flag_a_few_times_a_second(tmp_path, monkeypatch):
     engine, ctx = _claimed_ctx(tmp_path)
+    now = [1000.0]  # the context's clock, moved by the test: exact on a loaded machine
+    monkeypatch.setattr(context, "time", SimpleNamespace(monotonic=lambda: now[0]))
     reads = []
     real = queue.cancel_requested
     monkeypatch.setattr(queue, "cancel_requested",
-                        lambda e, j: reads.append(time.monotonic()) or real(e, j))
-    end = time.monotonic() + 0.5
-    steps = 0
-    while time.monotonic() < end:  # a very fast run: thousands of steps in half a second
+                        lambda e, j: reads.append(now[0]) or real(e, j))
+    for _ in range(500):  # a very fast run: 500 steps of 1 ms, half a second
         assert ctx.step_stop_reason() is None
-        steps += 1
-    assert steps > 100 and 2 <= len(reads) <= 4, (steps, len(reads))
-    assert all(b - a >= 0.9 * context.CANCEL_POLL_SECONDS for a, b in zip(reads, reads[1:]))
+        now[0] += 0.001
+    # read at the first step, then once per CANCEL_POLL_SECONDS (0.2 s): 3 reads, not 500
+    assert len(reads) == 3, reads
+    assert all(b - a >= context.CANCEL_POLL_SECONDS for a, b in zip(reads, reads[1:])), reads
     queue.cancel(engine, ctx.job.id)  # no heartbeat ran: the step end alone sees it
-    time.sleep(context.CANCEL_POLL_SECONDS)
-    assert ctx.step_stop_reason() == "cancelled"
-    n = len(reads)
-    assert ctx.step_stop_reason() == "cancelled" and len(reads) == n  # seen: no more reads
+    assert ctx.step_stop_reason() is None  # read less than CANCEL_POLL_SECONDS ago: not yet
+    now[0] = reads[-1] + 1.001 * context.CANCEL_POLL_SECONDS  # (no float tie at the bound)
+    assert ctx.step_stop_reason() == "cancelled" and len(reads) == 4
+    assert ctx.step_stop_reason() == "cancelled" and len(reads) == 4  # seen: no more reads
 
 
 @needs_data
@@ -77,8 +79,7 @@ def test_a_cancel_after_the_last_step_leaves_the_run_finished_and_says_so(tmp_pa
 
     engine, ctx = _claimed_ctx(tmp_path)
     cb = stopping_callback()(ctx.step_stop_reason)
-    queue.cancel(engine, ctx.job.id)
-    time.sleep(context.CANCEL_POLL_SECONDS)
+    queue.cancel(engine, ctx.job.id)  # the first step end reads the flag at once
     # seen after step 80 of 80: nothing to stop, training ends on its own
     last = cb.on_step_end(None, TrainerState(global_step=80, max_steps=80), TrainerControl())
     assert not last.should_training_stop and not last.should_save and cb.stopped is None

@@ -165,6 +165,7 @@ class Stream:
                 stop=list(END_MARKERS), seed=params.seed))
         else:
             self._ids, self._past, self._logits = ids, None, None
+            self._seen, self._seen_n = None, 0  # repetition penalty: prompt + answer on device
             import torch
 
             self._gen = torch.Generator(device=loaded.device)
@@ -236,13 +237,30 @@ class Stream:
         cfg = SimpleNamespace(do_sample=not greedy, temperature=p.temperature,
                               top_k=p.top_k or None, top_p=p.top_p, min_p=p.min_p or None,
                               repetition_penalty=p.repetition_penalty)
-        ids = torch.tensor([self._ids + self.generated] if p.repetition_penalty != 1.0
-                           else [[]], dtype=torch.long, device=logits.device)
+        ids = self._penalized_ids(logits.device) if p.repetition_penalty != 1.0 \
+            else logits.new_zeros((1, 0), dtype=torch.long)
         logits = warp(logits, ids, cfg)
         if greedy:
             return int(logits.argmax(-1))
         probs = logits.softmax(-1)
         return int(torch.multinomial(probs.to(self._gen.device), 1, generator=self._gen))
+
+    def _penalized_ids(self, device):
+        """[1, n] long on ``device``: the prompt and the answer so far, the ids the repetition
+        penalty counts. One buffer per answer (prompt + token budget) filled as tokens come, so a
+        token costs a scalar write, not a host list of every id copied to the device."""
+        import torch
+
+        if self._seen is None:
+            self._seen = torch.empty((1, len(self._ids) + self._budget), dtype=torch.long,
+                                     device=device)
+            self._seen[0, :len(self._ids)] = torch.tensor(self._ids, dtype=torch.long)
+            self._seen_n = len(self._ids)
+        n = len(self._ids) + len(self.generated)
+        for tok in self.generated[self._seen_n - len(self._ids):]:
+            self._seen[0, self._seen_n] = tok
+            self._seen_n += 1
+        return self._seen[:, :n]
 
     def take(self) -> str:
         """The text decoded since the last call, less an unfinished character or a possible
