@@ -21,7 +21,7 @@ from app.store import workers as workers_store
 from app.store.schema import Dataset, Job, JobState, Model, Run
 from app.store.specs import TrainSpec
 from app.studio import access, audit, calibration, evaluation, validation
-from app.studio.errors import StudioError, invalid
+from app.studio.errors import FieldErrors, StudioError, invalid
 from app.studio.seqlen import fit_max_seq_length
 
 if TYPE_CHECKING:
@@ -53,14 +53,12 @@ def field_errors(exc: ValidationError, fields=()) -> tuple[dict[str, str], list[
     return out, general
 
 
-class SpecError(StudioError):
+class SpecError(FieldErrors):
     """A spec that fails validation: ``fields`` maps every bad field to its message; the first
-    one is the error's ``field`` and ``message`` (kind ``invalid``)."""
+    one is the error's ``field`` and ``message`` (kind ``invalid``); ``general``: the
+    messages about no one field."""
 
-    def __init__(self, fields: dict[str, str], general: list[str] | None = None):
-        first = next(iter(fields.items()), (None, (general or ["invalid spec"])[0]))
-        super().__init__("invalid", first[1], first[0])
-        self.fields, self.general = fields, general or []
+    FALLBACK = "invalid spec"
 
 
 def parse_spec(cls: type[BaseModel], raw: dict[str, Any]) -> Any:
