@@ -66,6 +66,19 @@ def exports_view(engine, user, run_id: str, error: str | None = None,
             "exports_active": any(e["status"] in (JobState.QUEUED, JobState.RUNNING) for e in items)}
 
 
+def _state(job) -> str:
+    """The run page's State badge: its job's state, ``"unknown"`` without a job."""
+    return job.state if job else "unknown"
+
+
+def place_view(engine, user, run_id: str) -> dict[str, Any]:
+    """What the run page's ``place`` block needs when it is polled (every 5 s while the job is
+    queued): the run and its job's ``state``, and ``place_poll`` (the fragment then carries the
+    State badge out of band); not :func:`run_view`'s checkpoint folders and event scans."""
+    run, job = access.run_with_job(engine, user, run_id)
+    return {"run": run, "job": job, "state": _state(job), "place_poll": True}
+
+
 def run_view(engine, user, run_id: str) -> dict[str, Any]:
     """Everything the run page shows at load time."""
     run, job = access.run_with_job(engine, user, run_id)
@@ -74,7 +87,7 @@ def run_view(engine, user, run_id: str) -> dict[str, Any]:
     progress = 0
     if m and m.get("total_steps"):
         progress = min(100, round(100 * m["step"] / max(1, m["total_steps"])))
-    state = job.state if job else "unknown"
+    state = _state(job)
     if state == JobState.SUCCEEDED:
         progress = 100
     model_name, dataset_name = input_names(engine, run)
