@@ -16,7 +16,7 @@ from sqlalchemy.engine import Engine
 
 from app.settings import Settings
 from app.store import events, queue, repo
-from app.store.schema import Job, JobState
+from app.store.schema import Job, JobState, Run
 from app.store.specs import GGUF_TYPES, ExportSpec
 from app.studio import access, audit, jobs
 from app.studio.artifacts import is_server_path
@@ -155,8 +155,9 @@ def exportable(engine: Engine, run_id: str, job: Job | None) -> tuple[bool, int 
     return False, None
 
 
-def _checkpoint_step(engine: Engine, run_id: str, job: Job | None, asked) -> int | None:
+def _checkpoint_step(engine: Engine, run: Run, job: Job | None, asked) -> int | None:
     """The checkpoint an export request uses (see :func:`queue_export`). Raises StudioError."""
+    run_id = run.id
     state = job.state if job else "unknown"
     if job is None or job.state in (JobState.QUEUED, JobState.RUNNING):
         raise StudioError("conflict", f"run {run_id} has not finished training (state: "
@@ -177,9 +178,8 @@ def _checkpoint_step(engine: Engine, run_id: str, job: Job | None, asked) -> int
     if job.state == JobState.SUCCEEDED:
         return None
     if not steps:
-        save_steps = (repo.get_run(engine, run_id).spec or {}).get("save_steps")
-        raise StudioError("conflict", f"run {run_id} {no_checkpoint_words(job, save_steps)}; "
-                                      "there is nothing to export")
+        raise StudioError("conflict", f"run {run_id} {no_checkpoint_words(run, job)}; there is "
+                                      "nothing to export")
     return steps[0]
 
 
@@ -196,7 +196,7 @@ def queue_export(engine: Engine, actor: User, run_id: str, body: dict[str, Any])
             checkpoint step the run does not have).
     """
     run, job = access.run_with_job(engine, actor, run_id)
-    step = _checkpoint_step(engine, run.id, job, body.get("checkpoint_step"))
+    step = _checkpoint_step(engine, run, job, body.get("checkpoint_step"))
     unknown = sorted(str(k) for k in set(body) - {"format", "quantization", "dtype",
                                                    "checkpoint_step"})
     if unknown:

@@ -50,19 +50,28 @@ def exports_view(engine, user, run_id: str, error: str | None = None,
                  values: dict[str, Any] | None = None,
                  field_errors: dict[str, str] | None = None) -> dict[str, Any]:
     """The exports card of a run page: the form's choices and values, and the run's exports;
-    ``error`` shows under the form, ``field_errors`` (``{field: message}``) beside each field."""
+    ``error`` shows under the form, ``field_errors`` (``{field: message}``) beside each field;
+    ``export_from`` says which checkpoint a cancelled or failed run exports, and
+    ``export_unavailable`` why the run cannot be exported (None when it can)."""
     run, job = access.run_with_job(engine, user, run_id)
     items = [{**e, "verification_summary": verification.summarize(e["verification"])}
              for e in exports_uc.list_exports(engine, user, run_id)]
     can_export, checkpoint = exports_uc.exportable(engine, run.id, job)
+    if can_export:
+        unavailable = None
+    elif job is not None and job.state in (JobState.CANCELLED, JobState.FAILED):
+        unavailable = f"The run {no_checkpoint_words(run, job)}, so there is nothing to export."
+    else:
+        unavailable = ("Exports become available when training has succeeded, or from the "
+                       "newest checkpoint of a cancelled run.")
     return {"run": run, "exports": items, "export_formats": exports_uc.FORMATS,
             "export_quants": exports_uc.QUANTS, "export_quant_notes": exports_uc.QUANT_NOTES,
             "export_error": error, "export_field_errors": field_errors or {},
             "export_values": values or {"format": "gguf", "quantization": ["Q8_0"]},
-            "can_export": can_export, "export_checkpoint": checkpoint,
-            "run_state": job.state if job else None,
-            "run_state_words": state_words(job.state if job else None),
-            "no_checkpoint_words": no_checkpoint_words(job, (run.spec or {}).get("save_steps")),
+            "can_export": can_export,
+            "export_from": (f"The run {state_words(job.state)}: exports are made from its "
+                            f"newest checkpoint, step {checkpoint}.") if checkpoint else None,
+            "export_unavailable": unavailable,
             "exports_active": any(e["status"] in (JobState.QUEUED, JobState.RUNNING) for e in items)}
 
 
