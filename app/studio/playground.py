@@ -40,7 +40,7 @@ from app.studio.errors import StudioError, invalid
 from app.studio.job_states import state_words
 from app.studio.estimate import GIB, lora_params, model_shape, weight_bytes
 from app.studio.playground_params import (  # noqa: F401 - part of the playground's API
-    DEFAULT_MAX_TOKENS, EXTRA_OFF, MAX_TOKENS, ROLES, messages, params, prompt_params)
+    DEFAULT_MAX_TOKENS, DEFAULTS, LIMITS, MAX_TOKENS, ROLES, messages, params, prompt_params)
 from app.studio.playground_targets import targets  # noqa: F401 - the page's model picker
 
 if TYPE_CHECKING:
