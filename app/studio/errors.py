@@ -60,14 +60,15 @@ def field_messages(exc: StudioError, default: str | None = "form") -> dict[str |
     return {exc.field or default: exc.message}
 
 
-def collect(*checks) -> None:
+def collect(*checks) -> list:
     """Run every zero-argument ``check`` and raise one :class:`FieldErrors` with each field's
-    first complaint (so a form shows all its bad fields at once); nothing when all pass.
-    StudioErrors of other kinds, or without a field, propagate as raised."""
+    first complaint (so a form shows all its bad fields at once); when all pass, what each
+    returned, in order. StudioErrors of other kinds, or without a field, propagate as raised."""
     found: dict[str, str] = {}
+    results = []
     for check in checks:
         try:
-            check()
+            results.append(check())
         except StudioError as exc:
             if exc.kind != "invalid" or exc.field is None:
                 raise
@@ -75,3 +76,4 @@ def collect(*checks) -> None:
                 found.setdefault(field, message)
     if found:
         raise FieldErrors(found)
+    return results
