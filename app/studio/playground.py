@@ -217,7 +217,7 @@ def open_session(engine: Engine, settings: Settings, actor: User, model: str,
     t = resolve(engine, actor, model)
     need = estimate_gib(t)
     try:
-        calibration.check_job_quota(engine, settings, actor.id, need, 1,
+        calibration.check_job_quota(engine, settings, actor, need, 1,
                                     f"a Playground session of {t.model}", calibration.QUOTA_REMEDY)
     except StudioError:
         with session_scope(engine) as s:
