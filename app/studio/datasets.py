@@ -17,6 +17,7 @@ from sqlalchemy.engine import Engine
 
 from app.data.chat_template import choose_template
 from app.data.errors import DatasetError
+from app.data.model_config import context_length
 from app.settings import Settings
 from app.store import queue, repo
 from app.store.schema import Dataset, Model, new_id
@@ -120,13 +121,25 @@ def default_model(engine: Engine, actor: User) -> Model | None:
     return next((m for m in models if m.status == "ready"), models[0] if models else None)
 
 
+def context_window(model: Model | None) -> int | None:
+    """The model's context window in tokens: ``max_position_embeddings`` recorded at import (its
+    ``info``; stories260K has 512), else from the ``config.json`` of its folder
+    (:func:`app.data.model_config.context_length`); None when neither says or there is no model.
+    The one rule every length check reads: the SFT ``max_seq_length`` and its default, a GRPO
+    prompt + completion (:mod:`app.studio.seqlen`), a Playground session's estimate."""
+    if model is None:
+        return None
+    n = (model.info or {}).get("max_position_embeddings")
+    return n if isinstance(n, int) and n > 0 else context_length(model.path)
+
+
 def default_max_seq_length(model: Model | None) -> int:
     """The max_seq_length a run form and a dataset's report start from, in tokens: TrainSpec's
-    default capped at the model's context length (``max_position_embeddings`` recorded at import;
-    stories260K has 512), so the report counts over-long rows against the length the run will use."""
+    default capped at the model's :func:`context_window`, so the report counts over-long rows
+    against the length the run will use."""
     default = TrainSpec.model_fields["max_seq_length"].default
-    limit = ((model.info or {}) if model else {}).get("max_position_embeddings")
-    return min(default, limit) if isinstance(limit, int) and limit > 0 else default
+    limit = context_window(model)
+    return min(default, limit) if limit else default
 
 
 def report_for(path: str, model: Model | None, template_choice: str | None, max_seq_length: int,

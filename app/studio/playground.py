@@ -36,6 +36,7 @@ from app.store.db import session_scope
 from app.store.schema import Artifact, Job, JobEvent, JobState, Model, Run, now
 from app.studio import access, calibration
 from app.studio import checkpoint_eval as ckpt_eval
+from app.studio.datasets import context_window
 from app.studio.errors import StudioError, invalid
 from app.studio.job_states import state_words
 from app.studio.estimate import GIB, lora_params, model_shape, weight_bytes
@@ -170,8 +171,7 @@ def estimate_gib(t: Target) -> float | None:
     shape = model_shape(t.model_row.info, t.model_row.path)
     if shape is None:
         return None
-    ctx = min(ESTIMATE_CONTEXT, int((t.model_row.info or {}).get("max_position_embeddings")
-                                    or ESTIMATE_CONTEXT))
+    ctx = min(ESTIMATE_CONTEXT, context_window(t.model_row) or ESTIMATE_CONTEXT)
     kv = ctx * shape.layers * 2 * shape.kv_heads * shape.head_dim * 2 * len(t.sides)
     logits = ctx * shape.vocab * 2 + 2 * shape.vocab * 4
     if t.artifact is not None:
