@@ -19,7 +19,7 @@ from app.settings import Settings
 from app.store import queue, repo
 from app.store import workers as workers_store
 from app.store.schema import Dataset, Job, JobState, Model, Run
-from app.store.specs import TrainSpec
+from app.store.specs import TrainSpec, field_bound
 from app.studio import access, audit, calibration, evaluation, validation
 from app.studio.errors import FieldErrors, StudioError, invalid
 from app.studio.seqlen import fit_max_seq_length
@@ -126,7 +126,7 @@ def learning_rate_from_multiplier(spec_cls: type[BaseModel], value: Any) -> floa
                       f"above 0 and at most {MAX_LR_MULTIPLIER:g} (× the default learning rate "
                       f"{base:g}), not {value!r}")
     lr = m * base
-    bound = next((b.le for b in field.metadata if getattr(b, "le", None) is not None), None)
+    bound = field_bound(spec_cls, "learning_rate")
     if bound is not None and lr > bound:
         raise invalid("learning_rate_multiplier", f"learning_rate_multiplier {m:g} × the "
                       f"default learning rate {base:g} = {lr:g} is above the largest "

@@ -15,7 +15,7 @@ from app.data.chat_template import render_chat
 from app.data.errors import DatasetError
 from app.data.template_check import SAMPLE_CHATS
 from app.store.schema import Model
-from app.store.specs import TrainSpec
+from app.store.specs import TrainSpec, field_bound
 from app.studio.datasets import context_window, default_max_seq_length, ready_tokenizer_path
 from app.studio.errors import StudioError, invalid
 from app.studio.reports import load_bundle
@@ -24,9 +24,8 @@ from app.studio.reports import load_bundle
 def length_bounds() -> tuple[int, int]:
     """(least, most) tokens a ``max_seq_length`` may be: TrainSpec's field limits, the one
     definition the run forms, ``/api``, ``/v1`` and the dataset report share."""
-    meta = TrainSpec.model_fields["max_seq_length"].metadata
-    return (next(m.ge for m in meta if getattr(m, "ge", None) is not None),
-            next(m.le for m in meta if getattr(m, "le", None) is not None))
+    return (field_bound(TrainSpec, "max_seq_length", "ge"),
+            field_bound(TrainSpec, "max_seq_length", "le"))
 
 
 def report_length(raw: str | None, model: Model | None) -> int:
