@@ -1,5 +1,7 @@
-"""A run's GPU memory estimate, corrected by the peaks measured on earlier jobs, and the refusal of
-a run no GPU could hold.
+"""A run's GPU memory estimate, corrected by the peaks measured on earlier jobs; the refusal of
+a run no GPU could hold (:func:`check_fits`) and of a GPU job its owner's memory quota could
+never admit (:func:`check_job_quota`); a job's estimate beside its measured peak for the run
+page and ``/api`` (:func:`memory_summary`, :func:`metric_peak`).
 
 The correction is per (model, job kind, 4-bit or not): the median of ``measured / estimated``
 over the newest :data:`WINDOW` succeeded jobs of that key whose worker measured a GPU peak

@@ -290,7 +290,6 @@ async def estimate_fragment(request: Request, engine, settings, user, run_kind: 
                   {**ctx, "estimate_url": url, "estimate_refreshed": True}, block="memory_estimate")
 
 
-
 def spec_value_text(value: Any) -> str:
     """A spec value as the compare page's diff shows it, one way for every field: not set
     ``"—"``, a string as it is, anything else as JSON (``null``, ``true``, ``0.0002``,
