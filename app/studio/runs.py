@@ -134,6 +134,14 @@ def learning_rate_from_multiplier(spec_cls: type[BaseModel], value: Any) -> floa
     return lr
 
 
+def multiplier_of_learning_rate(spec_cls: type[BaseModel], spec: dict[str, Any]) -> float:
+    """The OpenAI ``learning_rate_multiplier`` of a stored ``spec`` of ``spec_cls``: its
+    ``learning_rate`` over that class's default, the inverse of
+    :func:`learning_rate_from_multiplier` (1.0 when the spec names no learning rate)."""
+    base = spec_cls.model_fields["learning_rate"].default
+    return round(spec.get("learning_rate", base) / base, 10)
+
+
 #: Longest run name (the OpenAI ``suffix`` allows 64; names show in every listing).
 MAX_NAME_CHARS = 100
 
