@@ -136,11 +136,11 @@ def check_job_quota(engine: Engine | None, settings: Settings, owner: User | str
     ``owner``: the job's owner (a User, or its id, read with ``engine``); ``allocated_gib``:
     the job's estimated allocator peak per GPU (GiB, the ``estimate_gib`` it is queued with);
     ``what``: the job as the message names it ("this run"); ``remedy``: the message's last
-    sentence (``{whose}`` in it names the quota's owner); ``actor``: who asks, when not the owner (an admin resuming a member's run: the
-    message says "alice's quota", not "your"). Raises StudioError(invalid, code
-    ``over_gpu_memory_quota``) naming the need and the quota (GiB) when the memory the job
-    would be admitted with on all its ``num_gpus`` GPUs (:func:`app.store.admission.need_gib`)
-    is more than the quota
+    sentence (``{whose}`` in it names the quota's owner); ``actor``: who asks, when not the
+    owner (an admin resuming a member's run: the message says "alice's quota", not "your").
+    Raises StudioError(invalid, code ``over_gpu_memory_quota``) naming the need and the quota
+    (GiB) when the memory the job would be admitted with on all its ``num_gpus`` GPUs
+    (:func:`app.store.admission.need_gib`) is more than the quota
     (:func:`app.store.admission.over_gib_quota`, the rule admission applies). No owner, no
     quota or no estimate: no refusal."""
     if owner is None or allocated_gib is None or allocated_gib <= 0:
