@@ -19,7 +19,7 @@ from app.store import events, queue, repo
 from app.store.schema import Job, JobState, Run
 from app.store.specs import GGUF_TYPES, ExportSpec
 from app.studio import access, audit, jobs
-from app.studio.artifacts import is_server_path
+from app.studio.artifacts import checkpoint_step, is_server_path
 from app.studio.datasets import is_under
 from app.studio.errors import StudioError, invalid
 from app.studio.job_states import no_checkpoint_words
@@ -138,9 +138,8 @@ def list_exports(engine: Engine, actor: User, run_id: str) -> list[dict[str, Any
 def checkpoint_steps(engine: Engine, run_id: str) -> list[int]:
     """The steps of the run's trainer checkpoints still on disk (``Artifact(kind="checkpoint")``
     rows the worker records as it saves them, whose folder holds an adapter), newest first."""
-    steps = {(a.meta or {}).get("step") for a in repo.list_artifacts(engine, run_id, "checkpoint")
-             if (Path(a.path) / "adapter_config.json").is_file()}
-    return sorted((s for s in steps if isinstance(s, int)), reverse=True)
+    steps = {checkpoint_step(a) for a in repo.list_artifacts(engine, run_id, "checkpoint")}
+    return sorted((s for s in steps if s is not None), reverse=True)
 
 
 def exportable(engine: Engine, run_id: str, job: Job | None) -> tuple[bool, int | None]:
