@@ -74,8 +74,8 @@
           pointRadius: (c) => (c.raw && c.raw.x === bestStep ? 7 : 3),
           pointStyle: (c) => (c.raw && c.raw.x === bestStep ? "star" : "circle") }] },
       options: { animation: false, maintainAspectRatio: false, parsing: false,
-        scales: { x: window.whetstoneStepAxis ? window.whetstoneStepAxis()
-                     : { type: "linear", title: { display: true, text: "step" } },
+        // static/ticks.js comes with Chart.js (run.html loads both before this file)
+        scales: { x: window.whetstoneStepAxis(),
                   y: { title: { display: true, text: "loss" }, ticks: { callback: window.whetstoneTick } } },
         plugins: { legend: { display: false } } },
     });

@@ -11,9 +11,8 @@
   const series = {};  // name -> [{x, y}]
   const aux = { kl: [], completion_length: [], frac_zero_std_groups: [] };
   let rewardChart = null, auxChart = null, pending = false;
-  const tick = (v, i, ticks) => (window.whetstoneTick ? window.whetstoneTick(v, i, ticks) : String(v));
-  const stepAxis = () => (window.whetstoneStepAxis ? window.whetstoneStepAxis()
-    : { type: "linear", title: { display: true, text: "step" } });
+  // axes as every chart labels them (static/ticks.js, loaded by run.html before this file)
+  const tick = window.whetstoneTick, stepAxis = window.whetstoneStepAxis;
 
   function fmt(x) {
     if (x === undefined || x === null || Number.isNaN(x)) return "—";

@@ -4,7 +4,7 @@
 //   with just enough decimals that neighbours differ and the step shows ("22.25", "22.30",
 //   "22.35"; not "22.3", "22.3"); tiny or huge values in exponent form ("4e-7", "1.5e-5",
 //   "1.2e+6"). Called without Chart.js's tick objects it labels the lone value ("0.125").
-// - whetstoneStepAxis(extra): the options of an x axis of training steps: whole steps only
+// - whetstoneStepAxis(): the options of an x axis of training steps: whole steps only
 //   (precision 0 makes Chart.js's step at least 1), labelled as integers; never "1.10".
 (function () {
   "use strict";
@@ -60,7 +60,6 @@
     return Number(v.toPrecision(3)).toString();
   }
 
-  window.whetstoneTickLabels = labels;
   window.whetstoneTick = function (v, index, ticks) {
     if (typeof v !== "number" || !Number.isFinite(v)) return String(v);
     if (!Array.isArray(ticks) || ticks.length < 2 || typeof index !== "number") return one(v);
@@ -69,11 +68,9 @@
     if (!values.every((x) => typeof x === "number" && Number.isFinite(x))) return one(v);
     return labels(values)[index];
   };
-  window.whetstoneStepTick = function (v) {
-    return Number.isInteger(v) ? String(v) : "";
-  };
-  window.whetstoneStepAxis = function (extra) {
-    return Object.assign({ type: "linear", title: { display: true, text: "step" },
-                           ticks: { precision: 0, callback: window.whetstoneStepTick } }, extra || {});
+  const stepTick = (v) => (Number.isInteger(v) ? String(v) : "");
+  window.whetstoneStepAxis = function () {
+    return { type: "linear", title: { display: true, text: "step" },
+             ticks: { precision: 0, callback: stepTick } };
   };
 })();

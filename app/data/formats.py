@@ -37,7 +37,7 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
-from typing import Iterable
+from typing import Any, Iterable
 
 from .errors import DatasetError, RowIssue
 
@@ -261,18 +261,31 @@ def _content_of(value, row: int, field: str, role: str, msg: dict) -> str:
     return _as_text(value, row, field, f"{role} turn", required=False)
 
 
+def message_role(msg: Any, base: str, row: int | None = None) -> str:
+    """The canonical role (system, user, assistant or tool) of the OpenAI-style message ``msg``
+    at field ``base`` (``messages[2]``) of row ``row``: the one check of a message's shape and
+    role, for SFT rows and GRPO prompt cells (:func:`app.data.prompts.message_problem`) alike.
+
+    Raises:
+        DatasetError: ``msg`` is not an object (field ``base``), or its role is unknown (field
+            ``base.role``).
+    """
+    if not isinstance(msg, dict):
+        raise DatasetError(f"message is a {type(msg).__name__}, expected an object", row=row,
+                           field=base)
+    role = msg.get("role")
+    if not isinstance(role, str) or role.strip().lower() not in MESSAGE_ROLES:
+        raise DatasetError(f"unknown role {role!r}; expected system, user, assistant or tool",
+                           row=row, field=f"{base}.role")
+    return MESSAGE_ROLES[role.strip().lower()]
+
+
 def _norm_messages(data: dict, row: int) -> dict:
     key, conv = _conversation(data, row)
     messages, fields = [], []
     for i, msg in enumerate(conv):
         base = f"{key}[{i}]"
-        if not isinstance(msg, dict):
-            raise DatasetError(f"message is a {type(msg).__name__}, expected an object", row=row, field=base)
-        role = msg.get("role")
-        if not isinstance(role, str) or role.strip().lower() not in MESSAGE_ROLES:
-            raise DatasetError(f"unknown role {role!r}; expected system, user, assistant or tool",
-                               row=row, field=f"{base}.role")
-        role = MESSAGE_ROLES[role.strip().lower()]
+        role = message_role(msg, base, row)
         messages.append({"role": role, "content": _content_of(msg.get("content"), row,
                                                               f"{base}.content", role, msg)})
         fields.append(f"{base}.content")

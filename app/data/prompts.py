@@ -77,20 +77,19 @@ def prompt_messages(value: Any, column: str, system_prompt: str | None = None) -
 def message_problem(value: Any, column: str) -> tuple[str, str] | None:
     """``(field, reason)`` of the first bad message in a ``messages`` prompt cell (a role
     that is not system/user/assistant/tool, an assistant turn with no content), else None
-    (also for a text cell). The SFT check reports the same problems (:mod:`app.data.formats`)."""
-    from app.data.formats import MESSAGE_ROLES
+    (also for a text cell). The shape and role are the SFT check's
+    (:func:`app.data.formats.message_role`)."""
+    from app.data.formats import message_role
 
     if not isinstance(value, list):
         return None
     for i, msg in enumerate(value):
-        if not isinstance(msg, dict):
-            return f"{column}[{i}]", f"message is a {type(msg).__name__}, expected an object"
-        role = msg.get("role")
-        if not isinstance(role, str) or role.strip().lower() not in MESSAGE_ROLES:
-            return (f"{column}[{i}].role",
-                    f"unknown role {role!r}; expected system, user, assistant or tool")
+        try:
+            role = message_role(msg, f"{column}[{i}]")
+        except DatasetError as exc:
+            return exc.field, exc.message
         content = msg.get("content")
-        if MESSAGE_ROLES[role.strip().lower()] == "assistant" and not msg.get("tool_calls") \
+        if role == "assistant" and not msg.get("tool_calls") \
                 and (content is None or (isinstance(content, str) and not content.strip())):
             return f"{column}[{i}].content", "the assistant turn has no content"
     return None

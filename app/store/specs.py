@@ -23,6 +23,13 @@ GGUF_TYPES = GGUF_WRITTEN_TYPES + GGUF_QUANTIZER_TYPES
 OPTIMIZERS = ("adamw_torch", "paged_adamw_8bit", "adamw_8bit")
 
 
+def field_bound(cls: type[BaseModel], name: str, bound: str = "le") -> Any:
+    """The ``bound`` (``"ge"``, ``"le"``, ``"gt"`` or ``"lt"``) that ``cls``'s field ``name``
+    declares (``Field(le=...)``), or None: the one place forms and messages read a limit from."""
+    return next((getattr(m, bound) for m in cls.model_fields[name].metadata
+                 if getattr(m, bound, None) is not None), None)
+
+
 def one_of(field: str, choices: tuple[str, ...]):
     """A pydantic validator for ``field`` that accepts only ``choices`` ("must be one of ...")."""
 

@@ -13,6 +13,17 @@ from app.store import repo
 from app.store.schema import Artifact, Model
 
 
+def checkpoint_step(art: Artifact) -> int | None:
+    """The step of a trainer checkpoint ``art`` still on disk, its folder holding an adapter
+    (``adapter_config.json``); None for another kind of artifact or a checkpoint the trainer
+    rotated away. The one test of "on disk" that exports, resumes, checkpoint evals, the
+    Playground and the checkpoint downloads share."""
+    step = (art.meta or {}).get("step")
+    if art.kind != "checkpoint" or not isinstance(step, int):
+        return None
+    return step if os.path.isfile(os.path.join(art.path, "adapter_config.json")) else None
+
+
 def present(engine: Engine, run_id: str, kind: str | None = None) -> list[Artifact]:
     """The run's artifacts (of ``kind``), oldest first, whose file or folder still exists: a
     checkpoint the trainer rotated away, or a file removed by hand, is not listed."""
@@ -53,10 +64,10 @@ def public(art: Artifact) -> dict[str, Any]:
     out = art.model_dump(mode="json", exclude={"path"})
     if art.meta:
         out["meta"] = {k: v for k, v in art.meta.items() if not is_server_path(v)}
-    step = (art.meta or {}).get("step")
+    step = checkpoint_step(art)
     if os.path.isfile(art.path):
         out["download_url"] = f"/artifacts/{art.id}/download"
-    elif art.kind == "checkpoint" and isinstance(step, int) and os.path.isdir(art.path):
+    elif step is not None:
         out["download_url"] = f"/api/runs/{art.run_id}/checkpoints/{step}/download"
     else:
         out["download_url"] = None

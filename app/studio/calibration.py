@@ -1,5 +1,7 @@
-"""A run's GPU memory estimate, corrected by the peaks measured on earlier jobs, and the refusal of
-a run no GPU could hold.
+"""A run's GPU memory estimate, corrected by the peaks measured on earlier jobs; the refusal of
+a run no GPU could hold (:func:`check_fits`) and of a GPU job its owner's memory quota could
+never admit (:func:`check_job_quota`); a job's estimate beside its measured peak for the run
+page and ``/api`` (:func:`memory_summary`, :func:`metric_peak`).
 
 The correction is per (model, job kind, 4-bit or not): the median of ``measured / estimated``
 over the newest :data:`WINDOW` succeeded jobs of that key whose worker measured a GPU peak
@@ -116,11 +118,12 @@ def check_fits(engine: Engine, settings: Settings, est: Estimate | None) -> None
             "vram_budget_gib.", None, code="too_big_for_gpus")
 
 
-#: What a refused new run can change (:func:`check_job_quota`'s ``remedy``).
+#: What a refused new run can change (:func:`check_job_quota`'s ``remedy``; ``{whose}``: "your",
+#: or "alice's" when an admin asks for alice's job).
 RUN_REMEDY = ("Lower max_seq_length or the batch size, set load_in_4bit, or ask an admin to raise "
-              "your quota (GPU memory at once, on the Admin page).")
+              "{whose} quota (GPU memory at once, on the Admin page).")
 #: What a refused job of an existing run or model can change: only the quota.
-QUOTA_REMEDY = "Ask an admin to raise your quota (GPU memory at once, on the Admin page)."
+QUOTA_REMEDY = "Ask an admin to raise {whose} quota (GPU memory at once, on the Admin page)."
 
 
 def check_job_quota(engine: Engine | None, settings: Settings, owner: User | str | None,
@@ -133,9 +136,10 @@ def check_job_quota(engine: Engine | None, settings: Settings, owner: User | str
     ``owner``: the job's owner (a User, or its id, read with ``engine``); ``allocated_gib``:
     the job's estimated allocator peak per GPU (GiB, the ``estimate_gib`` it is queued with);
     ``what``: the job as the message names it ("this run"); ``remedy``: the message's last
-    sentence; ``actor``: who asks, when not the owner (an admin resuming a member's run: the
-    message says "alice's quota", not "your"). Raises StudioError(invalid, code
-    ``over_gpu_memory_quota``) naming the need and the quota (GiB) when the memory the job would be admitted with on all its ``num_gpus`` GPUs
+    sentence (``{whose}`` in it names the quota's owner); ``actor``: who asks, when not the
+    owner (an admin resuming a member's run: the message says "alice's quota", not "your").
+    Raises StudioError(invalid, code ``over_gpu_memory_quota``) naming the need and the quota
+    (GiB) when the memory the job would be admitted with on all its ``num_gpus`` GPUs
     (:func:`app.store.admission.need_gib`) is more than the quota
     (:func:`app.store.admission.over_gib_quota`, the rule admission applies). No owner, no
     quota or no estimate: no refusal."""
@@ -152,14 +156,12 @@ def check_job_quota(engine: Engine | None, settings: Settings, owner: User | str
         return
     each = f" ({admission.gib(per_gpu)} GiB on each of {num_gpus} GPUs)" if num_gpus > 1 else ""
     whose = "your" if actor is None or actor.id == owner.id else f"{owner.name}'s"
-    if whose != "your":
-        remedy = remedy.replace("your quota", f"{owner.name}'s quota")
     raise StudioError(
         "invalid", f"{what} needs about {admission.gib(need)} GiB of GPU memory at once{each} "
         f"(estimate {allocated_gib:.2f} GiB, plus the {settings.gpu_admit_margin:.0%} "
         f"admission margin and the {CUDA_CONTEXT_GIB:g} GiB CUDA context), more than {whose} "
         f"GPU memory quota of {admission.gib(owner.quota_gib)} GiB at once: it could never start. "
-        f"{remedy}", None, code="over_gpu_memory_quota")
+        f"{remedy.format(whose=whose)}", None, code="over_gpu_memory_quota")
 
 
 def check_quota(settings: Settings, owner: User | None, est: Estimate | None,

@@ -30,7 +30,7 @@ from app.settings import Settings
 from app.store import repo
 from app.store.schema import Artifact, User
 from app.studio import access, audit
-from app.studio.artifacts import base_model_id, portable_text
+from app.studio.artifacts import base_model_id, checkpoint_step, portable_text
 from app.studio.datasets import is_under
 from app.studio.errors import StudioError
 from app.studio.exports import download_name
@@ -66,7 +66,7 @@ def step_of(value: str) -> int:
 def _folder(engine: Engine, settings: Settings, run_id: str, step: int) -> Artifact:
     for art in repo.list_artifacts(engine, run_id, "checkpoint"):
         if (art.meta or {}).get("step") == step:
-            if is_under(art.path, settings.data_dir) and os.path.isdir(art.path):
+            if checkpoint_step(art) == step and is_under(art.path, settings.data_dir):
                 return art
             break
     raise StudioError("not_found", f"checkpoint-{step} of run {run_id} is not on disk: the "
@@ -97,8 +97,8 @@ def listing(engine: Engine, run_id: str) -> list[dict[str, Any]]:
     and ``state_url`` (the page downloads)."""
     rows = []
     for art in reversed(repo.list_artifacts(engine, run_id, "checkpoint")):
-        step = (art.meta or {}).get("step")
-        if not isinstance(step, int) or not os.path.isdir(art.path):
+        step = checkpoint_step(art)
+        if step is None:
             continue
         sizes = [(p.stat().st_size, is_state(rel)) for p, rel in files(art.path, state=True)]
         url = f"/runs/{run_id}/checkpoints/{step}/download"

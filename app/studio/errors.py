@@ -39,27 +39,41 @@ def invalid(field: str | None, message: str) -> StudioError:
 
 
 class FieldErrors(StudioError):
-    """Several bad fields of one form at once (kind ``invalid``): ``fields`` maps each field to
-    its message, in form order; the first is the error's ``field`` and ``message``."""
+    """Several bad fields of one form or spec at once (kind ``invalid``): ``fields`` maps each
+    field to its message, in form order; the first is the error's ``field`` and ``message``.
+    ``general``: messages about no one field (with no field, the first is the message; else
+    :attr:`FALLBACK`)."""
 
-    def __init__(self, fields: dict[str, str]):
-        field, message = next(iter(fields.items()))
+    FALLBACK = "invalid input"
+
+    def __init__(self, fields: dict[str, str], general: list[str] | None = None):
+        field, message = next(iter(fields.items()), (None, (general or [self.FALLBACK])[0]))
         super().__init__("invalid", message, field)
-        self.fields = dict(fields)
+        self.fields, self.general = dict(fields), list(general or [])
 
 
-def collect(*checks) -> None:
+def field_messages(exc: StudioError, default: str | None = "form") -> dict[str | None, str]:
+    """``{field: message}`` of ``exc`` for a form: every field of a :class:`FieldErrors`, else
+    its one field (``default`` when it names none)."""
+    if isinstance(exc, FieldErrors) and exc.fields:
+        return dict(exc.fields)
+    return {exc.field or default: exc.message}
+
+
+def collect(*checks) -> list:
     """Run every zero-argument ``check`` and raise one :class:`FieldErrors` with each field's
-    first complaint (so a form shows all its bad fields at once); nothing when all pass.
-    StudioErrors of other kinds, or without a field, propagate as raised."""
+    first complaint (so a form shows all its bad fields at once); when all pass, what each
+    returned, in order. StudioErrors of other kinds, or without a field, propagate as raised."""
     found: dict[str, str] = {}
+    results = []
     for check in checks:
         try:
-            check()
+            results.append(check())
         except StudioError as exc:
             if exc.kind != "invalid" or exc.field is None:
                 raise
-            for field, message in getattr(exc, "fields", {exc.field: exc.message}).items():
+            for field, message in field_messages(exc).items():
                 found.setdefault(field, message)
     if found:
         raise FieldErrors(found)
+    return results

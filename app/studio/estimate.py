@@ -254,6 +254,7 @@ MEMORY_PURPOSE = {"train": "training", "grpo": "training", "evaluate": "evaluati
 
 
 def memory_words(allocated_gib: float | None, kind: str | None = "train",
+                 admitted_gib: float | None = None,
                  margin: float | None = None) -> dict[str, Any] | None:
     """How every page (run form, run page, queue) says a job's estimated GPU memory, so that
     they agree: ``allocated_gib`` (torch's allocator peak, GiB, as stored on the job) plus the
@@ -263,10 +264,10 @@ def memory_words(allocated_gib: float | None, kind: str | None = "train",
     "short": "0.6 GiB on the GPU", "parts": "0.07 GiB for training + 0.5 GiB CUDA context",
     "text": "0.6 GiB on the GPU (0.07 GiB for training + 0.5 GiB CUDA context)",
     "admitted": ...}``. ``kind`` (job kind; None: another user's job) names what the allocator
-    part is for. ``margin`` (the settings' ``gpu_admit_margin``), when given, adds
-    ``admitted``: the words for what admission holds of a slot, the allocator part x (1 +
-    margin) + the context (:func:`app.store.admission.need_gib`), e.g. ``"admitted as 0.6 GiB
-    (0.07 GiB + 25% safety margin + 0.5 GiB CUDA context)"``; None without a margin."""
+    part is for. ``admitted_gib`` (what admission holds of a slot for the job,
+    :func:`app.store.admission.need_gib`, computed there and only there) with ``margin`` (the
+    ``gpu_admit_margin`` it was computed with) gives ``admitted``, e.g. ``"admitted as 0.6 GiB
+    (0.07 GiB + 25% admission margin + 0.5 GiB CUDA context)"``; None without them."""
     if allocated_gib is None:
         return None
     total = allocated_gib + CUDA_CONTEXT_GIB
@@ -274,11 +275,9 @@ def memory_words(allocated_gib: float | None, kind: str | None = "train",
     short = f"{total:.1f} GiB on the GPU"
     parts = f"{allocated_gib:.2f} GiB for {what} + {CUDA_CONTEXT_GIB:.1f} GiB CUDA context"
     admitted = None
-    if margin:
-        held = allocated_gib * (1 + margin) + CUDA_CONTEXT_GIB
-        admitted = (f"admitted as {held:.1f} GiB ({allocated_gib:.2f} GiB + "
-                    f"{margin * 100:.0f}% safety margin + {CUDA_CONTEXT_GIB:.1f} GiB CUDA "
-                    "context)")
+    if admitted_gib is not None and margin is not None:
+        admitted = (f"admitted as {admitted_gib:.1f} GiB ({allocated_gib:.2f} GiB + "
+                    f"{margin:.0%} admission margin + {CUDA_CONTEXT_GIB:.1f} GiB CUDA context)")
     return {"total_gib": round(total, 4), "allocated_gib": allocated_gib,
             "context_gib": CUDA_CONTEXT_GIB, "short": short, "parts": parts,
             "text": f"{short} ({parts})", "admitted": admitted}

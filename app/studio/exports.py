@@ -16,10 +16,10 @@ from sqlalchemy.engine import Engine
 
 from app.settings import Settings
 from app.store import events, queue, repo
-from app.store.schema import Job, JobState
+from app.store.schema import Job, JobState, Run
 from app.store.specs import GGUF_TYPES, ExportSpec
 from app.studio import access, audit, jobs
-from app.studio.artifacts import is_server_path
+from app.studio.artifacts import checkpoint_step, is_server_path
 from app.studio.datasets import is_under
 from app.studio.errors import StudioError, invalid
 from app.studio.job_states import no_checkpoint_words
@@ -138,9 +138,8 @@ def list_exports(engine: Engine, actor: User, run_id: str) -> list[dict[str, Any
 def checkpoint_steps(engine: Engine, run_id: str) -> list[int]:
     """The steps of the run's trainer checkpoints still on disk (``Artifact(kind="checkpoint")``
     rows the worker records as it saves them, whose folder holds an adapter), newest first."""
-    steps = {(a.meta or {}).get("step") for a in repo.list_artifacts(engine, run_id, "checkpoint")
-             if (Path(a.path) / "adapter_config.json").is_file()}
-    return sorted((s for s in steps if isinstance(s, int)), reverse=True)
+    steps = {checkpoint_step(a) for a in repo.list_artifacts(engine, run_id, "checkpoint")}
+    return sorted((s for s in steps if s is not None), reverse=True)
 
 
 def exportable(engine: Engine, run_id: str, job: Job | None) -> tuple[bool, int | None]:
@@ -155,8 +154,9 @@ def exportable(engine: Engine, run_id: str, job: Job | None) -> tuple[bool, int 
     return False, None
 
 
-def _checkpoint_step(engine: Engine, run_id: str, job: Job | None, asked) -> int | None:
+def _checkpoint_step(engine: Engine, run: Run, job: Job | None, asked) -> int | None:
     """The checkpoint an export request uses (see :func:`queue_export`). Raises StudioError."""
+    run_id = run.id
     state = job.state if job else "unknown"
     if job is None or job.state in (JobState.QUEUED, JobState.RUNNING):
         raise StudioError("conflict", f"run {run_id} has not finished training (state: "
@@ -177,9 +177,8 @@ def _checkpoint_step(engine: Engine, run_id: str, job: Job | None, asked) -> int
     if job.state == JobState.SUCCEEDED:
         return None
     if not steps:
-        save_steps = (repo.get_run(engine, run_id).spec or {}).get("save_steps")
-        raise StudioError("conflict", f"run {run_id} {no_checkpoint_words(job, save_steps)}; "
-                                      "there is nothing to export")
+        raise StudioError("conflict", f"run {run_id} {no_checkpoint_words(run, job)}; there is "
+                                      "nothing to export")
     return steps[0]
 
 
@@ -196,7 +195,7 @@ def queue_export(engine: Engine, actor: User, run_id: str, body: dict[str, Any])
             checkpoint step the run does not have).
     """
     run, job = access.run_with_job(engine, actor, run_id)
-    step = _checkpoint_step(engine, run.id, job, body.get("checkpoint_step"))
+    step = _checkpoint_step(engine, run, job, body.get("checkpoint_step"))
     unknown = sorted(str(k) for k in set(body) - {"format", "quantization", "dtype",
                                                    "checkpoint_step"})
     if unknown:

@@ -26,11 +26,13 @@ def never_started(job: Any) -> bool:
     return job is not None and job.state == JobState.CANCELLED and job.started_at is None
 
 
-def no_checkpoint_words(job: Any, save_steps: Any) -> str:
-    """Why a cancelled or failed run left no checkpoint, as a predicate: ``"was cancelled
-    before it started"`` for a run cancelled while queued (:func:`never_started`), else e.g.
-    ``"failed before it saved a checkpoint (one is saved every save_steps = 10 steps)"``."""
+def no_checkpoint_words(run: Any, job: Any) -> str:
+    """Why a cancelled or failed ``run`` (a :class:`~app.store.schema.Run`; ``job`` its job)
+    left no checkpoint, as a predicate: ``"was cancelled before it started"`` for a run
+    cancelled while queued (:func:`never_started`), else e.g. ``"failed before it saved a
+    checkpoint (one is saved every save_steps = 10 steps)"`` (its spec's ``save_steps``)."""
     if never_started(job):
         return "was cancelled before it started"
+    save_steps = (run.spec or {}).get("save_steps")
     return (f"{state_words(job.state if job else None)} before it saved a checkpoint (one is "
             f"saved every save_steps = {save_steps if save_steps else '?'} steps)")

@@ -21,7 +21,7 @@ from app.store import queue, repo
 from app.store.schema import Model
 from app.studio import access, audit
 from app.studio.datasets import is_under
-from app.studio.errors import StudioError
+from app.studio.errors import FieldErrors, StudioError
 
 if TYPE_CHECKING:
     from app.store.schema import User
@@ -30,14 +30,9 @@ _HF_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,99}$")
 
 
-class ModelFormError(StudioError):
-    """Field problems of a model registration (kind ``invalid``): ``errors`` maps each bad field
-    to its message; the first is the error's ``field``/``message``."""
-
-    def __init__(self, errors: dict[str, str]):
-        field, msg = next(iter(errors.items()))
-        super().__init__("invalid", msg, field)
-        self.errors = errors
+class ModelFormError(FieldErrors):
+    """Field problems of a model registration (kind ``invalid``): ``fields`` maps each bad
+    field to its message; the first is the error's ``field``/``message``."""
 
 
 def list_models(engine: Engine, actor: User) -> list[Model]:

@@ -36,12 +36,15 @@ from app.store.db import session_scope
 from app.store.schema import Artifact, Job, JobEvent, JobState, Model, Run, now
 from app.studio import access, calibration
 from app.studio import checkpoint_eval as ckpt_eval
+from app.studio.datasets import context_window
 from app.studio.errors import StudioError, invalid
 from app.studio.job_states import state_words
 from app.studio.estimate import GIB, lora_params, model_shape, weight_bytes
 from app.studio.playground_params import (  # noqa: F401 - part of the playground's API
-    DEFAULT_MAX_TOKENS, EXTRA_OFF, MAX_TOKENS, ROLES, messages, params, prompt_params)
+    DEFAULT_MAX_TOKENS, DEFAULTS, LIMITS, MAX_TOKENS, ROLES, messages, params, prompt_params)
 from app.studio.playground_targets import targets  # noqa: F401 - the page's model picker
+from app.studio.playground_answers import (  # noqa: F401 - part of the playground's API
+    abandon_prompt, cancel_prompt, poll_answer)
 
 if TYPE_CHECKING:
     from app.store.schema import User
@@ -170,8 +173,7 @@ def estimate_gib(t: Target) -> float | None:
     shape = model_shape(t.model_row.info, t.model_row.path)
     if shape is None:
         return None
-    ctx = min(ESTIMATE_CONTEXT, int((t.model_row.info or {}).get("max_position_embeddings")
-                                    or ESTIMATE_CONTEXT))
+    ctx = min(ESTIMATE_CONTEXT, context_window(t.model_row) or ESTIMATE_CONTEXT)
     kv = ctx * shape.layers * 2 * shape.kv_heads * shape.head_dim * 2 * len(t.sides)
     logits = ctx * shape.vocab * 2 + 2 * shape.vocab * 4
     if t.artifact is not None:
@@ -217,7 +219,7 @@ def open_session(engine: Engine, settings: Settings, actor: User, model: str,
     t = resolve(engine, actor, model)
     need = estimate_gib(t)
     try:
-        calibration.check_job_quota(engine, settings, actor.id, need, 1,
+        calibration.check_job_quota(engine, settings, actor, need, 1,
                                     f"a Playground session of {t.model}", calibration.QUOTA_REMEDY)
     except StudioError:
         with session_scope(engine) as s:
@@ -391,67 +393,6 @@ def stop_prompt(engine: Engine, actor: User, session_id: int | str, request_id: 
     such prompt in it)."""
     job = session(engine, actor, session_id)
     return cancel_prompt(engine, job.id, request_id)
-
-
-def cancel_prompt(engine: Engine, job_id: int, request_id: str) -> dict:
-    """:func:`stop_prompt` for a session already checked (the web's own request, e.g. a
-    ``/v1`` caller that went away). Raises StudioError not_found for an unknown ``request_id``."""
-    with session_scope(engine, immediate=True) as s:
-        rows = s.exec(select(JobEvent.type, JobEvent.data).where(
-            JobEvent.job_id == job_id, JobEvent.type.in_(["prompt", "answer", "cancel"]))).all()
-        mine = [(t, d) for t, d in rows if (d or {}).get("request_id") == request_id]
-        if not any(t == "prompt" for t, _ in mine):
-            raise StudioError("not_found", f"session {job_id} has no prompt {request_id!r}",
-                              "request_id")
-        prompt = next(d for t, d in mine if t == "prompt")
-        sides = set((prompt.get("messages") or {}).keys())
-        done = {d.get("side") for t, d in mine if t == "answer"} >= sides
-        stopped = not done and not any(t == "cancel" for t, _ in mine)
-        if stopped:
-            events.append(s, job_id, "cancel", {"request_id": request_id})
-    return {"request_id": request_id, "session": job_id, "stopped": stopped}
-
-
-def abandon_prompt(engine: Engine, job_id: int, request_id: str) -> bool:
-    """:func:`cancel_prompt` for a caller who went away (a ``/v1`` request that disconnected),
-    and a session still waiting in the queue leaves it when no other prompt waits on it: nobody
-    would read its answers, yet once admitted it would load the model and hold a slot. A
-    running session stays (its model loaded for the caller's retry). Returns True when the
-    session left the queue. Raises StudioError not_found for an unknown ``request_id``."""
-    cancel_prompt(engine, job_id, request_id)
-    with session_scope(engine) as s:
-        rows = s.exec(select(JobEvent.type, JobEvent.data).where(
-            JobEvent.job_id == job_id, JobEvent.type.in_(["prompt", "answer", "cancel"]))).all()
-    ended = {(d or {}).get("request_id") for t, d in rows if t in ("answer", "cancel")}
-    waiting = [d for t, d in rows if t == "prompt" and (d or {}).get("request_id") not in ended]
-    return not waiting and queue.cancel_if_queued(engine, job_id)
-
-
-def poll_answer(engine: Engine, job_id: int, request_id: str, side: str, after: int
-                ) -> tuple[list[str], dict[str, Any] | None, int, str | None]:
-    """One read of a prompt's progress on ``side``: ``(new text pieces, the answer event's
-    data or None, the newest event id read, the job's final state when it ended without
-    answering)``. Blocking (run it in a thread)."""
-    pieces, answer = [], None
-    batch = events.since(engine, job_id, after, 500, types=["token", "answer"])
-    for ev in batch:
-        after = ev.id
-        d = ev.data or {}
-        if d.get("request_id") != request_id or d.get("side") != side:
-            continue
-        if ev.type == "token":
-            pieces.append(d.get("text") or "")
-        else:
-            answer = d
-            break
-    ended = None
-    if answer is None and not batch:
-        job = queue.get_job(engine, job_id)
-        if job.state in JobState.FINAL:
-            # the answer may have been written just before the end: read once more
-            if not events.since(engine, job_id, after, 1, types=["token", "answer"]):
-                ended = job.state
-    return pieces, answer, after, ended
 
 
 def context_note(t: Target) -> str:

@@ -19,12 +19,13 @@ def _shown(given: Any, value: float) -> str:
         return str(given)
     if isinstance(given, str) and len(given.strip()) <= 40:
         return given.strip()
-    return str(int(value)) if value.is_integer() and abs(value) < 1e18 else f"{value:g}"
+    return _g(value)
 
 
 def _g(x: float) -> str:
-    """A bound as written: ``1000000``, ``0.5``."""
-    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+    """A number as written: ``1000000``, ``0.5`` (not ``1e+06``; ``:g`` from 1e18 on)."""
+    x = float(x)
+    return str(int(x)) if x.is_integer() and abs(x) < 1e18 else f"{x:g}"
 
 
 def _number(value: Any, name: str, default: float, lo: float, hi: float,
@@ -51,6 +52,11 @@ def _number(value: Any, name: str, default: float, lo: float, hi: float,
 EXTRA_OFF = {"top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
 #: Largest repetition penalty and top_k a prompt may ask for (a top_k over the vocabulary is off).
 MAX_REPETITION_PENALTY, MAX_TOP_K = 10.0, 1_000_000
+#: What :func:`params` uses for a field the prompt leaves out (the Playground form starts there).
+DEFAULTS = {"temperature": 0.7, "top_p": 1.0, "max_tokens": DEFAULT_MAX_TOKENS, **EXTRA_OFF}
+#: The upper bounds of the form's number fields, as :func:`params` checks them.
+LIMITS = {"max_tokens": MAX_TOKENS, "top_k": MAX_TOP_K,
+          "repetition_penalty": MAX_REPETITION_PENALTY}
 
 
 def _whole(value: Any, name: str, default: float, lo: float, hi: float) -> int:
@@ -70,17 +76,19 @@ def params(temperature: Any = None, top_p: Any = None, max_tokens: Any = None,
     ``min_p`` in [0, 1) (0: off), ``repetition_penalty`` in (0, 10] (1: off; HF's: a logit of a
     token already in the prompt or the answer is divided by it, a negative one multiplied).
     Raises StudioError invalid naming the field."""
-    out: dict[str, Any] = {"temperature": _number(temperature, "temperature", 0.7, 0.0, 2.0),
-                           "top_p": _number(top_p, "top_p", 1.0, 0.0, 1.0, lo_open=True)}
-    out["max_tokens"] = _whole(max_tokens, "max_tokens", DEFAULT_MAX_TOKENS, 1, MAX_TOKENS)
+    d = DEFAULTS
+    out: dict[str, Any] = {
+        "temperature": _number(temperature, "temperature", d["temperature"], 0.0, 2.0),
+        "top_p": _number(top_p, "top_p", d["top_p"], 0.0, 1.0, lo_open=True)}
+    out["max_tokens"] = _whole(max_tokens, "max_tokens", d["max_tokens"], 1, MAX_TOKENS)
     if seed is not None:
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**31:
             raise invalid("seed", "must be an integer from 0 to 2147483647")
         out["seed"] = seed
-    k = _whole(top_k, "top_k", 0, 0, MAX_TOP_K)
-    mp = _number(min_p, "min_p", 0.0, 0.0, 1.0, hi_open=True)
-    rp = _number(repetition_penalty, "repetition_penalty", 1.0, 0.0, MAX_REPETITION_PENALTY,
-                 lo_open=True)
+    k = _whole(top_k, "top_k", d["top_k"], 0, MAX_TOP_K)
+    mp = _number(min_p, "min_p", d["min_p"], 0.0, 1.0, hi_open=True)
+    rp = _number(repetition_penalty, "repetition_penalty", d["repetition_penalty"], 0.0,
+                 MAX_REPETITION_PENALTY, lo_open=True)
     for name, value in (("top_k", k), ("min_p", mp), ("repetition_penalty", rp)):
         if value != EXTRA_OFF[name]:
             out[name] = value

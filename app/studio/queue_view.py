@@ -237,10 +237,10 @@ def queue_view(engine: Engine, settings: Settings, actor: User,
         if access.can_see(actor, owner):
             return JobSlot(True, job.id, job.run_id, job.kind, names.get(owner, owner), need,
                            run_name=run_name.get(job.run_id),
-                           memory=memory_words(job.estimate_gib, job.kind,
-                                               settings.gpu_admit_margin), **extra)
+                           memory=memory_words(job.estimate_gib, job.kind, need, snap.margin),
+                           **extra)
         return JobSlot(False, None, None, None, None, need, **extra,
-                       memory=memory_words(job.estimate_gib, None, settings.gpu_admit_margin))
+                       memory=memory_words(job.estimate_gib, None, need, snap.margin))
 
     gpus, holds, sessions = [], {}, []
     for slot in slots:

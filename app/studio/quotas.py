@@ -10,6 +10,7 @@ import csv
 import io
 import math
 from dataclasses import dataclass
+from functools import partial
 
 from sqlalchemy.engine import Engine
 from sqlmodel import select
@@ -48,10 +49,10 @@ def set_quota(engine: Engine, actor: User, user_id: str, *, jobs=None, gib=None,
     naming every bad field of ``quota_jobs``, ``quota_gib``, ``quota_gpu_hours`` and
     ``share_weight`` at once)."""
     access.require_admin(actor)
-    fields: dict[str, float | None] = {}
-    asked = (("quota_jobs", jobs, int, 0), ("quota_gib", gib, float, 0),
-             ("quota_gpu_hours", gpu_hours, float, 0), ("share_weight", weight, float, 0.01))
-    collect(*(lambda a=a: fields.__setitem__(a[0], _number(*a)) for a in asked))
+    asked = {"quota_jobs": (jobs, int, 0), "quota_gib": (gib, float, 0),
+             "quota_gpu_hours": (gpu_hours, float, 0), "share_weight": (weight, float, 0.01)}
+    fields = dict(zip(asked, collect(*(partial(_number, name, *how)
+                                       for name, how in asked.items()))))
     if fields["share_weight"] is None:
         fields["share_weight"] = 1.0
     user = accounts._update_user(engine, user_id, **fields)  # raises not_found

@@ -37,8 +37,7 @@ def resumable(engine: Engine, run: Run, job: Job | None) -> tuple[int | None, st
         return None, f"run {run.id} already succeeded; there is nothing left to train"
     steps = checkpoint_steps(engine, run.id)
     if not steps:
-        return None, (f"run {run.id} {no_checkpoint_words(job, (run.spec or {}).get('save_steps'))}"
-                      "; clone it to start again")
+        return None, f"run {run.id} {no_checkpoint_words(run, job)}; clone it to start again"
     return steps[0], None
 
 

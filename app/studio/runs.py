@@ -19,9 +19,9 @@ from app.settings import Settings
 from app.store import queue, repo
 from app.store import workers as workers_store
 from app.store.schema import Dataset, Job, JobState, Model, Run
-from app.store.specs import TrainSpec
+from app.store.specs import TrainSpec, field_bound
 from app.studio import access, audit, calibration, evaluation, validation
-from app.studio.errors import StudioError, invalid
+from app.studio.errors import FieldErrors, StudioError, invalid
 from app.studio.seqlen import fit_max_seq_length
 
 if TYPE_CHECKING:
@@ -53,14 +53,12 @@ def field_errors(exc: ValidationError, fields=()) -> tuple[dict[str, str], list[
     return out, general
 
 
-class SpecError(StudioError):
+class SpecError(FieldErrors):
     """A spec that fails validation: ``fields`` maps every bad field to its message; the first
-    one is the error's ``field`` and ``message`` (kind ``invalid``)."""
+    one is the error's ``field`` and ``message`` (kind ``invalid``); ``general``: the
+    messages about no one field."""
 
-    def __init__(self, fields: dict[str, str], general: list[str] | None = None):
-        first = next(iter(fields.items()), (None, (general or ["invalid spec"])[0]))
-        super().__init__("invalid", first[1], first[0])
-        self.fields, self.general = fields, general or []
+    FALLBACK = "invalid spec"
 
 
 def parse_spec(cls: type[BaseModel], raw: dict[str, Any]) -> Any:
@@ -128,12 +126,20 @@ def learning_rate_from_multiplier(spec_cls: type[BaseModel], value: Any) -> floa
                       f"above 0 and at most {MAX_LR_MULTIPLIER:g} (× the default learning rate "
                       f"{base:g}), not {value!r}")
     lr = m * base
-    bound = next((b.le for b in field.metadata if getattr(b, "le", None) is not None), None)
+    bound = field_bound(spec_cls, "learning_rate")
     if bound is not None and lr > bound:
         raise invalid("learning_rate_multiplier", f"learning_rate_multiplier {m:g} × the "
                       f"default learning rate {base:g} = {lr:g} is above the largest "
                       f"learning_rate, {bound:g}")
     return lr
+
+
+def multiplier_of_learning_rate(spec_cls: type[BaseModel], spec: dict[str, Any]) -> float:
+    """The OpenAI ``learning_rate_multiplier`` of a stored ``spec`` of ``spec_cls``: its
+    ``learning_rate`` over that class's default, the inverse of
+    :func:`learning_rate_from_multiplier` (1.0 when the spec names no learning rate)."""
+    base = spec_cls.model_fields["learning_rate"].default
+    return round(spec.get("learning_rate", base) / base, 10)
 
 
 #: Longest run name (the OpenAI ``suffix`` allows 64; names show in every listing).

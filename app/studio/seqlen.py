@@ -12,12 +12,11 @@ sum must fit it (:func:`fit_grpo_lengths`; a length the caller did not name shri
 from __future__ import annotations
 
 from app.data.chat_template import render_chat
-from app.data.model_config import context_length
 from app.data.errors import DatasetError
 from app.data.template_check import SAMPLE_CHATS
 from app.store.schema import Model
-from app.store.specs import TrainSpec
-from app.studio.datasets import default_max_seq_length, ready_tokenizer_path
+from app.store.specs import TrainSpec, field_bound
+from app.studio.datasets import context_window, default_max_seq_length, ready_tokenizer_path
 from app.studio.errors import StudioError, invalid
 from app.studio.reports import load_bundle
 
@@ -25,9 +24,8 @@ from app.studio.reports import load_bundle
 def length_bounds() -> tuple[int, int]:
     """(least, most) tokens a ``max_seq_length`` may be: TrainSpec's field limits, the one
     definition the run forms, ``/api``, ``/v1`` and the dataset report share."""
-    meta = TrainSpec.model_fields["max_seq_length"].metadata
-    return (next(m.ge for m in meta if getattr(m, "ge", None) is not None),
-            next(m.le for m in meta if getattr(m, "le", None) is not None))
+    return (field_bound(TrainSpec, "max_seq_length", "ge"),
+            field_bound(TrainSpec, "max_seq_length", "le"))
 
 
 def report_length(raw: str | None, model: Model | None) -> int:
@@ -77,8 +75,8 @@ def fit_max_seq_length(spec, model: Model):
     if "max_seq_length" not in spec.model_fields_set:
         spec = spec.model_copy(update={"max_seq_length": default_max_seq_length(model)})
     n = spec.max_seq_length
-    context = (model.info or {}).get("max_position_embeddings")
-    if isinstance(context, int) and context > 0 and n > context:
+    context = context_window(model)
+    if context and n > context:
         raise invalid("max_seq_length", f"{n} is longer than {model.name}'s context window "
                       f"({context} tokens, max_position_embeddings); use {context} or less")
     need = template_tokens(model, spec.chat_template)
@@ -88,13 +86,6 @@ def fit_max_seq_length(spec, model: Model):
                       f"({need} tokens with {model.name}'s tokenizer), so every row would be cut "
                       f"before its answer; use at least {need + 1}, and more for real rows")
     return spec
-
-
-def context_window(model: Model) -> int | None:
-    """The model's context window in tokens: ``max_position_embeddings`` from its info, else
-    from the ``config.json`` of its folder; None when neither says."""
-    n = (model.info or {}).get("max_position_embeddings")
-    return n if isinstance(n, int) and n > 0 else context_length(model.path)
 
 
 GRPO_LENGTHS = {"max_prompt_length": "prompt length", "max_completion_length": "completion length"}

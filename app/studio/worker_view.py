@@ -20,6 +20,7 @@ look-alike "workers". Each row has a *role*:
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from sqlalchemy.engine import Engine
 from sqlmodel import select
@@ -178,22 +179,19 @@ def visible_groups(engine: Engine, actor: User | None, rows: list[Worker]) -> li
             for i, g in enumerate(groups, 1)]
 
 
-def health_rows(rows: list[Worker]) -> list[dict]:
-    """The ``/healthz`` ``workers`` entries, in ``rows``' order: each row's ``id``, ``host``,
-    ``pid``, ``device``, ``last_seen``, ``current_job_id`` and, added, its ``role`` and
-    ``group`` (the id of the process it belongs to)."""
-    of = {p.id: (p.role, g.id) for g in worker_groups(rows) for p in g.parts}
-    return [{"id": w.id, "host": w.host, "pid": w.pid, "device": w.device,
-             "last_seen": w.last_seen, "current_job_id": w.current_job_id,
-             "role": of[w.id][0], "group": of[w.id][1]} for w in rows]
-
-
-def health_counts(rows: list[Worker]) -> dict[str, int]:
-    """The ``/healthz`` counts of the live worker ``rows``: ``live_workers``, the worker
-    processes (supervisors and plain workers: :func:`worker_groups`, not their slot and lane
-    rows), and their ``gpu_slots``, ``cpu_slots`` (a supervisor's slot on a box without a GPU)
-    and ``cpu_lanes``."""
+def health(rows: list[Worker]) -> dict[str, Any]:
+    """The ``/healthz`` worker figures of the live worker ``rows``, from one
+    :func:`worker_groups` (a probe's cost): ``live_workers``, the worker processes
+    (supervisors and plain workers, not their slot and lane rows), their ``gpu_slots``,
+    ``cpu_slots`` (a supervisor's slot on a box without a GPU) and ``cpu_lanes``; and
+    ``workers`` (for admins), in ``rows``' order: each row's ``id``, ``host``, ``pid``,
+    ``device``, ``last_seen``, ``current_job_id`` and, added, its ``role`` and ``group`` (the id
+    of the process it belongs to)."""
     groups = worker_groups(rows)
+    of = {p.id: (p.role, g.id) for g in groups for p in g.parts}
     roles = [p.role for g in groups for p in g.parts]
     return {"live_workers": len(groups), "gpu_slots": roles.count("gpu_slot"),
-            "cpu_slots": roles.count("cpu_slot"), "cpu_lanes": roles.count("cpu_lane")}
+            "cpu_slots": roles.count("cpu_slot"), "cpu_lanes": roles.count("cpu_lane"),
+            "workers": [{"id": w.id, "host": w.host, "pid": w.pid, "device": w.device,
+                         "last_seen": w.last_seen, "current_job_id": w.current_job_id,
+                         "role": of[w.id][0], "group": of[w.id][1]} for w in rows]}

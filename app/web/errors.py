@@ -15,7 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from app.store.db import LOCKED, fault_of
 from app.store.queue import JobNotFound
 from app.store.repo import NotFound
-from app.studio.errors import StudioError
+from app.studio.errors import FieldErrors, StudioError
 from app.web.uploads import UploadError
 
 log = logging.getLogger("whetstone.web")
@@ -101,8 +101,7 @@ def studio_error_response(request: Request, exc: StudioError) -> JSONResponse | 
     that failed validation names its field in the message too, and lists every bad field under
     ``fields`` on /api."""
     status = STATUS[exc.kind]
-    fields = getattr(exc, "fields", None) or getattr(exc, "errors", None)
-    fields = fields if isinstance(fields, dict) else None
+    fields = exc.fields if isinstance(exc, FieldErrors) else None
     if _kind(request) == "openai":
         if exc.kind == "invalid":
             status = 400

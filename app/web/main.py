@@ -77,21 +77,21 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         """Public: ``{"status": "ok"|"degraded", "database": {"ok", "kind"}, "live_workers": n,
         "gpu_slots", "cpu_slots", "cpu_lanes", "reason"?}`` (what a HEALTHCHECK or a monitor
         needs; ``live_workers`` counts worker processes, not their slots and lanes:
-        :func:`app.studio.worker_view.health_counts`). A signed-in admin also gets the
+        :func:`app.studio.worker_view.health`). A signed-in admin also gets the
         database's ``migration`` and ``error`` and the ``workers`` (host, pid, device, job, and
         ``role``: supervisor | gpu_slot | cpu_slot | cpu_lane | worker, ``group``: its process)."""
         engine = dep_engine(request)
         db = {"ok": False, "kind": engine.dialect.name, "migration": None}
-        live, counts = [], worker_view.health_counts([])
+        counts = worker_view.health([])
         try:
             with session_scope(engine) as s:
                 s.execute(text("SELECT 1"))
             db["ok"] = True
             db["migration"] = _migration_head(engine)
-            rows = workers_store.live(engine, settings.worker_stale_seconds)
-            live, counts = worker_view.health_rows(rows), worker_view.health_counts(rows)
+            counts = worker_view.health(workers_store.live(engine, settings.worker_stale_seconds))
         except Exception as exc:  # noqa: BLE001
             db["error"] = str(exc)
+        live = counts.pop("workers")
         body = {"status": "ok", "database": {"ok": db["ok"], "kind": db["kind"]}, **counts}
         if not db["ok"]:
             body.update(status="degraded", reason="the database is not reachable")

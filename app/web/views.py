@@ -50,20 +50,42 @@ def exports_view(engine, user, run_id: str, error: str | None = None,
                  values: dict[str, Any] | None = None,
                  field_errors: dict[str, str] | None = None) -> dict[str, Any]:
     """The exports card of a run page: the form's choices and values, and the run's exports;
-    ``error`` shows under the form, ``field_errors`` (``{field: message}``) beside each field."""
+    ``error`` shows under the form, ``field_errors`` (``{field: message}``) beside each field;
+    ``export_from`` says which checkpoint a cancelled or failed run exports, and
+    ``export_unavailable`` why the run cannot be exported (None when it can)."""
     run, job = access.run_with_job(engine, user, run_id)
     items = [{**e, "verification_summary": verification.summarize(e["verification"])}
              for e in exports_uc.list_exports(engine, user, run_id)]
     can_export, checkpoint = exports_uc.exportable(engine, run.id, job)
+    if can_export:
+        unavailable = None
+    elif job is not None and job.state in (JobState.CANCELLED, JobState.FAILED):
+        unavailable = f"The run {no_checkpoint_words(run, job)}, so there is nothing to export."
+    else:
+        unavailable = ("Exports become available when training has succeeded, or from the "
+                       "newest checkpoint of a cancelled run.")
     return {"run": run, "exports": items, "export_formats": exports_uc.FORMATS,
             "export_quants": exports_uc.QUANTS, "export_quant_notes": exports_uc.QUANT_NOTES,
             "export_error": error, "export_field_errors": field_errors or {},
             "export_values": values or {"format": "gguf", "quantization": ["Q8_0"]},
-            "can_export": can_export, "export_checkpoint": checkpoint,
-            "run_state": job.state if job else None,
-            "run_state_words": state_words(job.state if job else None),
-            "no_checkpoint_words": no_checkpoint_words(job, (run.spec or {}).get("save_steps")),
+            "can_export": can_export,
+            "export_from": (f"The run {state_words(job.state)}: exports are made from its "
+                            f"newest checkpoint, step {checkpoint}.") if checkpoint else None,
+            "export_unavailable": unavailable,
             "exports_active": any(e["status"] in (JobState.QUEUED, JobState.RUNNING) for e in items)}
+
+
+def _state(job) -> str:
+    """The run page's State badge: its job's state, ``"unknown"`` without a job."""
+    return job.state if job else "unknown"
+
+
+def place_view(engine, user, run_id: str) -> dict[str, Any]:
+    """What the run page's ``place`` block needs when it is polled (every 5 s while the job is
+    queued): the run and its job's ``state``, and ``place_poll`` (the fragment then carries the
+    State badge out of band); not :func:`run_view`'s checkpoint folders and event scans."""
+    run, job = access.run_with_job(engine, user, run_id)
+    return {"run": run, "job": job, "state": _state(job), "place_poll": True}
 
 
 def run_view(engine, user, run_id: str) -> dict[str, Any]:
@@ -74,7 +96,7 @@ def run_view(engine, user, run_id: str) -> dict[str, Any]:
     progress = 0
     if m and m.get("total_steps"):
         progress = min(100, round(100 * m["step"] / max(1, m["total_steps"])))
-    state = job.state if job else "unknown"
+    state = _state(job)
     if state == JobState.SUCCEEDED:
         progress = 100
     model_name, dataset_name = input_names(engine, run)
@@ -266,7 +288,6 @@ async def estimate_fragment(request: Request, engine, settings, user, run_kind: 
                                   await request.form())
     return render(request, "_memory_estimate.html",
                   {**ctx, "estimate_url": url, "estimate_refreshed": True}, block="memory_estimate")
-
 
 
 def spec_value_text(value: Any) -> str:

@@ -57,9 +57,7 @@ def _prompt_body(body: dict[str, Any], side: str) -> dict[str, Any]:
     mt_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
         else "max_tokens"
     try:
-        params = pg.params(body.get("temperature"), body.get("top_p"), body.get(mt_name),
-                           body.get("seed"), body.get("top_k"), body.get("min_p"),
-                           body.get("repetition_penalty"))
+        params = pg.prompt_params({**body, "max_tokens": body.get(mt_name)})
     except StudioError as e:
         if e.field == "max_tokens":
             raise invalid(mt_name, e.message) from None

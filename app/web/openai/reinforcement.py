@@ -12,7 +12,7 @@ from sqlalchemy.engine import Engine
 
 from app.settings import Settings
 from app.store import repo
-from app.store.specs import GrpoSpec
+from app.store.specs import GrpoSpec, field_bound
 from app.studio import runs as runs_uc
 from app.studio.grpo import create_grpo_run
 from app.web.errors import ApiError
@@ -75,8 +75,7 @@ def spec_from_reinforcement(body: dict[str, Any], engine) -> dict[str, Any]:
                 steps = max(1, -(-int(float(epochs) * rows * gen) // (per * acc)))
             except (TypeError, ValueError):
                 raise bad_value("n_epochs must be a number", "hyperparameters.n_epochs") from None
-            cap = GrpoSpec.model_fields["max_steps"].metadata
-            top = next((m.le for m in cap if getattr(m, "le", None) is not None), None)
+            top = field_bound(GrpoSpec, "max_steps")
             if "max_steps" not in raw and top is not None and steps > top:
                 raise bad_value(f"n_epochs={epochs} over {rows} prompts × {gen} generations at "
                                 f"{per * acc} completions per step is {steps} steps, above the "

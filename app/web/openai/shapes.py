@@ -15,10 +15,10 @@ from app.store import events, queue, repo
 from app.store.schema import Artifact, Dataset, JobState, Run
 from app.store.specs import GrpoSpec, TrainSpec
 from app.studio import artifacts, epochs
+from app.studio import runs as runs_uc
 
 #: ``organization_id`` of every fine-tuning job, and ``owned_by`` of its fine-tuned model.
 ORGANIZATION = "whetstone"
-BASE_LR = TrainSpec.model_fields["learning_rate"].default
 
 
 def model_object(model_id: str, created: float, owned_by: str) -> dict[str, Any]:
@@ -60,7 +60,7 @@ def job_object(engine, run: Run, job=None, model_name: str | None = None) -> dic
     else:
         hp = {"n_epochs": epochs.n_epochs(engine, run, job),
               "batch_size": spec.get("per_device_train_batch_size"),
-              "learning_rate_multiplier": round(spec.get("learning_rate", BASE_LR) / BASE_LR, 10)}
+              "learning_rate_multiplier": runs_uc.multiplier_of_learning_rate(TrainSpec, spec)}
     error = None
     if job is not None and job.state == JobState.FAILED:
         error = {"code": "training_failed", "message": job.error or "the job failed", "param": None}
@@ -89,9 +89,8 @@ def job_object(engine, run: Run, job=None, model_name: str | None = None) -> dic
 def reinforcement_hyperparameters(spec: dict[str, Any]) -> dict[str, Any]:
     """A GRPO run's OpenAI ``hyperparameters``: the learning-rate multiplier is relative to the
     GRPO default learning rate (as when the job was created); ``n_epochs`` as sent, if any."""
-    default_lr = GrpoSpec.model_fields["learning_rate"].default
     return {"batch_size": spec.get("per_device_train_batch_size"),
-            "learning_rate_multiplier": round(spec.get("learning_rate", default_lr) / default_lr, 10),
+            "learning_rate_multiplier": runs_uc.multiplier_of_learning_rate(GrpoSpec, spec),
             "n_epochs": spec.get("n_epochs")}
 
 

@@ -20,7 +20,7 @@ from sqlalchemy.engine import Engine
 from app.store.events import parse_id
 from app.store.schema import ApiKey, User
 from app.studio import accounts, audit, first_start
-from app.studio.errors import StudioError
+from app.studio.errors import StudioError, field_messages
 from app.web import auth, flash
 from app.web.auth import AdminUser, CurrentUser
 from app.web.deps import is_htmx
@@ -129,8 +129,7 @@ def setup_submit(request: Request, token: Annotated[str, Form()] = "",
     except StudioError as exc:
         if exc.kind == "not_found":
             return error_response(request, 404, exc.message)
-        errors = getattr(exc, "fields", None) or {exc.field or "form": exc.message}
-        return render(request, "setup.html", {**ctx, "errors": errors},
+        return render(request, "setup.html", {**ctx, "errors": field_messages(exc)},
                       status_code=status_for(exc))
     return _signed_in(request, user, "/")
 
@@ -289,7 +288,7 @@ def admin_user_create(request: Request, actor: AdminUser, name: Annotated[str, F
         created = accounts.create_user(_engine(request), name, password, role, actor=actor)
     except StudioError as exc:
         return _admin(request, actor, status_for(exc), form={"name": name, "role": role},
-                      errors=getattr(exc, "fields", None) or {exc.field or "form": exc.message})
+                      errors=field_messages(exc))
     return _to("/admin", request, notice=f"Created {created.name}.")
 
 

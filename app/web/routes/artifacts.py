@@ -6,8 +6,8 @@ import os
 from pathlib import Path
 
 from fastapi import APIRouter
-from starlette.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse
+from starlette.concurrency import run_in_threadpool
 
 from app.studio import access
 from app.studio import checkpoint_files

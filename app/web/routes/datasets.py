@@ -11,6 +11,7 @@ from starlette.concurrency import run_in_threadpool
 from app.data.chat_template import DEFAULT_TEMPLATES
 from app.data.errors import DatasetError
 from app.studio import access, seqlen, validation
+from app.studio import dataset_columns
 from app.studio import datasets as datasets_uc
 from app.studio.errors import StudioError
 from app.web.deps import CurrentUser, EngineDep, SettingsDep, current_user, get_engine, get_settings, is_htmx
@@ -98,7 +99,7 @@ async def _report_ctx(request: Request, ds, model: str | None, chat_template: st
     try:
         ctx["report"] = await run_in_threadpool(
             datasets_uc.report_for, ds.path, chosen, chat_template, length, get_settings(request),
-            column_mapping=datasets_uc.column_mapping(ds))
+            column_mapping=dataset_columns.column_mapping(ds))
     except DatasetError as exc:
         ctx["report_error"] = str(exc)
     ctx["train_url"] = train_url(ds, chosen, ctx["report"], length)
@@ -145,7 +146,7 @@ def _stored_ctx(request: Request, ds, **extra) -> dict:
             "models": datasets_uc.usable_models(engine, user), "selected_model": selected,
             "template_names": list(DEFAULT_TEMPLATES), "max_seq_length": length,
             "length_bounds": seqlen.length_bounds(), "train_url": train_url(ds, selected, report, length),
-            "mapping_form": datasets_uc.mapping_form(ds), **extra}
+            "mapping_form": dataset_columns.mapping_form(ds), **extra}
 
 
 @router.post("/datasets/{dataset_id}/delete")
@@ -175,7 +176,7 @@ async def map_columns(request: Request, dataset_id: str, engine: EngineDep,
     mapping = {role: str(form.get(role) or "") for role in ("instruction", "input", "output",
                                                             "system")}
     try:
-        ds = await run_in_threadpool(datasets_uc.set_column_mapping, engine, settings, user,
+        ds = await run_in_threadpool(dataset_columns.set_column_mapping, engine, settings, user,
                                      dataset_id, mapping)
     except StudioError as exc:
         if exc.kind not in ("invalid", "conflict"):

@@ -32,7 +32,7 @@ async def register(request: Request, engine: EngineDep, settings: SettingsDep, u
         model = models_uc.register_model(engine, settings, user, form)
     except models_uc.ModelFormError as exc:
         return render(request, "models.html",
-                      _ctx(engine, user, form=form, errors=exc.errors,
+                      _ctx(engine, user, form=form, errors=exc.fields,
                            form_error="Please fix the fields marked below."),
                       block="register_form", status_code=422)
     if is_htmx(request):

@@ -40,8 +40,7 @@ def playground_page(request: Request, engine: EngineDep, settings: SettingsDep,
         "choices": choices, "model": model, "target": target, "problem": problem,
         "note": pg.context_note(target) if target else None, "labels": pg.SIDE_LABELS,
         "idle_seconds": settings.playground_idle_seconds,
-        "defaults": {"temperature": 0.7, "top_p": 1.0, "max_tokens": pg.DEFAULT_MAX_TOKENS,
-                     **pg.EXTRA_OFF}})
+        "defaults": pg.DEFAULTS, "limits": pg.LIMITS})
 
 
 @router.post("/api/playground/sessions", status_code=201)

@@ -11,7 +11,7 @@ from fastapi import APIRouter, Form, Request
 from fastapi.responses import RedirectResponse, Response
 
 from app.studio import accounts, queue_view, quotas
-from app.studio.errors import StudioError
+from app.studio.errors import StudioError, field_messages
 from app.web.deps import CurrentUser, EngineDep, SettingsDep, is_htmx
 from app.web.render import render
 
@@ -76,7 +76,7 @@ def admin_quota_set(request: Request, engine: EngineDep, user: CurrentUser, user
                      "quota_gpu_hours": quota_gpu_hours, "share_weight": share_weight}
         return _quotas(request, engine, user, 422, quota_error=exc.message, error_user=user_id,
                        submitted=submitted,
-                       field_errors=getattr(exc, "fields", None) or {exc.field: exc.message})
+                       field_errors=field_messages(exc, None))
     if not is_htmx(request):
         return RedirectResponse("/admin#quotas", status_code=303)
     return _quotas(request, engine, user, quota_notice=f"Saved the quotas of {target.name}.")

@@ -186,9 +186,10 @@ async def create_run(request: Request, engine: EngineDep, settings: SettingsDep,
 @router.get("/runs/{run_id}")
 def run_page(request: Request, run_id: str, engine: EngineDep, settings: SettingsDep,
              user: CurrentUser):
-    """The run page; its ``queue-place`` block (htmx, every 5 s while queued) says where the
-    queued job stands (app.studio.run_place)."""
-    ctx = run_view(engine, user, run_id)
+    """The run page; its ``place`` block (htmx, every 5 s while queued) says where the queued
+    job stands (app.studio.run_place) and is built from :func:`app.web.views.place_view` alone."""
+    polled = is_htmx(request) and request.headers.get("hx-target") == "place"
+    ctx = (views.place_view if polled else run_view)(engine, user, run_id)
     return render(request, "run.html", {**ctx, "place": run_place(engine, settings, user,
                                                                   ctx["job"])},
                   block="artifacts")
