@@ -5,19 +5,21 @@ A worker process runs two lanes (see worker/loop.py): ``gpu`` (train, grpo) and 
 position counts only the jobs ahead of it in its own lane, in claim order
 (:func:`app.studio.queue_cpu.in_claim_order`: dataset validations first, then priority, then
 age; the CPU lane takes turns by owner), across
-every user; the list shows the caller's own jobs (an admin's: everyone's).
+every user; the list shows the caller's own jobs (an admin's: everyone's), the newest
+:data:`DASHBOARD_JOBS` of them, with counts (:func:`count_jobs`) for the rest.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from sqlalchemy import case, func, or_
 from sqlalchemy.engine import Engine
 from sqlmodel import select
 
 from app.store import queue
 from app.store.db import session_scope
-from app.store.queue import CPU_KINDS
+from app.store.queue import CPU_KINDS, KIND_RANK, OTHER_RANK
 from app.store.schema import Job, JobState, Run
 from app.studio import access, audit
 from app.studio.errors import StudioError
@@ -30,6 +32,13 @@ KIND_LABELS = {"train": "training", "grpo": "GRPO training", "evaluate": "checkp
                "export": "export",
                "import_model": "model import", "validate_dataset": "dataset validation",
                "playground": "playground session"}
+
+#: Jobs the dashboard lists: the newest ones its reader may see (the queue page has every
+#: running and waiting job), so its 5 s poll reads a bounded number of rows.
+DASHBOARD_JOBS = 20
+#: Queued jobs read, in claim order, to number the listed queued jobs' positions; a job further
+#: back than this shows no position.
+POSITION_SCAN = 500
 
 
 @dataclass(frozen=True)
@@ -98,40 +107,78 @@ def outcome(job: Job) -> tuple[str, str, str | None]:
     return job.state, job.state, None
 
 
-def list_jobs(engine: Engine, actor: User, recent: int = 20,
-              gpu: bool | None = None) -> list[JobRow]:
-    """The jobs ``actor`` may see: every queued or running one (queued in claim order, with
-    its position in its lane), then the ``recent`` newest finished ones. ``gpu``: whether the
-    live workers have a GPU (:func:`lane_name`)."""
-    with session_scope(engine) as s:
-        active = in_claim_order(s, s.exec(select(Job).where(
-            Job.state.in_([JobState.QUEUED, JobState.RUNNING]))).all())
-        done = list(s.exec(select(Job).where(Job.state.in_(JobState.FINAL))
-                           .order_by(Job.id.desc()).limit(recent * 5)).all())
-        run_ids = {j.run_id for j in active + done if j.run_id}
-        runs = s.exec(select(Run).where(Run.id.in_(run_ids))).all() if run_ids else []
-        run_owner = {r.id: r.owner for r in runs}
-        run_name = {r.id: r.name for r in runs}
+def _visible(actor: User):
+    """SQL condition for the jobs ``actor`` may see (:func:`app.studio.access.can_see`; a run's
+    job is its run owner's), or None for an admin (every job)."""
+    if access.is_admin(actor):
+        return None
+    mine = select(Run.id).where(Run.owner == actor.id)
+    return or_(Job.owner == actor.id, Job.run_id.in_(mine))
+
+
+def _positions(s) -> dict[int, int]:
+    """job id -> place in its lane's claim order (1 = claimed next), for the first
+    :data:`POSITION_SCAN` queued jobs of every user."""
+    rank = case(KIND_RANK, value=Job.kind, else_=OTHER_RANK)
+    queued = s.exec(select(Job).where(Job.state == JobState.QUEUED)
+                    .order_by(rank, Job.priority.desc(), Job.id).limit(POSITION_SCAN)).all()
     counters = {"cpu": 0, "gpu": 0}
+    out = {}
+    for job in in_claim_order(s, list(queued)):
+        counters[lane_of(job.kind)] += 1
+        out[job.id] = counters[lane_of(job.kind)]
+    return out
+
+
+def list_jobs(engine: Engine, actor: User, limit: int = DASHBOARD_JOBS,
+              gpu: bool | None = None) -> list[JobRow]:
+    """The ``limit`` newest jobs ``actor`` may see (an admin: every user's), newest first; a
+    queued one has its position in its lane (:func:`_positions`, across every user). Two
+    bounded queries (three when one is queued), whatever the number of jobs. ``gpu``: whether
+    the live workers have a GPU (:func:`lane_name`)."""
+    where = _visible(actor)
+    with session_scope(engine) as s:
+        q = select(Job).order_by(Job.id.desc()).limit(limit)
+        jobs = s.exec(q if where is None else q.where(where)).all()
+        run_ids = {j.run_id for j in jobs if j.run_id}
+        runs = s.exec(select(Run).where(Run.id.in_(run_ids))).all() if run_ids else []
+        positions = _positions(s) if any(j.state == JobState.QUEUED for j in jobs) else {}
+    run_owner = {r.id: r.owner for r in runs}
+    run_name = {r.id: r.name for r in runs}
     rows: list[JobRow] = []
-    finished: list[JobRow] = []
-    for job in active + done:
-        lane, position = lane_of(job.kind), None
-        if job.state == JobState.QUEUED:
-            counters[lane] += 1
-            position = counters[lane]
+    for job in jobs:
+        lane = lane_of(job.kind)
         owner = run_owner.get(job.run_id, job.owner) if job.run_id else job.owner
         if not access.can_see(actor, owner):
             continue
         payload = job.payload or {}
         badge, look, words = outcome(job)
-        row = JobRow(job.id, job.kind, KIND_LABELS.get(job.kind, job.kind), lane,
-                     lane_name(lane, gpu), job.state,
-                     position, job.run_id or payload.get("dataset_id") or payload.get("model_id"),
-                     job.run_id, owner, job.created_at, job.error, badge, look, words,
-                     run_name.get(job.run_id))
-        (rows if job.state not in JobState.FINAL else finished).append(row)
-    return rows + finished[:recent]
+        rows.append(JobRow(job.id, job.kind, KIND_LABELS.get(job.kind, job.kind), lane,
+                           lane_name(lane, gpu), job.state, positions.get(job.id),
+                           job.run_id or payload.get("dataset_id") or payload.get("model_id"),
+                           job.run_id, owner, job.created_at, job.error, badge, look, words,
+                           run_name.get(job.run_id)))
+    return rows
+
+
+@dataclass(frozen=True)
+class JobCounts:
+    """How many jobs a reader may see: ``total`` (any state), ``running`` and ``queued``."""
+
+    total: int
+    running: int
+    queued: int
+
+
+def count_jobs(engine: Engine, actor: User) -> JobCounts:
+    """The number of jobs ``actor`` may see (an admin: every user's), by state: one grouped
+    count, so the dashboard can say what :func:`list_jobs` leaves out."""
+    where = _visible(actor)
+    q = select(Job.state, func.count()).group_by(Job.state)
+    with session_scope(engine) as s:
+        by_state = dict(s.exec(q if where is None else q.where(where)).all())
+    return JobCounts(sum(by_state.values()), by_state.get(JobState.RUNNING, 0),
+                     by_state.get(JobState.QUEUED, 0))
 
 
 def cancel(engine: Engine, actor: User, job: Job, what: str, object_type: str) -> Job:

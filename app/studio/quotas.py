@@ -22,20 +22,29 @@ from app.store.schema import Job, Run, User, now
 from app.studio import access, accounts, audit
 from app.studio.errors import StudioError, collect, invalid
 
+#: Each quota field as the Admin page's quota table names its column; a refusal names the field
+#: by this label (the error's ``field`` stays the key).
+LABELS = {"quota_jobs": "Jobs at once", "quota_gib": "GPU memory at once (GiB)",
+          "quota_gpu_hours": "GPU-hours a day", "share_weight": "Weight"}
+
+
 def _number(field: str, raw: str | float | int | None, kind: type, minimum: float) -> float | None:
-    """A quota field: empty/None = no limit; else a ``kind`` number >= ``minimum``."""
+    """A quota field: empty/None = no limit; else a ``kind`` number >= ``minimum``. Raises
+    StudioError invalid on ``field``, worded with its :data:`LABELS` label."""
     if raw is None or (isinstance(raw, str) and not raw.strip()):
         return None
+    label = LABELS[field]
     try:
         value = kind(raw)
     except (TypeError, ValueError):
-        raise invalid(field, f"{field} must be a number (empty: no limit)") from None
+        whole = "whole " if kind is int else ""
+        raise invalid(field, f"{label} must be a {whole}number (empty: no limit)") from None
     if not math.isfinite(value):  # "NaN", "1e999" (inf)
-        raise invalid(field, f"{field} must be a finite number (empty: no limit)")
+        raise invalid(field, f"{label} must be a finite number (empty: no limit)")
     if value < minimum:
-        raise invalid(field, f"{field} must be at least {minimum:g}")
+        raise invalid(field, f"{label} must be at least {minimum:g}")
     if value > 1e9:
-        raise invalid(field, f"{field} must be at most 1000000000 (empty: no limit)")
+        raise invalid(field, f"{label} must be at most 1000000000 (empty: no limit)")
     return value
 
 

@@ -45,12 +45,32 @@ def test_refused_quota_keeps_the_typed_values_and_errors_by_the_fields(client):
                         ("share_weight", "3")):
         assert re.search(rf'name="{name}"[^>]*value="{re.escape(value)}"', page), name
     cell = page[page.index('name="quota_gib"'):]
-    assert cell.index("quota_gib must be a number (empty: no limit)") < cell.index("</td>")
+    assert cell.index("GPU memory at once (GiB) must be a number (empty: no limit)") < cell.index("</td>")
     cell = page[page.index('name="quota_gpu_hours"'):]
-    assert cell.index("quota_gpu_hours must be at least 0") < cell.index("</td>")
+    assert cell.index("GPU-hours a day must be at least 0") < cell.index("</td>")
     cell = page[page.index('name="quota_jobs"'):]
     assert "field-error" not in cell[:cell.index("</td>")]
     assert accounts.get_user(engine, me.id).quota_gib is None  # nothing saved
+
+
+def test_quota_refusals_name_the_columns_the_admin_sees(client):
+    """Trial: "quota_gib must be a number" named a field key; each refusal names its column as
+    the table's header shows it, and the whole fragment shows no field key as text."""
+    me = accounts.authenticate(client.app.state.engine, ADMIN_USER, ADMIN_PASSWORD)
+    r = client.post(f"/admin/quotas/{me.id}", headers={"HX-Request": "true"},
+                    data={"quota_jobs": "1.5", "quota_gib": "lots", "quota_gpu_hours": "NaN",
+                          "share_weight": "0"})
+    assert r.status_code == 422
+    page = html_lib.unescape(r.text)
+    headers = re.findall(r"<th>([^<]+)</th>", page)[1:5]
+    errors = re.findall(r'<span class="field-error"[^>]*>([^<]*)</span>', page)
+    assert headers == ["Jobs at once", "GPU memory at once (GiB)", "GPU-hours a day", "Weight"]
+    assert errors == ["Jobs at once must be a whole number (empty: no limit)",
+                      "GPU memory at once (GiB) must be a number (empty: no limit)",
+                      "GPU-hours a day must be a finite number (empty: no limit)",
+                      "Weight must be at least 0.01"]
+    text = re.sub(r"<[^>]*>", " ", page)  # what is read, not the markup's names
+    assert not re.search(r"quota_|share_weight", text), text
 
 
 def test_setup_shows_every_field_error_at_once(make_client, capsys):
@@ -69,9 +89,41 @@ def test_setup_shows_every_field_error_at_once(make_client, capsys):
 
 
 def test_add_user_names_every_bad_field(client):
-    r = client.post("/admin/users", data={"name": " ", "password": "x", "role": "member"})
-    assert r.status_code == 422
+    r = client.post("/admin/users", data={"name": " ", "password": "x", "role": "member"},
+                    follow_redirects=False)
+    assert r.status_code == 303
+    page = client.get(r.headers["location"]).text
     assert {"name", "password"} <= set(re.findall(
-        r'<input name="(\w+)"[^>]*>\s*<span class="field-error">', r.text))
+        r'<input name="(\w+)"[^>]*>\s*<span class="field-error">', page))
     r = client.post("/api/users", json={"name": "", "password": "x"})
     assert r.status_code == 422 and r.json()["error"]["param"] == "name"
+
+
+def test_refused_add_user_redirects_and_keeps_the_typed_values_once(client):
+    """Trial: reloading the page after a refused Add user asked to post the form again. The
+    refusal is POST-redirect-GET: the page it lands on keeps the typed name and role (never the
+    password) and shows each field's error; a reload of that page is a plain GET."""
+    client.post("/api/users", json={"name": "ada", "password": "ada-password-1"})
+    r = client.post("/admin/users", data={"name": "ada", "password": "hunter2-secret",
+                                          "role": "admin"}, follow_redirects=False)
+    assert r.status_code == 303 and r.headers["location"] == "/admin#add-user"
+    page = html_lib.unescape(client.get("/admin").text)
+    form = page[page.index('action="/admin/users"'):]
+    form = form[:form.index("</form>")]
+    assert re.search(r'<input name="name" value="ada"', form)
+    assert re.search(r"<option selected>admin</option>", form)
+    assert "hunter2-secret" not in page
+    assert re.findall(r'<span class="field-error">([^<]*)</span>', form) == [
+        "a user named 'ada' already exists"]
+    r = client.post("/admin/users", data={"name": "no spaces allowed", "password": "short",
+                                          "role": "member"},
+                    follow_redirects=False)
+    assert r.status_code == 303
+    form = client.get("/admin").text.split('action="/admin/users"')[1].split("</form>")[0]
+    errors = dict(re.findall(r'<input name="(\w+)"[^>]*>\s*<span class="field-error">([^<]*)<',
+                             form))
+    assert set(errors) == {"name", "password"} and "8 characters" in errors["password"]
+    assert 'value="no spaces allowed"' in form
+    assert not re.search(r'<input name="password"[^>]*value=', form)  # never sent back
+    again = client.get("/admin").text  # the reload: the page, without the spent refusal
+    assert "field-error" not in again and 'value="no spaces allowed"' not in again

@@ -3,7 +3,8 @@ JSON twins under ``/api`` (OAuth2 password flow for access tokens, users, keys, 
 
 The account and admin forms are POST-redirect-GET: a success answers 303 to the page, which
 shows the result once (:mod:`app.web.flash`; a new API key's plaintext included); a GET of a
-form's URL goes to its page. A refused form is shown again at once with its error."""
+form's URL goes to its page. A refused form is shown again at once with its error, except the
+add-user form's, which redirects too (its typed values and errors shown once)."""
 from __future__ import annotations
 
 import json
@@ -284,11 +285,14 @@ def admin_user_get(actor: AdminUser, user_id: str):
 def admin_user_create(request: Request, actor: AdminUser, name: Annotated[str, Form()] = "",
                       password: Annotated[str, Form()] = "",
                       role: Annotated[str, Form()] = "member"):
+    """Add a user. A refusal is POST-redirect-GET too (a reload does not post the form again):
+    the admin page shows the typed name and role (never the password) and every field's error
+    once."""
     try:
         created = accounts.create_user(_engine(request), name, password, role, actor=actor)
     except StudioError as exc:
-        return _admin(request, actor, status_for(exc), form={"name": name, "role": role},
-                      errors=field_messages(exc))
+        return _to("/admin#add-user", request, form={"name": name, "role": role},
+                   errors=field_messages(exc))
     return _to("/admin", request, notice=f"Created {created.name}.")
 
 

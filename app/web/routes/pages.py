@@ -1,5 +1,6 @@
-"""Dashboard: the caller's runs and jobs of every kind with their queue position (an admin's:
-everyone's), and the live workers."""
+"""Dashboard: the caller's runs and newest jobs of every kind with their queue position (an
+admin's: everyone's; how many there are in all, the queue page has every running and waiting
+one), and the live workers."""
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
@@ -59,6 +60,7 @@ def dashboard(request: Request, engine: EngineDep, settings: SettingsDep, user: 
                   {"runs": run_rows(engine, user), "workers": workers, "owners": owners,
                    "worker_groups": worker_view.visible_groups(engine, user, workers),
                    "jobs": jobs_uc.list_jobs(engine, user, gpu=worker_view.any_gpu(workers)),
+                   "job_counts": jobs_uc.count_jobs(engine, user),
                    "gpu": worker_view.any_gpu(workers),
                    "job_runs": _job_runs(engine, user, [w.current_job_id for w in workers])},
                   block="runs")

@@ -50,7 +50,8 @@ def _quotas(request: Request, engine, user, status: int = 200, **extra) -> Respo
     users = accounts.list_users(engine, user)
     rows, per_user = quotas.usage(engine, user)
     return render(request, "_admin_quotas.html", {"users": users, "usage_rows": rows[:50],
-                                                  "usage_per_user": per_user, **extra},
+                                                  "usage_per_user": per_user,
+                                                  "labels": quotas.LABELS, **extra},
                   status_code=status)
 
 
