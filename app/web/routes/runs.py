@@ -188,7 +188,7 @@ def run_page(request: Request, run_id: str, engine: EngineDep, settings: Setting
              user: CurrentUser):
     """The run page; its ``queue-place`` block (htmx, every 5 s while queued) says where the
     queued job stands (app.studio.run_place)."""
-    ctx = run_view(engine, user, run_id)
+    ctx = run_view(engine, settings, user, run_id)
     return render(request, "run.html", {**ctx, "place": run_place(engine, settings, user,
                                                                   ctx["job"])},
                   block="artifacts")
@@ -201,10 +201,12 @@ def cancel_question(run_id: str, engine: EngineDep, user: CurrentUser):
 
 
 @router.post("/runs/{run_id}/cancel")
-def cancel_run(request: Request, run_id: str, engine: EngineDep, user: CurrentUser):
+def cancel_run(request: Request, run_id: str, engine: EngineDep, settings: SettingsDep,
+               user: CurrentUser):
     runs_uc.cancel_run(engine, user, run_id)
     if is_htmx(request):
-        return render(request, "run.html", run_view(engine, user, run_id), block="controls")
+        return render(request, "run.html", run_view(engine, settings, user, run_id),
+                      block="controls")
     return RedirectResponse(f"/runs/{run_id}", status_code=303)
 
 
@@ -229,7 +231,7 @@ def delete_run(request: Request, run_id: str, engine: EngineDep, settings: Setti
     except StudioError as exc:
         if exc.kind != "conflict":
             raise
-        return render(request, "run.html", {**run_view(engine, user, run_id),
+        return render(request, "run.html", {**run_view(engine, settings, user, run_id),
                                             "controls_error": exc.message},
                       block="controls", status_code=409)
     if is_htmx(request):
