@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-from fastapi.responses import PlainTextResponse, RedirectResponse, Response
+from fastapi.responses import HTMLResponse, PlainTextResponse, RedirectResponse, Response
 from sse_starlette.sse import EventSourceResponse
 
 from app.data.chat_template import DEFAULT_TEMPLATES
@@ -13,11 +13,12 @@ from app.studio import datasets as datasets_uc
 from app.studio import removal
 from app.studio import resume as resume_uc
 from app.studio import runs as runs_uc
+from app.studio import train_time
 from app.studio.run_place import run_place
 from app.studio.errors import StudioError
 from app.web.deps import CurrentUser, EngineDep, SettingsDep, is_htmx
 from app.web.auth import still_signed_in
-from app.web.render import render
+from app.web.render import render, render_block
 from app.web.sse import job_event_stream, start_after, while_signed_in
 from app.web import views
 from app.web.views import dataset_labeller, redirect_to_run, run_view, template_ctx
@@ -192,6 +193,16 @@ def run_page(request: Request, run_id: str, engine: EngineDep, settings: Setting
     return render(request, "run.html", {**ctx, "place": run_place(engine, settings, user,
                                                                   ctx["job"])},
                   block="artifacts")
+
+
+@router.get("/runs/{run_id}/training-time")
+def training_time_fragment(run_id: str, engine: EngineDep, user: CurrentUser):
+    """The run page's training-time line as of now (an HTML fragment, ``#training-time-box``;
+    static/app.js reads it again while the run trains; the figures are
+    :func:`app.studio.train_time.training_time`'s). Another user's run: 404."""
+    run, job = access.run_with_job(engine, user, run_id)
+    return HTMLResponse(render_block("run.html", "training_time", {
+        "run": run, "training_time": train_time.training_time(engine, job)}))
 
 
 @router.get("/runs/{run_id}/cancel-question")
