@@ -141,8 +141,31 @@
     if (es.readyState !== EventSource.CLOSED || FINAL.includes($("m-state").textContent)) return;
     if (!(await showSignedOut())) log("live updates stopped: reload the page to continue");
   };
+  // The training-time line is the server's figure (app/studio/train_time.py, from the logged
+  // steps): read again a second after a step is logged (one read at a time, steps logged
+  // meanwhile coalesced); once the run ended, the final cards bring its final value and no
+  // read still under way may replace it.
+  let timeTimer = null, timeDirty = false, ended = renderedFinal;
+  function refreshTrainingTime() {
+    if (ended) return;
+    if (timeTimer) { timeDirty = true; return; }
+    timeTimer = setTimeout(async () => {
+      timeDirty = false;
+      const r = await fetch(root.dataset.trainingTimeUrl, {credentials: "same-origin"})
+        .catch(() => null);
+      const html = r && r.ok ? await r.text() : null;
+      timeTimer = null;
+      if (ended) return;
+      const box = document.createElement("div");
+      box.innerHTML = html || "";
+      const fresh = box.querySelector("#training-time-box"), old = $("training-time-box");
+      if (fresh && old) old.replaceWith(fresh);
+      if (timeDirty) refreshTrainingTime();
+    }, 1000);
+  }
   es.addEventListener("metric", (e) => {
     const d = JSON.parse(e.data);
+    refreshTrainingTime();
     $("m-step").textContent = d.total_steps ? `${d.step} / ${d.total_steps}` : String(d.step);
     if (d.loss !== undefined) $("m-loss").textContent = fmt(d.loss);
     if (d.learning_rate !== undefined) $("m-lr").textContent = fmt(d.learning_rate);
@@ -177,7 +200,8 @@
   // memory, evaluation, artifacts, exports) are re-rendered from ONE fetch of the page. (Separate
   // htmx.ajax calls share the body's request queue, which keeps only the last waiting request:
   // the Cancel button and the evaluation card used to stay stale.)
-  const FINAL_PARTS = ["controls", "run-links", "run-memory", "evaluation", "artifacts", "exports"];
+  const FINAL_PARTS = ["controls", "run-links", "training-time-box", "run-memory", "evaluation",
+    "artifacts", "exports"];
   async function refreshFinalParts() {
     const resp = await fetch(window.location.pathname, { headers: { Accept: "text/html" } });
     if (!resp.ok) return;
@@ -191,6 +215,8 @@
   }
   es.addEventListener("end", (e) => {
     es.close();
+    ended = true;
+    clearTimeout(timeTimer);
     const d = JSON.parse(e.data);
     if (FINAL.includes(d.state)) setState(d.state);
     if (!renderedFinal) refreshFinalParts();

@@ -126,42 +126,54 @@ RUN_REMEDY = ("Lower max_seq_length or the batch size, set load_in_4bit, or ask 
 QUOTA_REMEDY = "Ask an admin to raise {whose} quota (GPU memory at once, on the Admin page)."
 
 
-def check_job_quota(engine: Engine | None, settings: Settings, owner: User | str | None,
-                    allocated_gib: float | None, num_gpus: int = 1, what: str = "this run",
-                    remedy: str = RUN_REMEDY, actor: User | None = None) -> None:
-    """The one check before any GPU job is queued for a user (a new run, a resume, a Playground
-    session, a checkpoint eval): refuse a job its owner's GPU memory quota (``users.quota_gib``,
-    "GPU memory at once") could never admit, even with no other job of theirs running.
+def job_quota_refusal(engine: Engine | None, settings: Settings, owner: User | str | None,
+                      allocated_gib: float | None, num_gpus: int = 1, what: str = "this run",
+                      remedy: str = RUN_REMEDY, actor: User | None = None) -> StudioError | None:
+    """The one decision before any GPU job is queued for a user (a new run, a resume, a
+    Playground session, a checkpoint eval), also asked by the pages before the click: the
+    refusal of a job its owner's GPU memory quota (``users.quota_gib``, "GPU memory at once")
+    could never admit, even with no other job of theirs running; None when it could.
 
     ``owner``: the job's owner (a User, or its id, read with ``engine``); ``allocated_gib``:
     the job's estimated allocator peak per GPU (GiB, the ``estimate_gib`` it is queued with);
     ``what``: the job as the message names it ("this run"); ``remedy``: the message's last
     sentence (``{whose}`` in it names the quota's owner); ``actor``: who asks, when not the
     owner (an admin resuming a member's run: the message says "alice's quota", not "your").
-    Raises StudioError(invalid, code ``over_gpu_memory_quota``) naming the need and the quota
-    (GiB) when the memory the job would be admitted with on all its ``num_gpus`` GPUs
-    (:func:`app.store.admission.need_gib`) is more than the quota
+    The refusal is StudioError(invalid, code ``over_gpu_memory_quota``) naming the need and
+    the quota (GiB) when the memory the job would be admitted with on all its ``num_gpus``
+    GPUs (:func:`app.store.admission.need_gib`) is more than the quota
     (:func:`app.store.admission.over_gib_quota`, the rule admission applies). No owner, no
-    quota or no estimate: no refusal."""
+    quota or no estimate: None."""
     if owner is None or allocated_gib is None or allocated_gib <= 0:
-        return
+        return None
     if isinstance(owner, str):
         with session_scope(engine) as s:
             owner = s.get(User, owner)
         if owner is None:
-            return
+            return None
     per_gpu = admission.need_gib(allocated_gib, settings.gpu_admit_margin, None)
     need = per_gpu * max(1, num_gpus)
     if not admission.over_gib_quota(owner.quota_gib, need):
-        return
+        return None
     each = f" ({admission.gib(per_gpu)} GiB on each of {num_gpus} GPUs)" if num_gpus > 1 else ""
     whose = "your" if actor is None or actor.id == owner.id else f"{owner.name}'s"
-    raise StudioError(
+    return StudioError(
         "invalid", f"{what} needs about {admission.gib(need)} GiB of GPU memory at once{each} "
         f"(estimate {allocated_gib:.2f} GiB, plus the {settings.gpu_admit_margin:.0%} "
         f"admission margin and the {CUDA_CONTEXT_GIB:g} GiB CUDA context), more than {whose} "
         f"GPU memory quota of {admission.gib(owner.quota_gib)} GiB at once: it could never start. "
         f"{remedy.format(whose=whose)}", None, code="over_gpu_memory_quota")
+
+
+def check_job_quota(engine: Engine | None, settings: Settings, owner: User | str | None,
+                    allocated_gib: float | None, num_gpus: int = 1, what: str = "this run",
+                    remedy: str = RUN_REMEDY, actor: User | None = None) -> None:
+    """Raise :func:`job_quota_refusal`'s StudioError (invalid, code ``over_gpu_memory_quota``)
+    when the owner's GPU memory quota could never admit the job (same arguments)."""
+    problem = job_quota_refusal(engine, settings, owner, allocated_gib, num_gpus, what, remedy,
+                                actor)
+    if problem is not None:
+        raise problem
 
 
 def check_quota(settings: Settings, owner: User | None, est: Estimate | None,

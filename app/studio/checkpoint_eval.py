@@ -102,11 +102,15 @@ def estimate_gib(engine: Engine, run: Run) -> float | None:
 
 
 def refusal(engine: Engine, run: Run, step: int, steps: list[int] | None = None,
-            jobs: list[Job] | None = None) -> StudioError | None:
+            jobs: list[Job] | None = None, settings: Settings | None = None,
+            actor: User | None = None) -> StudioError | None:
     """Why checkpoint ``step`` of ``run`` cannot be evaluated now (None: it can): the run has
     no held-out set (conflict), no such checkpoint on disk (not_found, field
-    ``checkpoint_step``), or an eval of it is already queued or running (conflict).
-    ``steps`` / ``jobs``: the run's checkpoint steps and eval jobs, when already read."""
+    ``checkpoint_step``), an eval of it is already queued or running (conflict), or, with
+    ``settings`` (``actor``: who asks), the run owner's GPU memory quota could never admit
+    the eval (invalid, code ``over_gpu_memory_quota``:
+    :func:`app.studio.calibration.job_quota_refusal`). ``steps`` / ``jobs``: the run's
+    checkpoint steps and eval jobs, when already read."""
     if not has_held_out(run.spec or {}):
         return StudioError("conflict", f"run {run.id} has no held-out set to evaluate on: it was "
                            "created without validation_file or validation_split_percentage")
@@ -119,6 +123,10 @@ def refusal(engine: Engine, run: Run, step: int, steps: list[int] | None = None,
             return StudioError("conflict", f"checkpoint-{step} of run {run.id} is already being "
                                f"evaluated (evaluation {job.id}, {job.state}); cancel that "
                                "evaluation to evaluate it again")
+    if settings is not None:
+        return calibration.job_quota_refusal(
+            engine, settings, run.owner, estimate_gib(engine, run), 1,
+            f"this evaluation of checkpoint {step}", calibration.QUOTA_REMEDY, actor)
     return None
 
 
@@ -146,13 +154,10 @@ def queue_eval(engine: Engine, settings: Settings, actor: User, run_id: str, ste
             n = 0
         if not 1 <= n <= MAX_SAMPLES:
             raise invalid("samples", f"must be a whole number from 1 to {MAX_SAMPLES}")
-    problem = refusal(engine, run, step)
+    problem = refusal(engine, run, step, settings=settings, actor=actor)
     if problem is not None:
         raise problem
     need = estimate_gib(engine, run)
-    calibration.check_job_quota(engine, settings, run.owner, need, 1,
-                                f"this evaluation of checkpoint {step}", calibration.QUOTA_REMEDY,
-                                actor)
     job = queue.enqueue(engine, KIND, {"spec_version": 1, "run_id": run.id,
                                        "checkpoint_step": step, "samples": n},
                         run_id=run.id, owner=run.owner, max_attempts=2, estimate_gib=need)
@@ -192,30 +197,34 @@ def eval_info(job: Job) -> dict[str, Any]:
             "reward_eval": result.get("reward_eval")}
 
 
-def checkpoint_evals(engine: Engine, run: Run) -> dict[str, Any]:
+def checkpoint_evals(engine: Engine, run: Run, settings: Settings | None = None,
+                     actor: User | None = None) -> dict[str, Any]:
     """The checkpoints part of a run's evaluation: ``checkpoints`` (each on-disk step with
-    ``can_evaluate`` and the reason it cannot, newest first), ``evals`` (every eval job,
-    newest first: :func:`eval_info`) and ``active`` (whether one is queued or running)."""
+    ``can_evaluate``, the ``reason`` it cannot and its ``code``, newest first: :func:`refusal`,
+    the GPU memory quota included with ``settings``), ``evals`` (every eval job, newest first:
+    :func:`eval_info`) and ``active`` (whether one is queued or running)."""
     jobs, steps = eval_jobs(engine, run.id), checkpoint_steps(engine, run.id)
     rows = []
     for step in steps:
-        problem = refusal(engine, run, step, steps, jobs)
+        problem = refusal(engine, run, step, steps, jobs, settings, actor)
         rows.append({"step": step, "can_evaluate": problem is None,
-                     "reason": None if problem is None else problem.message})
+                     "reason": None if problem is None else problem.message,
+                     "code": None if problem is None else problem.code})
     return {"checkpoints": rows, "evals": [eval_info(j) for j in jobs],
             "active": any(j.state in (JobState.QUEUED, JobState.RUNNING) for j in jobs),
             "default_samples": default_samples(run)}
 
 
-def run_evaluations(engine: Engine, actor: User, run_id: str) -> dict[str, Any]:
+def run_evaluations(engine: Engine, settings: Settings, actor: User, run_id: str
+                    ) -> dict[str, Any]:
     """Everything evaluated of a run (``GET /api/runs/{id}/evaluations``): ``held_out`` (where
     from), ``end_of_run`` (the training job's ``eval``, ``generation_eval`` and
-    ``reward_eval`` result entries) and the checkpoints (:func:`checkpoint_evals`).
-    Raises StudioError not_found."""
+    ``reward_eval`` result entries) and the checkpoints (:func:`checkpoint_evals`, the GPU
+    memory quota included). Raises StudioError not_found."""
     from app.studio.evaluation import held_out_text
 
     run, job = access.run_with_job(engine, actor, run_id)
     result = (job.result or {}) if job is not None else {}
     return {"run_id": run.id, "kind": run.kind, "held_out": held_out_text(run.spec or {}),
             "end_of_run": {k: result.get(k) for k in ("eval", "generation_eval", "reward_eval")},
-            **checkpoint_evals(engine, run)}
+            **checkpoint_evals(engine, run, settings, actor)}

@@ -18,6 +18,7 @@ from app.studio import access, validation
 from app.studio.errors import StudioError, invalid
 
 if TYPE_CHECKING:
+    from app.settings import Settings
     from app.store.schema import Dataset, Job, Run, User
 
 #: The fields that mean nothing without a held-out set (of a TrainSpec, of a GrpoSpec).
@@ -104,12 +105,14 @@ def held_out_text(spec: dict[str, Any], filenames: dict[str, str] | None = None)
     return None
 
 
-def run_evaluation(engine: Engine, run: Run, job: Job | None) -> dict[str, Any] | None:
+def run_evaluation(engine: Engine, run: Run, job: Job | None, settings: Settings | None = None,
+                   actor: User | None = None) -> dict[str, Any] | None:
     """What the run page's Evaluation card shows: ``held_out`` (where from), ``eval_steps``,
     ``result`` (the result's ``eval`` once the run ended: rows held out, best checkpoint, early
     stop), ``generation`` (rows + summary of the generation eval), ``rewards`` (a GRPO run's
     before/after reward eval), ``best`` (the best evaluation event, once training ended) and
-    ``checkpoints`` (their on-demand evals: :func:`app.studio.checkpoint_eval.checkpoint_evals`).
+    ``checkpoints`` (their on-demand evals: :func:`app.studio.checkpoint_eval.checkpoint_evals`;
+    with ``settings``, whether ``actor`` can evaluate each under the GPU memory quota too).
     None when the run has no held-out set."""
     from app.studio.checkpoint_eval import checkpoint_evals
 
@@ -137,7 +140,7 @@ def run_evaluation(engine: Engine, run: Run, job: Job | None) -> dict[str, Any] 
             "early_stopping_patience": spec.get("early_stopping_patience"),
             "result": result.get("eval"), "generation": result.get("generation_eval"),
             "rewards": result.get("reward_eval"), "best": best,
-            "checkpoints": checkpoint_evals(engine, run)}
+            "checkpoints": checkpoint_evals(engine, run, settings, actor)}
 
 
 def latest_training_metric(engine: Engine, job_id: int) -> dict[str, Any] | None:

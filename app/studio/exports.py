@@ -218,8 +218,7 @@ def queue_export(engine: Engine, actor: User, run_id: str, body: dict[str, Any])
                                       f"type, e.g. {examples}")
     payload = spec.model_dump(mode="json")
     if spec.format == "ollama":
-        model = repo.get_model(engine, run.model_id)
-        payload["model_name"] = re.sub(r"[^a-z0-9_.-]+", "-", f"{model.name}-{run.id[-8:]}".lower())
+        payload["model_name"] = ollama_model_name(run)
     job = queue.enqueue(engine, "export", payload, run_id=run.id, priority=5, max_attempts=2,
                         owner=run.owner)
     audit.record(engine, actor.id, "export.created", "export", job.id, run=run.id,
@@ -228,13 +227,38 @@ def queue_export(engine: Engine, actor: User, run_id: str, body: dict[str, Any])
     return job
 
 
-def slug(text: str, limit: int = 60) -> str:
-    """A file-name-safe slug of a run name: lower-case ASCII letters, digits and ``-``
-    (``"My run: v2 (final)"`` → ``my-run-v2-final``); empty when nothing is left."""
+def slug(text: str, limit: int = 60, keep: str = "") -> str:
+    """A file-name-safe slug of a run name: lower-case ASCII letters, digits, ``-`` and the
+    characters of ``keep`` (``"My run: v2 (final)"`` → ``my-run-v2-final``), starting and
+    ending with a letter or digit, at most ``limit`` characters; empty when nothing is left."""
     import unicodedata
 
+    ends = "-" + keep
     ascii_text = unicodedata.normalize("NFKD", text).encode("ascii", "ignore").decode()
-    return re.sub(r"[^a-z0-9]+", "-", ascii_text.lower()).strip("-")[:limit].strip("-")
+    out = re.sub(f"[^a-z0-9{re.escape(keep)}]+", "-", ascii_text.lower()).strip(ends)
+    return out[:limit].strip(ends)
+
+
+#: Characters of an Ollama model name besides letters, digits and ``-`` (Ollama allows at most
+#: 80 characters, the first a letter, digit or ``_``).
+OLLAMA_KEEP = "._"
+#: The longest default Ollama model name (Ollama's limit is 80).
+OLLAMA_NAME_MAX = 64
+
+
+def ollama_model_name(run: Run) -> str:
+    """The model an Ollama export of ``run`` creates (``ollama create NAME``), the one rule for
+    every surface: the run's name as Ollama allows it (:func:`slug` keeping ``.`` and ``_``),
+    then the last 8 characters of the run id, so that two runs of one name never replace each
+    other's model (``"My run: v2.1"`` → ``my-run-v2.1-3f9a0c1b``); at most
+    :data:`OLLAMA_NAME_MAX` characters. A run without a name, or whose name has no letter or
+    digit Ollama allows: the run id (``ftjob-3f9a0c1b2d4e5f60``). An export already queued
+    keeps the name in its payload."""
+    tail = run.id[-8:].lower()
+    base = slug(run.name or "", OLLAMA_NAME_MAX - len(tail) - 1, OLLAMA_KEEP)
+    if not base:
+        return slug(run.id, OLLAMA_NAME_MAX, OLLAMA_KEEP) or tail
+    return f"{base}-{tail}"
 
 
 def download_name(engine: Engine, run_id: str | None, filename: str) -> str:

@@ -9,7 +9,7 @@ a cancelled run loses no step.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.engine import Engine
 
@@ -41,6 +41,31 @@ def resumable(engine: Engine, run: Run, job: Job | None) -> tuple[int | None, st
     return steps[0], None
 
 
+def quota_refusal(engine: Engine, settings: Settings, actor: User, run: Run, job: Job
+                  ) -> StudioError | None:
+    """Why the run owner's GPU memory quota could never admit the resumed job of ``run``
+    (``job``: its current training job, whose ``estimate_gib`` and ``num_gpus`` the new one
+    keeps): :func:`app.studio.calibration.job_quota_refusal`, code ``over_gpu_memory_quota``;
+    None when it could."""
+    return calibration.job_quota_refusal(
+        engine, settings, run.owner, job.estimate_gib, int((run.spec or {}).get("num_gpus") or 1),
+        f"the resumed job of run {run.id}", calibration.QUOTA_REMEDY, actor)
+
+
+def resume_state(engine: Engine, settings: Settings, actor: User, run: Run, job: Job | None
+                 ) -> dict[str, Any]:
+    """Whether ``actor`` can resume ``run`` now, as the run page (before the click) and
+    ``/api/runs/{id}`` say it: ``checkpoint_step`` (the step a resume starts from; None when the
+    run has none to resume from), ``can_resume``, ``reason`` (why not, for a user; None when it
+    can) and ``code`` (``not_resumable`` or ``over_gpu_memory_quota``, as :func:`resume_run`
+    refuses it; None when it can)."""
+    step, why = resumable(engine, run, job)
+    problem = None if why is not None else quota_refusal(engine, settings, actor, run, job)
+    code = "not_resumable" if why is not None else problem.code if problem else None
+    return {"checkpoint_step": step, "can_resume": code is None,
+            "reason": why or (problem.message if problem else None), "code": code}
+
+
 def resume_run(engine: Engine, settings: Settings, actor: User, run_id: str
                ) -> tuple[Run, Job]:
     """Queue a cancelled or failed run again; its new job resumes from the run's newest
@@ -67,9 +92,9 @@ def resume_run(engine: Engine, settings: Settings, actor: User, run_id: str
             raise StudioError("conflict", f"run {run.id} evaluates on validation_file {val}, "
                                           "which was deleted; it cannot resume", "validation_file",
                               "not_resumable") from None
-    calibration.check_job_quota(
-        engine, settings, run.owner, job.estimate_gib, int((run.spec or {}).get("num_gpus") or 1),
-        f"the resumed job of run {run.id}", calibration.QUOTA_REMEDY, actor)
+    problem = quota_refusal(engine, settings, actor, run, job)
+    if problem is not None:
+        raise problem
     try:
         run, new = repo.resume_run(engine, run.id, step,
                                    f"resumed from checkpoint-{step} (job {job.id} {job.state})")

@@ -88,8 +88,9 @@ def place_view(engine, user, run_id: str) -> dict[str, Any]:
     return {"run": run, "job": job, "state": _state(job), "place_poll": True}
 
 
-def run_view(engine, user, run_id: str) -> dict[str, Any]:
-    """Everything the run page shows at load time."""
+def run_view(engine, settings, user, run_id: str) -> dict[str, Any]:
+    """Everything the run page shows at load time (what ``user`` can start: resume, evaluate a
+    checkpoint, under ``settings``' admission rules and the owner's GPU memory quota)."""
     run, job = access.run_with_job(engine, user, run_id)
     # the tiles show the newest training step (an evaluation's metric event has no loss)
     m = evaluation.latest_training_metric(engine, job.id) if job else None
@@ -114,8 +115,8 @@ def run_view(engine, user, run_id: str) -> dict[str, Any]:
             "template_source": spec.get("chat_template"),
             "spec_json": json.dumps(spec, indent=2), "memory": calibration.memory_summary(job),
             "metric_peak": calibration.metric_peak(job, m),
-            "evaluation": evaluation.run_evaluation(engine, run, job),
-            "resume": resume.resumable(engine, run, job),
+            "evaluation": evaluation.run_evaluation(engine, run, job, settings, user),
+            "resume": resume.resume_state(engine, settings, user, run, job),
             "playground_link": playground_targets.run_link(engine, run, job),
             "cancel_outcome": resume.cancel_outcome(engine, run, job, (m or {}).get("step")),
             **exports_view(engine, user, run.id)}

@@ -33,22 +33,28 @@ def _refused(r, status: int = 422) -> str:
     return err["message"]
 
 
+def alices_cancelled_run(app, c, engine, settings, alice: str):
+    """``(model id, run, job)``: alice's (signed in as ``c``) cancelled run of an 8B-shaped
+    model (an eval and a session have an estimate), with a held-out set and checkpoint-2, whose
+    job needs 0.06 x 1.25 + 0.5 = 0.58 GiB."""
+    ds = _upload(c, validate=False)
+    run_validations(app)
+    model = _llama(engine).id
+    run, job = repo.create_run(engine, TrainSpec(model=model, dataset=ds, max_steps=10,
+                                                 save_steps=2, validation_split_percentage=10),
+                               owner=alice, estimate_gib=0.06)
+    assert queue.claim(engine, "w-test", 30, kinds=["train"]).id == job.id
+    _checkpoint(engine, settings, run.id, job.id, 2)
+    _cancel(engine, job.id)
+    return model, run, job
+
+
 def test_resume_eval_and_playground_refuse_a_job_over_the_gpu_memory_quota(
         app, client, engine, settings) -> None:
     alice = client.post("/api/users", json={"name": "alice",
                                             "password": "member-password-1"}).json()["id"]
     with signed_in(app, "alice", "member-password-1") as c:
-        ds = _upload(c, validate=False)
-        run_validations(app)
-        model = _llama(engine).id  # a shape: an eval and a session have an estimate
-        # alice's cancelled run, with checkpoints, whose job needs 0.06 x 1.25 + 0.5 = 0.58 GiB
-        run, job = repo.create_run(engine, TrainSpec(model=model, dataset=ds, max_steps=10,
-                                                     save_steps=2,
-                                                     validation_split_percentage=10),
-                                   owner=alice, estimate_gib=0.06)
-        assert queue.claim(engine, "w-test", 30, kinds=["train"]).id == job.id
-        _checkpoint(engine, settings, run.id, job.id, 2)
-        _cancel(engine, job.id)
+        model, run, job = alices_cancelled_run(app, c, engine, settings, alice)
         _quota(client, alice, "0.3")
         before = _jobs(engine)
 

@@ -19,9 +19,9 @@ router = APIRouter(prefix="/api", tags=["evaluations"])
 
 
 @router.get("/runs/{run_id}/evaluations", response_model=RunEvaluationsOut)
-def run_evaluations(run_id: str, engine: EngineDep, user: CurrentUser):
+def run_evaluations(run_id: str, engine: EngineDep, settings: SettingsDep, user: CurrentUser):
     """The run's held-out set, its end-of-run eval and every checkpoint eval (newest first)."""
-    return evals_uc.run_evaluations(engine, user, run_id)
+    return evals_uc.run_evaluations(engine, settings, user, run_id)
 
 
 @router.post("/runs/{run_id}/checkpoints/{step}/evaluations", status_code=202,

@@ -25,8 +25,8 @@ def list_runs(engine: EngineDep, user: CurrentUser, limit: int = 100, after: str
 
 
 @router.get("/runs/{run_id}", response_model=RunOut)
-def get_run(run_id: str, engine: EngineDep, user: CurrentUser):
-    return run_out(engine, access.run(engine, user, run_id), full=True)
+def get_run(run_id: str, engine: EngineDep, settings: SettingsDep, user: CurrentUser):
+    return run_out(engine, access.run(engine, user, run_id), True, settings, user)
 
 
 @router.get("/runs/{run_id}/checkpoints/{step}/download")
@@ -50,7 +50,7 @@ async def create_run(request: Request, engine: EngineDep, settings: SettingsDep,
     name = body.pop("name", None)
     spec = runs_uc.parse_spec(TrainSpec, body)
     run, _ = await run_in_threadpool(runs_uc.create_sft_run, engine, settings, user, spec, name)
-    return run_out(engine, run, full=True)
+    return run_out(engine, run, True, settings, user)
 
 
 @router.post("/runs/grpo", status_code=201, response_model=RunOut)
@@ -62,7 +62,7 @@ async def create_grpo_run(request: Request, engine: EngineDep, settings: Setting
     spec = runs_uc.parse_spec(GrpoSpec, body)
     run, _ = await run_in_threadpool(grpo_runs.create_grpo_run, engine, settings, user, spec,
                                       name)
-    return run_out(engine, run, full=True)
+    return run_out(engine, run, True, settings, user)
 
 
 @router.post("/runs/{run_id}/cancel", response_model=RunOut)
@@ -76,7 +76,7 @@ def resume_run(run_id: str, engine: EngineDep, settings: SettingsDep, user: Curr
     """Queue a cancelled or failed run again: its new job resumes from the newest checkpoint
     (409 with the reason when it cannot: still active, succeeded, no checkpoint)."""
     run, _ = resume_uc.resume_run(engine, settings, user, run_id)
-    return run_out(engine, run, full=True)
+    return run_out(engine, run, True, settings, user)
 
 
 @router.delete("/runs/{run_id}", response_model=RunOut)

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from app.store import events, repo
 from app.store.schema import Dataset, Model, Run
 from app.studio import access
-from app.studio import artifacts, calibration, train_time
+from app.studio import artifacts, calibration, resume, train_time
 from app.web.errors import ApiError
 
 
@@ -106,6 +106,12 @@ class RunOut(BaseModel):
         "run's total over every attempt of a resumed run), this_attempt (its current job), "
         "attempts (segments trained), resumed, running (the job is training: the figures are so "
         "far, its own stretch up to its newest logged step) (app.studio.train_time)")
+    resume: dict[str, Any] | None = Field(
+        default=None, description="single-run reads: whether the caller can resume the run now, "
+        "as POST /api/runs/{id}/resume would answer: checkpoint_step (where a resume starts; null "
+        "without one), can_resume, reason (why not; null when it can) and code (not_resumable, "
+        "over_gpu_memory_quota: the owner's GPU memory quota could never admit the job; null "
+        "when it can) (app.studio.resume.resume_state)")
 
 
 class RunList(BaseModel):
@@ -177,8 +183,9 @@ def metrics_summary(engine, job_id: int | None) -> MetricsSummary:
                           min_loss=min(losses) if losses else None, latest=latest)
 
 
-def run_out(engine, run: Run, full: bool = False) -> RunOut:
-    """A run as the JSON API shows it (job state, timestamps; metrics and artifacts if full)."""
+def run_out(engine, run: Run, full: bool = False, settings=None, user=None) -> RunOut:
+    """A run as the JSON API shows it (job state, timestamps; metrics, artifacts, training
+    time if ``full``, and with ``settings`` whether ``user`` can resume it)."""
     _, job = repo.run_with_job(engine, run.id)
     out = RunOut(**run.model_dump(exclude={"output_dir"}), state=job.state if job else None,
                  error=job.error if job else None,
@@ -190,6 +197,8 @@ def run_out(engine, run: Run, full: bool = False) -> RunOut:
         out.metrics = metrics_summary(engine, run.job_id)
         out.artifacts = [artifacts.public(a) for a in artifacts.present(engine, run.id)]
         out.training_time = train_time.training_time(engine, job)
+        if settings is not None:
+            out.resume = resume.resume_state(engine, settings, user, run, job)
     return out
 
 

@@ -31,17 +31,20 @@ async def evaluate_checkpoint(request: Request, run_id: str, step: int, engine: 
         error, status = exc.message, 422 if exc.kind == "invalid" else 409
     if not is_htmx(request) and error is None:
         return RedirectResponse(f"/runs/{run_id}#evaluation", status_code=303)
-    return render(request, "run.html", {**run_view(engine, user, run_id), "eval_error": error},
+    return render(request, "run.html",
+                  {**run_view(engine, settings, user, run_id), "eval_error": error},
                   block="evaluation", status_code=status)
 
 
 @router.post("/evaluations/{eval_id}/cancel")
-def cancel_evaluation(request: Request, eval_id: int, engine: EngineDep, user: CurrentUser):
+def cancel_evaluation(request: Request, eval_id: int, engine: EngineDep, settings: SettingsDep,
+                      user: CurrentUser):
     """Stop a checkpoint eval (the card asks first); the Evaluation card again, with the reason
     (409) when it had already ended. Another user's eval: 404."""
     run_id = evals_uc.eval_job(engine, user, eval_id).run_id
     error = conflict_of(evals_uc.cancel_eval, engine, user, eval_id)
     if not is_htmx(request) and error is None:
         return RedirectResponse(f"/runs/{run_id}#evaluation", status_code=303)
-    return render(request, "run.html", {**run_view(engine, user, run_id), "eval_error": error},
+    return render(request, "run.html",
+                  {**run_view(engine, settings, user, run_id), "eval_error": error},
                   block="evaluation", status_code=409 if error else 200)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-from fastapi.responses import PlainTextResponse, RedirectResponse, Response
+from fastapi.responses import HTMLResponse, PlainTextResponse, RedirectResponse, Response
 from sse_starlette.sse import EventSourceResponse
 
 from app.data.chat_template import DEFAULT_TEMPLATES
@@ -13,11 +13,12 @@ from app.studio import datasets as datasets_uc
 from app.studio import removal
 from app.studio import resume as resume_uc
 from app.studio import runs as runs_uc
+from app.studio import train_time
 from app.studio.run_place import run_place
 from app.studio.errors import StudioError
 from app.web.deps import CurrentUser, EngineDep, SettingsDep, is_htmx
 from app.web.auth import still_signed_in
-from app.web.render import render
+from app.web.render import render, render_block
 from app.web.sse import job_event_stream, start_after, while_signed_in
 from app.web import views
 from app.web.views import dataset_labeller, redirect_to_run, run_view, template_ctx
@@ -189,10 +190,21 @@ def run_page(request: Request, run_id: str, engine: EngineDep, settings: Setting
     """The run page; its ``place`` block (htmx, every 5 s while queued) says where the queued
     job stands (app.studio.run_place) and is built from :func:`app.web.views.place_view` alone."""
     polled = is_htmx(request) and request.headers.get("hx-target") == "place"
-    ctx = (views.place_view if polled else run_view)(engine, user, run_id)
+    ctx = views.place_view(engine, user, run_id) if polled else \
+        run_view(engine, settings, user, run_id)
     return render(request, "run.html", {**ctx, "place": run_place(engine, settings, user,
                                                                   ctx["job"])},
                   block="artifacts")
+
+
+@router.get("/runs/{run_id}/training-time")
+def training_time_fragment(run_id: str, engine: EngineDep, user: CurrentUser):
+    """The run page's training-time line as of now (an HTML fragment, ``#training-time-box``;
+    static/app.js reads it again while the run trains; the figures are
+    :func:`app.studio.train_time.training_time`'s). Another user's run: 404."""
+    run, job = access.run_with_job(engine, user, run_id)
+    return HTMLResponse(render_block("run.html", "training_time", {
+        "run": run, "training_time": train_time.training_time(engine, job)}))
 
 
 @router.get("/runs/{run_id}/cancel-question")
@@ -202,10 +214,12 @@ def cancel_question(run_id: str, engine: EngineDep, user: CurrentUser):
 
 
 @router.post("/runs/{run_id}/cancel")
-def cancel_run(request: Request, run_id: str, engine: EngineDep, user: CurrentUser):
+def cancel_run(request: Request, run_id: str, engine: EngineDep, settings: SettingsDep,
+               user: CurrentUser):
     runs_uc.cancel_run(engine, user, run_id)
     if is_htmx(request):
-        return render(request, "run.html", run_view(engine, user, run_id), block="controls")
+        return render(request, "run.html", run_view(engine, settings, user, run_id),
+                      block="controls")
     return RedirectResponse(f"/runs/{run_id}", status_code=303)
 
 
@@ -230,7 +244,7 @@ def delete_run(request: Request, run_id: str, engine: EngineDep, settings: Setti
     except StudioError as exc:
         if exc.kind != "conflict":
             raise
-        return render(request, "run.html", {**run_view(engine, user, run_id),
+        return render(request, "run.html", {**run_view(engine, settings, user, run_id),
                                             "controls_error": exc.message},
                       block="controls", status_code=409)
     if is_htmx(request):
