@@ -36,9 +36,13 @@ def is_server_path(value: Any) -> bool:
 
 
 def base_model_id(model: Model) -> str:
-    """How an adapter names its base outside the studio: the Hub id for ``hf`` models, else the
-    registered name (never a server path)."""
-    return model.source_ref if model.source == "hf" and model.source_ref else model.name
+    """How an adapter names its base outside the studio: the Hub id for ``hf`` models (without
+    the ``@revision`` a pinned one is registered with: PEFT and the Hub take the bare id, as
+    ``worker/export/provenance.py`` writes it), else the registered name (never a server
+    path)."""
+    if model.source == "hf" and model.source_ref:
+        return model.source_ref.partition("@")[0]
+    return model.name
 
 
 def portable_text(text: str, server_paths: list[str], public_id: str) -> str:

@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from app.studio.artifacts import base_model_id
 from worker.export.provenance import provenance, write_merged_provenance
 
 LLAMA2C = "/work/shared/data/models/stories260K/stories260K.bin|/work/shared/data/models/stories260K/tok512.bin"
@@ -35,6 +36,8 @@ def info(tmp_path):
 def test_base_model_is_a_public_id(info, tmp_path, base, want):
     prov = provenance(info, base, "ftjob-1")
     assert (prov["base_model"], prov["base_model_revision"], prov["base_model_source"]) == want
+    if base is not None:  # an adapter's config and card name the base as the export does
+        assert base_model_id(SimpleNamespace(**base)) == want[0]
     folder = tmp_path / "merged"
     folder.mkdir()
     (folder / "config.json").write_text("{}")
