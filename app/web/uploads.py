@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fastapi import Request
-from python_multipart.multipart import MultipartParser, parse_options_header
+from python_multipart.multipart import MultipartParser, MultipartState, parse_options_header
 from starlette.concurrency import run_in_threadpool
 
 
@@ -72,8 +72,8 @@ async def receive_upload(request: Request, upload_dir: Path, limit_mb: int,
     """Parse a ``multipart/form-data`` body, writing the part named ``file_field`` to disk.
 
     Raises:
-        UploadError: not multipart, no file part, empty file, or larger than ``limit_mb``
-            (status 413). No partial file is left behind.
+        UploadError: not multipart, no file part, empty file, a body cut short (no closing
+            boundary), or larger than ``limit_mb`` (status 413). No partial file is left behind.
     """
     ctype, params = parse_options_header(request.headers.get("content-type", ""))
     if ctype != b"multipart/form-data" or b"boundary" not in params:
@@ -144,6 +144,9 @@ async def receive_upload(request: Request, upload_dir: Path, limit_mb: int,
                 raise UploadError(limit_message(limit_mb), 413)
         if last:
             parser.finalize()
+            if parser.state != MultipartState.END:  # the body ended before its closing boundary
+                raise UploadError("the upload was cut short (the multipart body has no closing "
+                                  "boundary); nothing was saved: send the file again", 400)
 
     pending: asyncio.Future | None = None  # the batch being parsed while the next arrives
     try:
