@@ -4,6 +4,7 @@ integer of 400 digits, ``str.isdigit()`` takes "²", a batch of 0 divided the n_
 from __future__ import annotations
 
 import html
+import json
 
 from app.store import repo
 from tests.web.test_openai_lr_multiplier import GRADER, file_id  # noqa: F401 (fixture)
@@ -63,3 +64,39 @@ def test_v1_jobs_and_checkpoint_steps_refuse_what_no_number_holds(client, file_i
             r = client.get(url)
             assert r.status_code == 422, (url[:80], r.status_code)
             assert f"step {shown} is not a checkpoint step" in html.unescape(r.text), url[:80]
+
+
+def _post(client, path: str, body: dict):
+    """POST ``body`` as JSON that may hold Infinity (Python's json reads it; httpx won't send it)."""
+    return client.post(path, content=json.dumps(body),
+                       headers={"content-type": "application/json"})
+
+
+def test_checkpoint_ids_export_steps_and_eval_counts_that_are_no_whole_number(client, engine,
+                                                                                file_id):
+    repo.update_model(engine, "model-stories260K", status="ready")
+    run_id = client.post("/v1/fine_tuning/jobs", json={"model": "stories260K",
+                                                       "training_file": file_id}).json()["id"]
+    assert client.post(f"/api/runs/{run_id}/cancel").status_code == 200
+    # a checkpoint model id of other digits or 5000 of them: an unknown model
+    for step in ("²", "1" * 5000):
+        model = f"stories260K:ft:{run_id}:checkpoint-{step}"
+        for path, key in (("/v1/chat/completions", "messages"), ("/api/playground/sessions", "x")):
+            r = client.post(path, json={"model": model, key: MSGS})
+            assert r.status_code == 404, (path, step[:5], r.status_code)
+            assert r.json()["error"]["code"] == "model_not_found"
+    # the run form pre-filled with a max_seq_length of other digits keeps the default
+    r = client.get("/runs/new?max_seq_length=%C2%B2")
+    assert r.status_code == 200 and 'name="max_seq_length"' in r.text
+    # an export's checkpoint_step of 12.5 was cut to 12, inf was a 500
+    for bad in (12.5, float("inf"), True, "²"):
+        r = _post(client, f"/api/runs/{run_id}/exports", {"format": "adapter",
+                                                          "checkpoint_step": bad})
+        assert r.status_code == 422, (bad, r.text)
+        assert r.json()["error"] == {"message": "must be a whole number (a checkpoint's step)",
+                                     "param": "checkpoint_step", "code": "invalid_value"}
+    # a checkpoint eval of inf samples was a 500
+    for bad in (float("inf"), 2.5, True):
+        r = _post(client, f"/api/runs/{run_id}/checkpoints/2/evaluations", {"samples": bad})
+        assert r.status_code == 422, (bad, r.text)
+        assert r.json()["error"]["param"] == "samples", r.json()
