@@ -58,6 +58,14 @@ class ReceivedUpload:
             self.temp_path = None
 
 
+def browser_filename(raw: bytes) -> str:
+    """A part's ``filename`` as the user named the file: browsers (and httpx) send ``"`` as
+    ``%22`` and CR/LF as ``%0D``/``%0A`` (the HTML multipart/form-data encoding), so
+    ``my "best" data.jsonl`` is not shown as ``my %22best%22 data.jsonl``."""
+    name = raw.decode("utf-8", "replace")
+    return name.replace("%22", '"').replace("%0D", "\r").replace("%0A", "\n")
+
+
 #: Bytes of request body collected on the event loop before the thread parses and writes them.
 FEED_BATCH_BYTES = 1024 * 1024
 
@@ -106,7 +114,7 @@ async def receive_upload(request: Request, upload_dir: Path, limit_mb: int,
         name = opts.get(b"name", b"").decode("utf-8", "replace")
         state["name"] = name
         if name == file_field and b"filename" in opts:
-            state["filename"] = opts[b"filename"].decode("utf-8", "replace")
+            state["filename"] = browser_filename(opts[b"filename"])
             if out.temp_path is None:
                 out.filename = state["filename"]
                 out.temp_path = upload_dir / f".upload-{secrets.token_hex(8)}.part"
