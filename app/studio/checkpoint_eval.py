@@ -18,7 +18,7 @@ from app.store import queue, repo
 from app.store.schema import Job, JobState, Run
 from app.store.specs import ALL_LINEAR
 from app.studio import access, audit, calibration, jobs
-from app.studio.errors import StudioError, invalid, not_found
+from app.studio.errors import StudioError, invalid, not_found, whole
 
 if TYPE_CHECKING:
     from app.settings import Settings
@@ -141,17 +141,13 @@ def queue_eval(engine: Engine, settings: Settings, actor: User, run_id: str, ste
     ``over_gpu_memory_quota``: the run owner's GPU memory quota could never admit the eval,
     :func:`app.studio.calibration.check_job_quota`)."""
     run = access.run(engine, actor, run_id)
-    try:
-        step = int(step)
-    except (TypeError, ValueError):
-        raise invalid("checkpoint_step", "must be a whole number (a checkpoint's step)") from None
+    step = whole(step)
+    if step is None:
+        raise invalid("checkpoint_step", "must be a whole number (a checkpoint's step)")
     if samples in (None, ""):
         n = default_samples(run)
     else:
-        try:
-            n = int(samples)
-        except (TypeError, ValueError):
-            n = 0
+        n = whole(samples) or 0  # 2.5, 1e999 or True is no count
         if not 1 <= n <= MAX_SAMPLES:
             raise invalid("samples", f"must be a whole number from 1 to {MAX_SAMPLES}")
     problem = refusal(engine, run, step, settings=settings, actor=actor)

@@ -57,8 +57,11 @@ def step_of(value: str) -> int:
     """``value`` (the ``{step}`` of a checkpoint URL) as a step number. Raises StudioError
     invalid (field ``step``) unless it is a whole number >= 0."""
     text = str(value).strip()
-    if not text.isdigit():
-        raise StudioError("invalid", f"step {value!r} is not a checkpoint step: use a whole "
+    # ASCII digits only: str.isdigit() also takes "²", which int() refuses; and no more digits
+    # than a step can have (int() refuses over 4300)
+    if not (text.isascii() and text.isdigit()) or len(text) > 18:
+        shown = repr(value) if len(str(value)) <= 40 else repr(str(value)[:40] + "…")
+        raise StudioError("invalid", f"step {shown} is not a checkpoint step: use a whole "
                           "number >= 0, as the run page lists (checkpoint-<step>)", field="step")
     return int(text)
 

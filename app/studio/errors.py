@@ -77,3 +77,22 @@ def collect(*checks) -> list:
     if found:
         raise FieldErrors(found)
     return results
+
+
+def whole(value: object) -> int | None:
+    """``value`` as a whole number: an int, a float without a fraction, or text of ASCII digits
+    (an optional sign, surrounding blanks); None for anything else: a bool, ``2.5``, inf, NaN,
+    ``"²"``, or a number of 19 digits or more (no step or count is that large, and int() refuses
+    text of over 4300 digits)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, float):
+        return int(value) if value.is_integer() and abs(value) < 1e18 else None
+    if isinstance(value, int):
+        return value if abs(value) < 10**18 else None
+    if isinstance(value, str):
+        text = value.strip()
+        digits = text[1:] if text[:1] in "+-" else text
+        if digits.isascii() and digits.isdigit() and len(digits) <= 18:
+            return int(text)
+    return None

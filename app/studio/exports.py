@@ -21,7 +21,7 @@ from app.store.specs import GGUF_TYPES, ExportSpec
 from app.studio import access, audit, jobs
 from app.studio.artifacts import checkpoint_step, is_server_path
 from app.studio.datasets import is_under
-from app.studio.errors import StudioError, invalid
+from app.studio.errors import StudioError, invalid, whole
 from app.studio.job_states import no_checkpoint_words
 from app.studio.runs import SpecError, field_errors
 
@@ -164,11 +164,9 @@ def _checkpoint_step(engine: Engine, run: Run, job: Job | None, asked) -> int | 
                                       "it and export its newest checkpoint")
     steps = checkpoint_steps(engine, run_id)
     if asked not in (None, ""):
-        try:
-            step = int(asked)
-        except (TypeError, ValueError):
-            raise invalid("checkpoint_step", "must be a whole number (a checkpoint's step)") \
-                from None
+        step = whole(asked)  # 12.5, 1e999, True or "²" is no step (int() cut or raised)
+        if step is None:
+            raise invalid("checkpoint_step", "must be a whole number (a checkpoint's step)")
         if step not in steps:
             have = ", ".join(str(s) for s in steps) or "none"
             raise invalid("checkpoint_step", f"run {run_id} has no checkpoint at step {step} "

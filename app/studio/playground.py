@@ -149,7 +149,7 @@ def resolve(engine: Engine, actor: User, model: str) -> Target:
     if suffix.startswith(("checkpoint-", "ckpt-step-")):
         # ckpt-step-<n>: the id GET /v1/fine_tuning/jobs/{id}/checkpoints lists; one session
         step = suffix.removeprefix("checkpoint-").removeprefix("ckpt-step-")
-        if not step.isdigit():
+        if not (step.isascii() and step.isdigit()) or len(step) > 18:  # "²": isdigit, no int
             raise _no_model(model)
         t.model = f"{base}:ft:{run_id}:checkpoint-{int(step)}"
         missing = ckpt_eval.not_on_disk(engine, run.id, int(step), field="model",

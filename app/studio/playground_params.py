@@ -33,6 +33,12 @@ def _number(value: Any, name: str, default: float, lo: float, hi: float,
     if value is None:
         return default
     given = value
+    low = f"greater than {_g(lo)}" if lo_open else f"at least {_g(lo)}"
+    high = f"less than {_g(hi)}" if hi_open else f"at most {_g(hi)}"
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > 2**63:
+        # an integer too large for a float (JSON allows 10**400): outside every range here
+        raise invalid(name, f"must be {low} and {high}, not a number of "
+                            f"{len(str(abs(value)))} digits")
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         try:
             value = float(str(value).strip())
@@ -41,8 +47,6 @@ def _number(value: Any, name: str, default: float, lo: float, hi: float,
     if not math.isfinite(value):
         raise invalid(name, f"must be a finite number, not {value!r}")
     if value < lo or (lo_open and value == lo) or value > hi or (hi_open and value == hi):
-        low = f"greater than {_g(lo)}" if lo_open else f"at least {_g(lo)}"
-        high = f"less than {_g(hi)}" if hi_open else f"at most {_g(hi)}"
         raise invalid(name, f"must be {low} and {high}, not {_shown(given, value)}")
     return float(value)
 

@@ -121,10 +121,14 @@ def learning_rate_from_multiplier(spec_cls: type[BaseModel], value: Any) -> floa
         m = float(value) if not isinstance(value, bool) else float("nan")
     except (TypeError, ValueError):
         m = float("nan")
+    except OverflowError:  # an integer too large for a float (JSON allows 10**400)
+        m = float("inf")
     if not 0 < m <= MAX_LR_MULTIPLIER:  # NaN fails too
+        shown = repr(value) if m != float("inf") or not isinstance(value, int) else \
+            f"a number of {len(str(abs(value)))} digits"
         raise invalid("learning_rate_multiplier", "learning_rate_multiplier must be a number "
                       f"above 0 and at most {MAX_LR_MULTIPLIER:g} (× the default learning rate "
-                      f"{base:g}), not {value!r}")
+                      f"{base:g}), not {shown}")
     lr = m * base
     bound = field_bound(spec_cls, "learning_rate")
     if bound is not None and lr > bound:

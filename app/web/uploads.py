@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fastapi import Request
-from python_multipart.multipart import MultipartParser, parse_options_header
+from python_multipart.multipart import MultipartParser, MultipartState, parse_options_header
 from starlette.concurrency import run_in_threadpool
 
 
@@ -58,6 +58,14 @@ class ReceivedUpload:
             self.temp_path = None
 
 
+def browser_filename(raw: bytes) -> str:
+    """A part's ``filename`` as the user named the file: browsers (and httpx) send ``"`` as
+    ``%22`` and CR/LF as ``%0D``/``%0A`` (the HTML multipart/form-data encoding), so
+    ``my "best" data.jsonl`` is not shown as ``my %22best%22 data.jsonl``."""
+    name = raw.decode("utf-8", "replace")
+    return name.replace("%22", '"').replace("%0D", "\r").replace("%0A", "\n")
+
+
 #: Bytes of request body collected on the event loop before the thread parses and writes them.
 FEED_BATCH_BYTES = 1024 * 1024
 
@@ -72,8 +80,8 @@ async def receive_upload(request: Request, upload_dir: Path, limit_mb: int,
     """Parse a ``multipart/form-data`` body, writing the part named ``file_field`` to disk.
 
     Raises:
-        UploadError: not multipart, no file part, empty file, or larger than ``limit_mb``
-            (status 413). No partial file is left behind.
+        UploadError: not multipart, no file part, empty file, a body cut short (no closing
+            boundary), or larger than ``limit_mb`` (status 413). No partial file is left behind.
     """
     ctype, params = parse_options_header(request.headers.get("content-type", ""))
     if ctype != b"multipart/form-data" or b"boundary" not in params:
@@ -106,7 +114,7 @@ async def receive_upload(request: Request, upload_dir: Path, limit_mb: int,
         name = opts.get(b"name", b"").decode("utf-8", "replace")
         state["name"] = name
         if name == file_field and b"filename" in opts:
-            state["filename"] = opts[b"filename"].decode("utf-8", "replace")
+            state["filename"] = browser_filename(opts[b"filename"])
             if out.temp_path is None:
                 out.filename = state["filename"]
                 out.temp_path = upload_dir / f".upload-{secrets.token_hex(8)}.part"
@@ -144,6 +152,9 @@ async def receive_upload(request: Request, upload_dir: Path, limit_mb: int,
                 raise UploadError(limit_message(limit_mb), 413)
         if last:
             parser.finalize()
+            if parser.state != MultipartState.END:  # the body ended before its closing boundary
+                raise UploadError("the upload was cut short (the multipart body has no closing "
+                                  "boundary); nothing was saved: send the file again", 400)
 
     pending: asyncio.Future | None = None  # the batch being parsed while the next arrives
     try:

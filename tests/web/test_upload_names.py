@@ -28,6 +28,9 @@ CASES = [
     ("<b>bold</b>.jsonl", "b>.jsonl"),  # a "/" is a path separator: the base name is kept
     ("données utiles.jsonl", "données utiles.jsonl"),
     ("identity_alpaca.jsonl", "identity_alpaca.jsonl"),
+    # a browser sends '"' as %22 and CR/LF as %0D/%0A (HTML's multipart/form-data encoding)
+    ("my %22best%22 data.jsonl", 'my "best" data.jsonl'),
+    ("two%0D%0Alines.jsonl", "twolines.jsonl"),
 ]
 
 

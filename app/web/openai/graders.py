@@ -29,6 +29,16 @@ def bad_value(msg: str, param: str) -> ApiError:
     return ApiError(400, msg, param, "invalid_value")
 
 
+def object_param(value: Any, param: str) -> dict[str, Any]:
+    """``value`` as a dict (None: empty). Raises ApiError 400 naming ``param`` otherwise."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ApiError(400, f"{param} must be an object, not {type(value).__name__}", param,
+                       "invalid_value")
+    return dict(value)
+
+
 def _needs_output(grader: dict, param: str) -> None:
     if not _SAMPLE.match(str(grader.get("input", ""))):
         raise bad_value("only {{sample.output_text}} can be graded (the model's completion)",

@@ -27,22 +27,13 @@ from app.studio.datasets import is_under
 from app.studio.errors import StudioError
 from app.web.deps import CurrentUser, EngineDep, SettingsDep
 from app.web.errors import ApiError
+from app.web.openai.graders import object_param as _object
 from app.web.openai.reinforcement import create_reinforcement_job
 from app.web.openai.shapes import event_object, fine_tuned_model_id, job_object
 
 router = APIRouter(prefix="/v1")
 _IGNORED = {"integrations", "metadata", "suffix", "seed", "validation_file", "hyperparameters",
             "method", "model", "training_file"}
-
-
-def _object(value: Any, param: str) -> dict[str, Any]:
-    """``value`` as a dict (None: empty). Raises ApiError 400 naming ``param`` otherwise."""
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise ApiError(400, f"{param} must be an object, not {type(value).__name__}", param,
-                       "invalid_value")
-    return dict(value)
 
 
 def spec_from_openai(body: dict[str, Any]) -> dict[str, Any]:

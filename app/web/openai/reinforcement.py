@@ -16,7 +16,7 @@ from app.store.specs import GrpoSpec, field_bound
 from app.studio import runs as runs_uc
 from app.studio.grpo import create_grpo_run
 from app.web.errors import ApiError
-from app.web.openai.graders import bad_value, grader_rewards
+from app.web.openai.graders import bad_value, grader_rewards, object_param
 from app.web.openai.shapes import job_object
 
 
@@ -37,7 +37,8 @@ def spec_from_reinforcement(body: dict[str, Any], engine) -> dict[str, Any]:
                        "method.reinforcement.grader", "missing_required_parameter")
     raw: dict[str, Any] = {"model": body["model"], "dataset": body["training_file"],
                            "rewards": grader_rewards(rl["grader"]), "grader": rl["grader"]}
-    hp = {**(body.get("hyperparameters") or {}), **(rl.get("hyperparameters") or {})}
+    hp = {**object_param(body.get("hyperparameters"), "hyperparameters"),
+          **object_param(rl.get("hyperparameters"), "method.reinforcement.hyperparameters")}
     epochs = None
     for key, value in hp.items():
         if value in (None, "auto") or key in ("compute_multiplier", "eval_interval",
@@ -66,14 +67,12 @@ def spec_from_reinforcement(body: dict[str, Any], engine) -> dict[str, Any]:
             rows = repo.get_dataset(engine, body["training_file"]).rows
         except repo.NotFound:
             rows = None
-        if rows:
-            d = GrpoSpec.model_fields
-            per = int(raw.get("per_device_train_batch_size", d["per_device_train_batch_size"].default))
-            acc = int(raw.get("gradient_accumulation_steps", d["gradient_accumulation_steps"].default))
-            gen = int(raw.get("num_generations", d["num_generations"].default))
+        sizes = _step_sizes(raw)
+        if rows and sizes:
+            per, acc, gen = sizes
             try:
                 steps = max(1, -(-int(float(epochs) * rows * gen) // (per * acc)))
-            except (TypeError, ValueError):
+            except (TypeError, ValueError, OverflowError):
                 raise bad_value("n_epochs must be a number", "hyperparameters.n_epochs") from None
             top = field_bound(GrpoSpec, "max_steps")
             if "max_steps" not in raw and top is not None and steps > top:
@@ -83,6 +82,26 @@ def spec_from_reinforcement(body: dict[str, Any], engine) -> dict[str, Any]:
             if "max_steps" not in raw:
                 raw["max_steps"], raw["n_epochs"] = steps, epochs
     return raw
+
+
+def _step_sizes(raw: dict[str, Any]) -> tuple[int, int, int] | None:
+    """``(per_device_train_batch_size, gradient_accumulation_steps, num_generations)`` of
+    ``raw`` (the GrpoSpec defaults where absent), or None when one is not a whole number >= 1:
+    the spec's own validation then names that field."""
+    d = GrpoSpec.model_fields
+    out = []
+    for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "num_generations"):
+        value = raw.get(name, d[name].default)
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            return None
+        try:
+            n = int(value)
+        except ValueError:
+            return None
+        if n < 1:
+            return None
+        out.append(n)
+    return out[0], out[1], out[2]
 
 
 def create_reinforcement_job(engine: Engine, settings: Settings, user, body: dict[str, Any]

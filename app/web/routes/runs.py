@@ -79,8 +79,9 @@ def new_run(request: Request, engine: EngineDep, user: CurrentUser, dataset: str
     # a dataset asked for that cannot train is said so, never silently swapped for another
     problem = runs_uc.sft_dataset_problem(engine, user, dataset) if dataset else None
     ctx = _form_ctx(engine, user, values, {"dataset": problem} if problem else None)
-    if max_seq_length and max_seq_length.strip().isdigit():
-        values["max_seq_length"] = int(max_seq_length)
+    given = (max_seq_length or "").strip()
+    if given.isascii() and given.isdigit() and len(given) <= 9:  # "²" is a digit int() refuses
+        values["max_seq_length"] = int(given)
     else:
         values["max_seq_length"] = datasets_uc.default_max_seq_length(
             _model_or_none(engine, user, values.get("model")))
