@@ -268,8 +268,12 @@ def test_admin_forms_redirect_to_the_admin_page(client):
     assert "Updated alice." in client.get("/admin").text
     assert accounts.get_user(engine, alice.id).role == "admin"
     r = client.post("/admin/users", data={"name": "erin", "password": "erin-pass-1",
-                                          "role": "member", "csrf_token": csrf})
-    assert r.status_code == 409 and "already exists" in r.text  # a refusal is shown at once
+                                          "role": "member", "csrf_token": csrf},
+                    follow_redirects=False)
+    # a refusal is post-redirect-get too, shown on the page it lands on (once)
+    assert r.status_code == 303 and r.headers["location"] == "/admin#add-user"
+    assert "already exists" in client.get("/admin").text
+    assert "already exists" not in client.get("/admin").text
 
 
 # ---- 6: the audit log ----------------------------------------------------------------------
