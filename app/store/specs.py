@@ -21,6 +21,9 @@ GGUF_QUANTIZER_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q2_K_S", "Q3_K_
                         "Q3_K_L", "Q4_K_S", "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K", "TQ1_0", "TQ2_0")
 GGUF_TYPES = GGUF_WRITTEN_TYPES + GGUF_QUANTIZER_TYPES
 OPTIMIZERS = ("adamw_torch", "paged_adamw_8bit", "adamw_8bit")
+#: The smallest learning rate a run takes: below it (recipes go down to about 1e-7) the
+#: adapter does not move; forms, ``/api`` and ``/v1``'s ``learning_rate_multiplier`` refuse it.
+MIN_LEARNING_RATE = 1e-8
 
 
 def field_bound(cls: type[BaseModel], name: str, bound: str = "le") -> Any:
@@ -59,7 +62,7 @@ class LoraTrainingFields(BaseModel):
     target_modules: list[str] = Field(default_factory=lambda: list(ALL_LINEAR), min_length=1)
     use_rslora: bool = False
     load_in_4bit: bool = False
-    learning_rate: float = Field(default=2e-4, gt=0.0, le=1.0)
+    learning_rate: float = Field(default=2e-4, ge=MIN_LEARNING_RATE, le=1.0)
     max_steps: int = Field(default=-1, ge=-1, le=10_000_000)
     per_device_train_batch_size: int = Field(default=2, ge=1, le=4096)
     gradient_accumulation_steps: int = Field(default=4, ge=1, le=4096)
@@ -329,7 +332,7 @@ class GrpoSpec(HeldOutFields, LoraTrainingFields):
         "to greedy completions of up to this many held-out prompts by the base model (before "
         "training) and the fine-tuned one (after)")
     # GRPO's own optimizer defaults (a small learning rate, fixed steps, whole groups per step)
-    learning_rate: float = Field(default=5e-6, gt=0.0, le=1.0)
+    learning_rate: float = Field(default=5e-6, ge=MIN_LEARNING_RATE, le=1.0)
     per_device_train_batch_size: int = Field(default=4, ge=1, le=4096)
     gradient_accumulation_steps: int = Field(default=1, ge=1, le=4096)
     max_steps: int = Field(default=200, ge=1, le=10_000_000)

@@ -113,7 +113,8 @@ def learning_rate_from_multiplier(spec_cls: type[BaseModel], value: Any) -> floa
 
     Raises:
         StudioError: invalid (field ``learning_rate_multiplier``) unless ``value`` is a number
-            above 0 and at most :data:`MAX_LR_MULTIPLIER` whose learning rate is in bounds.
+            above 0 and at most :data:`MAX_LR_MULTIPLIER` whose learning rate is within that
+            field's bounds (at least ``MIN_LEARNING_RATE``, 1e-8; at most 1).
     """
     field = spec_cls.model_fields["learning_rate"]
     base = field.default
@@ -135,15 +136,21 @@ def learning_rate_from_multiplier(spec_cls: type[BaseModel], value: Any) -> floa
         raise invalid("learning_rate_multiplier", f"learning_rate_multiplier {m:g} × the "
                       f"default learning rate {base:g} = {lr:g} is above the largest "
                       f"learning_rate, {bound:g}")
+    low = field_bound(spec_cls, "learning_rate", "ge")
+    if low is not None and lr < low:
+        raise invalid("learning_rate_multiplier", f"learning_rate_multiplier {m:g} × the "
+                      f"default learning rate {base:g} = {lr:g} is below the smallest "
+                      f"learning_rate, {low:g}: use at least {low / base:g}")
     return lr
 
 
 def multiplier_of_learning_rate(spec_cls: type[BaseModel], spec: dict[str, Any]) -> float:
     """The OpenAI ``learning_rate_multiplier`` of a stored ``spec`` of ``spec_cls``: its
     ``learning_rate`` over that class's default, the inverse of
-    :func:`learning_rate_from_multiplier` (1.0 when the spec names no learning rate)."""
+    :func:`learning_rate_from_multiplier` (1.0 when the spec names no learning rate), to 10
+    significant digits (so 0.5 reads 0.5, not 0.5000000000000001, and a small one stays)."""
     base = spec_cls.model_fields["learning_rate"].default
-    return round(spec.get("learning_rate", base) / base, 10)
+    return float(f"{spec.get('learning_rate', base) / base:.10g}")
 
 
 #: Longest run name (the OpenAI ``suffix`` allows 64; names show in every listing).
