@@ -34,13 +34,39 @@ def _number(field: str, raw: str | float | int | None, kind: type, minimum: floa
     if raw is None or (isinstance(raw, str) and not raw.strip()):
         return None
     label = LABELS[field]
+    if kind is int:
+        return _whole(field, raw, minimum)
     try:
         value = kind(raw)
     except (TypeError, ValueError):
-        whole = "whole " if kind is int else ""
-        raise invalid(field, f"{label} must be a {whole}number (empty: no limit)") from None
+        raise invalid(field, f"{label} must be a number (empty: no limit)") from None
     if not math.isfinite(value):  # "NaN", "1e999" (inf)
         raise invalid(field, f"{label} must be a finite number (empty: no limit)")
+    if value < minimum:
+        raise invalid(field, f"{label} must be at least {minimum:g}")
+    if value > 1e9:
+        raise invalid(field, f"{label} must be at most 1000000000 (empty: no limit)")
+    return value
+
+
+def _whole(field: str, raw: str | float | int, minimum: float) -> int:
+    """A whole-number quota field (``quota_jobs``): ``"2"``, also ``"2.0"`` and ``"1e3"`` (whole
+    values written as decimals); ``"1.5"``, ``"abc"``, ``"nan"`` are refused as not whole.
+    Raises StudioError invalid on ``field``, worded with its :data:`LABELS` label."""
+    label = LABELS[field]
+    try:
+        value = int(raw)
+    except (TypeError, ValueError):
+        try:
+            number = float(raw)
+        except (TypeError, ValueError):
+            number = math.nan
+        if not (math.isfinite(number) and number.is_integer()):
+            shown = str(raw).strip()
+            shown = shown if len(shown) <= 20 else shown[:20] + "…"
+            raise invalid(field, f"{label} must be a whole number, {minimum:g} or more "
+                          f"(empty: no limit), not {shown}") from None
+        value = int(number)
     if value < minimum:
         raise invalid(field, f"{label} must be at least {minimum:g}")
     if value > 1e9:

@@ -65,7 +65,7 @@ def test_quota_refusals_name_the_columns_the_admin_sees(client):
     headers = re.findall(r"<th>([^<]+)</th>", page)[1:5]
     errors = re.findall(r'<span class="field-error"[^>]*>([^<]*)</span>', page)
     assert headers == ["Jobs at once", "GPU memory at once (GiB)", "GPU-hours a day", "Weight"]
-    assert errors == ["Jobs at once must be a whole number (empty: no limit)",
+    assert errors == ["Jobs at once must be a whole number, 0 or more (empty: no limit), not 1.5",
                       "GPU memory at once (GiB) must be a number (empty: no limit)",
                       "GPU-hours a day must be a finite number (empty: no limit)",
                       "Weight must be at least 0.01"]

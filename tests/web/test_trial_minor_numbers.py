@@ -59,3 +59,45 @@ def test_the_form_and_api_refuse_a_learning_rate_below_the_smallest(client):
     r = client.post("/api/runs", json={"model": "stories260K", "dataset": ds,
                                        "learning_rate": 1e-8, "max_steps": 1})
     assert r.status_code == 201, r.text
+
+
+def _quota_row(client, user_id: str, jobs: str):
+    return client.post(f"/admin/quotas/{user_id}", headers={"HX-Request": "true"},
+                       data={"quota_jobs": jobs, "quota_gib": "", "quota_gpu_hours": "",
+                             "share_weight": "1"})
+
+
+def test_jobs_at_once_must_be_whole_and_whole_decimals_are_taken(client, engine):
+    bea = client.post("/api/users", json={"name": "bea", "password": "member-password-1"})
+    bea = bea.json()["id"]
+    for bad in ("1.5", "abc", "nan"):
+        r = _quota_row(client, bea, bad)
+        assert r.status_code == 422, (bad, r.text)
+        (msg,) = re.findall(r'<span class="field-error"[^>]*>([^<]*)</span>', r.text)
+        assert msg == ("Jobs at once must be a whole number, 0 or more (empty: no limit), "
+                       f"not {bad}"), msg
+        assert accounts.get_user(engine, bea).quota_jobs is None
+    for text, value in (("2.0", 2), ("1e3", 1000), (" 3 ", 3)):
+        r = _quota_row(client, bea, text)
+        assert r.status_code == 200, (text, r.text)
+        assert accounts.get_user(engine, bea).quota_jobs == value
+    r = _quota_row(client, bea, "-1.0")
+    assert r.status_code == 422 and "Jobs at once must be at least 0" in r.text
+
+
+def test_a_small_gpu_memory_quota_is_quoted_as_set(app, client, engine):
+    model = _llama(engine)
+    bea = client.post("/api/users", json={"name": "bea", "password": "member-password-1"})
+    bea = bea.json()["id"]
+    body = {"model": model.id, "load_in_4bit": True, "max_seq_length": 2048}
+    _quota(client, bea, "20")
+    with signed_in(app, "bea", "member-password-1") as c:
+        ds = _upload(c)
+        assert c.post("/api/runs", json={**body, "dataset": ds}).status_code == 201  # queued
+        _quota(client, bea, "0.001")
+        r = c.post("/api/runs", json={**body, "dataset": ds})
+        assert r.status_code == 422, r.text
+        msg = r.json()["error"]["message"]
+        assert "more than your GPU memory quota of 0.001 GiB at once" in msg, msg
+        (row,) = c.get("/api/queue").json()["waiting"]
+        assert "more than your limit of 0.001 GiB even with no other job running" in row["reason"]
