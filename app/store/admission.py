@@ -186,8 +186,15 @@ def order(snap: Snapshot) -> list[Job]:
 
 
 def gib(x: float) -> str:
-    """``x`` GiB in short plain digits: ``"0.6"``, ``"0.55"``, ``"22"`` (2 decimals at most)."""
+    """``x`` GiB in short plain digits: ``"0.6"``, ``"0.55"``, ``"22"`` (2 decimals at most),
+    for figures the studio computes (a job's need, memory held)."""
     return f"{round(x, 2):g}"
+
+
+def quota_text(x: float) -> str:
+    """A quota as the admin set it, every digit kept (``"0.001"``, ``"9.25"``, ``"2"``): the
+    admission compares the stored value, so a message must not round it (0.001 is not "0")."""
+    return f"{x:.15g}"
 
 
 def over_gib_quota(quota_gib: float | None, need: float | None) -> bool:
@@ -208,8 +215,8 @@ def quota_reason(owner: Owner, need: float | None, whose: str | None = None) -> 
     if over_gib_quota(owner.quota_gib, need):
         return (f"over quota, can never start under {mine} current quota: this job needs "
                 f"{gib(need)} GiB of GPU memory at once, more than {mine} limit of "
-                f"{gib(owner.quota_gib)} GiB even with no other job running; an admin can "
-                "raise the limit (GPU memory at once) on the Admin page")
+                f"{quota_text(owner.quota_gib)} GiB even with no other job running; an admin "
+                "can raise the limit (GPU memory at once) on the Admin page")
     one = owner.running == 1
     jobs = f"{mine} {owner.running} running job{'' if one else 's'}"
     if owner.quota_jobs is not None and owner.running >= owner.quota_jobs:
@@ -217,7 +224,7 @@ def quota_reason(owner: Owner, need: float | None, whose: str | None = None) -> 
                 f"{owner.quota_jobs} at once")
     if owner.quota_gib is not None and owner.held_gib + (need or 0.0) > owner.quota_gib + 1e-9:
         return (f"over quota: {jobs} {'holds' if one else 'hold'} {owner.held_gib:.1f} GiB of "
-                f"{mine} {owner.quota_gib:.1f} GiB; this one needs {need or 0.0:.1f} GiB")
+                f"{mine} {quota_text(owner.quota_gib)} GiB; this one needs {need or 0.0:.1f} GiB")
     if owner.quota_gpu_hours is not None and owner.day_seconds / 3600 >= owner.quota_gpu_hours:
         who = "you" if whose is None else whose
         return (f"over quota: {who} used {owner.day_seconds / 3600:.2f} GPU-hours in the last "

@@ -161,8 +161,8 @@ def job_quota_refusal(engine: Engine | None, settings: Settings, owner: User | s
         "invalid", f"{what} needs about {admission.gib(need)} GiB of GPU memory at once{each} "
         f"(estimate {allocated_gib:.2f} GiB, plus the {settings.gpu_admit_margin:.0%} "
         f"admission margin and the {CUDA_CONTEXT_GIB:g} GiB CUDA context), more than {whose} "
-        f"GPU memory quota of {admission.gib(owner.quota_gib)} GiB at once: it could never start. "
-        f"{remedy.format(whose=whose)}", None, code="over_gpu_memory_quota")
+        f"GPU memory quota of {admission.quota_text(owner.quota_gib)} GiB at once: it could "
+        f"never start. {remedy.format(whose=whose)}", None, code="over_gpu_memory_quota")
 
 
 def check_job_quota(engine: Engine | None, settings: Settings, owner: User | str | None,

@@ -121,7 +121,7 @@ def test_each_quota_holds_with_its_reason(engine) -> None:
     assert reasons[ids["jobs2"][2]] == ("over quota: jobs2's 2 running jobs reach jobs2's limit "
                                         "of 2 at once")
     assert reasons[ids["gib20"][2]] == ("over quota: gib20's 2 running jobs hold 18.6 GiB of "
-                                        "gib20's 20.0 GiB; this one needs 9.3 GiB")
+                                        "gib20's 20 GiB; this one needs 9.3 GiB")
     assert reasons[ids["hours1"][0]] == ("over quota: hours1 used 1.50 GPU-hours in the last "
                                          "24 h (limit 1)")
     # the owner reads their own

@@ -74,5 +74,5 @@ def test_a_run_over_the_gpu_memory_quota_is_refused_and_a_queued_one_says_never(
     # a need within the quota that waits for the owner's other jobs keeps its reason
     _quota(client, bea, "9")
     (row,) = client.get("/api/queue").json()["waiting"]
-    assert row["reason"] == ("over quota: bea's 1 running job holds 0.6 GiB of bea's 9.0 GiB; "
+    assert row["reason"] == ("over quota: bea's 1 running job holds 0.6 GiB of bea's 9 GiB; "
                              "this one needs 8.9 GiB")
