@@ -18,6 +18,10 @@ if TYPE_CHECKING:
 
 #: Spec keys the diff leaves out (the chat template's source is compared by its name).
 NOT_DIFFED = ("spec_version", "chat_template")
+#: Each result figure a side shows, in order, with the words the page labels it by (units
+#: named: ``train_runtime`` is seconds over all attempts, the page shows it as a duration).
+RESULT_LABELS = {"steps": "steps", "first_loss": "first loss", "final_loss": "final loss",
+                 "train_loss": "mean train loss", "train_runtime": "training time"}
 #: The runs the compare page's pickers list (newest first).
 RUNS_LISTED = 500
 
@@ -69,12 +73,15 @@ def _side(engine: Engine, run: Run, job: Job | None, label: str) -> dict[str, An
     result = dict((job.result or {}) if job is not None else {})
     # a resumed run's time is the sum over its attempts, not the last attempt's train_runtime
     result["train_runtime"] = (train_time.training_time(engine, job) or {}).get("all_attempts")
+    curve = curves(engine, job)
+    if curve["loss"]:  # a cancelled or failed run has no result: its loss curve tells
+        for k, v in (("steps", curve["loss"][-1][0]), ("first_loss", curve["loss"][0][1]),
+                     ("final_loss", curve["loss"][-1][1])):
+            result[k] = v if result.get(k) is None else result[k]
     return {"id": run.id, "name": run.name, "label": label, "kind": run.kind, "model": model,
             "dataset": dataset, "state": job.state if job else None,
-            "created_at": run.created_at, "curves": curves(engine, job),
-            "result": {k: result.get(k) for k in ("steps", "first_loss", "final_loss",
-                                                  "train_loss", "train_runtime")
-                       if result.get(k) is not None},
+            "created_at": run.created_at, "curves": curve,
+            "result": {k: result.get(k) for k in RESULT_LABELS if result.get(k) is not None},
             "evaluation": evaluation.run_evaluation(engine, run, job)}
 
 
@@ -82,17 +89,20 @@ def compare_runs(engine: Engine, actor: User, a: str, b: str) -> dict[str, Any]:
     """Two of the actor's runs side by side: ``{"a": side, "b": side, "diff": [...]}``; each
     side has the run's ``id``, ``name``, ``label`` (its name, with ``[short id, date]`` when
     both runs share it), ``kind``, ``model``, ``dataset``, ``state``,
-    ``curves`` (:func:`curves`), ``result`` (steps and losses) and ``evaluation``
+    ``curves`` (:func:`curves`), ``result`` (the :data:`RESULT_LABELS` figures it has:
+    ``steps``, ``first_loss``, ``final_loss`` (from the loss curve when the job left no
+    result, e.g. a cancelled run), ``train_loss``, ``train_runtime`` in seconds) and ``evaluation``
     (:func:`app.studio.evaluation.run_evaluation`, None without a held-out set).
 
     Raises:
-        StudioError: not_found (either run unknown or another user's); invalid (field ``b``)
-            when both are the same run.
+        StudioError: not_found (either run unknown or another user's, checked first, so
+            another user's run named twice is a 404 too); invalid (field ``b``) when both
+            are the same run of the actor's.
     """
+    run_a, job_a = access.run_with_job(engine, actor, a)  # another user's run: 404 first
+    run_b, job_b = access.run_with_job(engine, actor, b)
     if a == b:
         raise invalid("b", "choose two different runs")
-    run_a, job_a = access.run_with_job(engine, actor, a)
-    run_b, job_b = access.run_with_job(engine, actor, b)
     diff = config_diff(run_a.spec or {}, run_b.spec or {})
     if (run_a.spec or {}).get("chat_template") != (run_b.spec or {}).get("chat_template") and \
             not any(d["field"] == "chat_template_name" for d in diff):

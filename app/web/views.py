@@ -15,6 +15,7 @@ from app.store.schema import JobState
 from app.studio import (access, accounts, calibration, checkpoint_files, evaluation,
                         playground_targets, resume, train_time)
 from app.studio import exports as exports_uc
+from app.studio.compare import RESULT_LABELS
 from app.studio import verification
 from app.studio.errors import StudioError
 from app.studio.estimate import memory_words
@@ -304,7 +305,12 @@ def spec_value_text(value: Any) -> str:
 
 def compare_view(cmp: dict[str, Any]) -> dict[str, Any]:
     """:func:`app.studio.compare.compare_runs`'s answer with each diff row's ``a_text`` and
-    ``b_text`` (:func:`spec_value_text`) for the page."""
+    ``b_text`` (:func:`spec_value_text`) and each side's ``result_rows``
+    (``[(key, label, value)]``, labelled by :data:`app.studio.compare.RESULT_LABELS`) for the
+    page."""
     diff = [{**d, "a_text": spec_value_text(d["a"]), "b_text": spec_value_text(d["b"])}
             for d in cmp["diff"]]
-    return {**cmp, "diff": diff}
+    sides = {key: {**cmp[key], "result_rows": [(k, RESULT_LABELS[k], v)
+                                               for k, v in cmp[key]["result"].items()]}
+             for key in ("a", "b")}
+    return {**cmp, **sides, "diff": diff}

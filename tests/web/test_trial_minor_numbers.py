@@ -101,3 +101,59 @@ def test_a_small_gpu_memory_quota_is_quoted_as_set(app, client, engine):
         assert "more than your GPU memory quota of 0.001 GiB at once" in msg, msg
         (row,) = c.get("/api/queue").json()["waiting"]
         assert "more than your limit of 0.001 GiB even with no other job running" in row["reason"]
+
+
+def _trained(client, engine, ds, worker, steps, *, cancel=False, runtime=423.7):
+    r = client.post("/api/runs", json={"model": "stories260K", "dataset": ds, "max_steps": 20})
+    assert r.status_code == 201, r.text
+    run = repo.get_run(engine, r.json()["id"])
+    assert queue.claim(engine, worker, 30, kinds=["train"]).id == run.job_id
+    events.append_many(engine, run.job_id, [
+        ("metric", {"step": s, "total_steps": 20, "loss": 22.0 - s * 0.25})
+        for s in range(1, steps + 1)] + [
+        ("log", {"message": "segment", "segment": {"job_id": run.job_id, "from_step": 0,
+                                                   "to_step": steps, "train_runtime": runtime}})])
+    if cancel:
+        queue.cancel(engine, run.job_id)  # the worker acknowledges, as a cancelled run's does
+        assert queue.acknowledge_cancel(engine, run.job_id, worker)
+    else:
+        assert queue.finish(engine, run.job_id, worker, {
+            "steps": steps, "first_loss": 21.75, "final_loss": 17.0, "train_loss": 19.4,
+            "train_runtime": runtime})
+    return run.id
+
+
+def test_compare_labels_the_training_time_and_shows_a_cancelled_runs_curve(client, engine):
+    ds = upload_sft(client)
+    a = _trained(client, engine, ds, "w-a", 20)
+    b = _trained(client, engine, ds, "w-b", 13, cancel=True, runtime=61.2)
+    page = client.get("/runs/compare", params={"a": a, "b": b})
+    assert page.status_code == 200, page.text
+
+    def figures(key):
+        side = page.text[page.text.index(f'id="side-{key}"'):]
+        side = side[:side.index("</div>")]
+        return re.findall(r'data-result="\w+">([^<]*) <strong>([^<]*)</strong>', side)
+
+    assert figures("a") == [("steps", "20"), ("first loss", "21.75"), ("final loss", "17"),
+                            ("mean train loss", "19.4"), ("training time", "7 min 03 s")]
+    assert figures("b") == [("steps", "13"), ("first loss", "21.75"), ("final loss", "18.75"),
+                            ("training time", "1 min 01 s")]
+    cmp = client.get(f"/api/runs/{a}/compare", params={"other": b}).json()
+    assert cmp["b"]["result"] == {"steps": 13, "first_loss": 21.75, "final_loss": 18.75,
+                                  "train_runtime": 61.2}  # seconds, as the trainer names it
+
+
+def test_another_users_run_in_both_compare_slots_is_a_404(app, client, engine):
+    ds = upload_sft(client)
+    mine = _trained(client, engine, ds, "w-a", 3)
+    admin = accounts.authenticate(engine, ADMIN_USER, ADMIN_PASSWORD)
+    accounts.create_user(engine, "bea", "bea-password-1", actor=admin)
+    with signed_in(app, "bea", "bea-password-1") as bea:
+        r = bea.get("/runs/compare", params={"a": mine, "b": mine})
+        assert r.status_code == 404, r.text
+        assert "choose two different runs" not in r.text
+        r = bea.get(f"/api/runs/{mine}/compare", params={"other": mine})
+        assert r.status_code == 404, r.text
+    r = client.get("/runs/compare", params={"a": mine, "b": mine})  # the owner: the same run
+    assert r.status_code == 422 and "choose two different runs" in r.text
