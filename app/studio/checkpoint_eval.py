@@ -19,6 +19,7 @@ from app.store.schema import Job, JobState, Run
 from app.store.specs import ALL_LINEAR
 from app.studio import access, audit, calibration, jobs
 from app.studio.errors import StudioError, invalid, not_found, whole
+from app.studio.job_states import missing_checkpoint_words
 
 if TYPE_CHECKING:
     from app.settings import Settings
@@ -63,9 +64,19 @@ def not_on_disk(engine: Engine, run_id: str, step: Any, steps: list[int] | None 
     steps = checkpoint_steps(engine, run_id) if steps is None else steps
     if step in steps:
         return None
-    have = ", ".join(str(s) for s in steps) or "none"
-    return StudioError("not_found", f"run {run_id} has no checkpoint at step {step} on disk "
-                       f"(checkpoints on disk: {have})", field, code)
+    return StudioError("not_found", missing_words(engine, run_id, step, steps), field, code)
+
+
+def missing_words(engine: Engine, run_id: str, step: int, steps: list[int]) -> str:
+    """Why run ``run_id`` has no checkpoint ``step`` on disk (``steps``: the ones it has, newest
+    first), from its job and newest training metric:
+    :func:`app.studio.job_states.missing_checkpoint_words` (not reached yet, never reached, or
+    not saved / removed by ``save_total_limit``)."""
+    from app.studio.evaluation import latest_training_metric
+
+    run, job = repo.run_with_job(engine, run_id)
+    metric = latest_training_metric(engine, job.id) if job is not None else None
+    return missing_checkpoint_words(run, job, step, steps, metric)
 
 
 def eval_jobs(engine: Engine, run_id: str) -> list[Job]:

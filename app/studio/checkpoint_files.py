@@ -72,9 +72,10 @@ def _folder(engine: Engine, settings: Settings, run_id: str, step: int) -> Artif
             if checkpoint_step(art) == step and is_under(art.path, settings.data_dir):
                 return art
             break
-    raise StudioError("not_found", f"checkpoint-{step} of run {run_id} is not on disk: the "
-                      "trainer keeps only its newest checkpoints (save_total_limit) and removes "
-                      "older ones; download one the run page lists")
+    from app.studio.checkpoint_eval import checkpoint_steps, missing_words
+
+    raise StudioError("not_found", missing_words(engine, run_id, step,
+                                                 checkpoint_steps(engine, run_id)))
 
 
 def files(folder: str | Path, state: bool = False) -> list[tuple[Path, str]]:

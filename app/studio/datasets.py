@@ -51,12 +51,17 @@ def display_name(name: str, limit: int = 255) -> str:
     name as sent, less what a name must not carry: the path before its last ``/`` or ``\\``,
     control and format characters (newlines, NUL, right-to-left overrides), surrounding blanks
     and leading dots (no hidden-file names); at most ``limit`` characters, a longer one cut in
-    the stem with ``…`` so its extension stays. ``"upload"`` when nothing is left. Pages escape
-    it when they show it; the file on disk is named by :func:`safe_filename`. An ordinary name
-    (``identity_alpaca.json``, ``my data.csv``, ``données.jsonl``) comes back unchanged."""
+    the stem with ``…`` so its extension stays. ``"upload"`` when nothing is left, and a name
+    that is only an extension (``.jsonl``) keeps it as ``upload.jsonl``: a user who names a
+    file ``.jsonl`` means a JSONL file. Pages escape it when they show it; the file on disk is
+    named by :func:`safe_filename`. An ordinary name (``identity_alpaca.json``, ``my
+    data.csv``, ``données.jsonl``) comes back unchanged."""
     base = str(name).replace("\\", "/").rsplit("/", 1)[-1]
-    base = "".join(c for c in base if unicodedata.category(c)[0] != "C")
-    base = base.strip().lstrip(". ").strip() or "upload"
+    base = "".join(c for c in base if unicodedata.category(c)[0] != "C").strip()
+    rest = base.lstrip(". ").strip()
+    if rest and rest != base and "." not in rest:
+        rest = f"upload.{rest}"  # only an extension: its stem was the leading dot
+    base = rest or "upload"
     if len(base) > limit:
         stem, ext = os.path.splitext(base)
         ext = ext if len(ext) <= 16 else ""

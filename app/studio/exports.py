@@ -168,9 +168,8 @@ def _checkpoint_step(engine: Engine, run: Run, job: Job | None, asked) -> int | 
         if step is None:
             raise invalid("checkpoint_step", "must be a whole number (a checkpoint's step)")
         if step not in steps:
-            have = ", ".join(str(s) for s in steps) or "none"
-            raise invalid("checkpoint_step", f"run {run_id} has no checkpoint at step {step} "
-                                             f"(checkpoints on disk: {have})")
+            from app.studio.checkpoint_eval import missing_words
+            raise invalid("checkpoint_step", missing_words(engine, run_id, step, steps))
         return step
     if job.state == JobState.SUCCEEDED:
         return None

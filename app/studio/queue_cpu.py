@@ -51,6 +51,16 @@ def typical_seconds(s, kind: str, on_gpu: bool = False) -> float | None:
     return median(spans) if spans else None
 
 
+def seconds_left(job: Job, eta: float | None, span: float | None, t: float) -> float | None:
+    """Seconds until running ``job`` ends at ``t`` (epoch): ``eta`` (its own ``eta_seconds``
+    metric, already aged) when known, else ``span`` (the median seconds of its kind, from
+    :func:`typical_seconds`) less the time it has run, 0 when overdue; None when neither is
+    known (no ETA metric yet and no finished job of its kind)."""
+    if eta is None and span and job.started_at:
+        eta = max(0.0, span - (t - job.started_at))
+    return eta
+
+
 def in_claim_order(s, jobs: list[Job]) -> list[Job]:
     """``jobs`` (queued and running, any lane) sorted by :func:`app.store.queue.claim_key`, with
     the queued CPU-lane jobs reordered in place into the lane's turns by owner (session ``s``
@@ -83,10 +93,7 @@ def cpu_lane(lanes: int, jobs: list[Job], typical: dict[str, float | None], t: f
     view = CpuLaneView(lanes)
     free_in: list[float | None] = []  # per busy lane: seconds until it frees (None: unknown)
     for job in (j for j in jobs if j.state == JobState.RUNNING):
-        eta = eta_of(job)
-        span = typical.get(job.kind)
-        if eta is None and span and job.started_at:
-            eta = max(0.0, span - (t - job.started_at))
+        eta = seconds_left(job, eta_of(job), typical.get(job.kind), t)
         view.running.append(slot_of(job, None, eta_seconds=eta))
         free_in.append(eta)
     free_in += [0.0] * max(0, lanes - len(free_in))

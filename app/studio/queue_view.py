@@ -6,8 +6,10 @@ taken in admission order; a job whose owner is over quota says which quota; one 
 free memory now (after the jobs ahead took theirs) starts at the next poll; else it waits for room
 ("no GPU has room: needs X GiB, largest free Y GiB", or "behind N jobs" when the memory is free
 but the jobs ahead take it first). The estimated start is when enough admitted memory frees on one
-slot: a running job frees it at its ETA (its newest ``eta_seconds`` metric), a job placed ahead
-after the median duration of recent succeeded jobs of its kind; unknown when a needed end is.
+slot: a running job frees it at its ETA (its newest ``eta_seconds`` metric; before its first,
+the median duration of its kind less the time it has run), a job placed ahead after the median
+duration of recent succeeded jobs of its kind; unknown when a needed end is. The estimate is the
+same whoever reads it (a member's own job may wait behind jobs she sees only as anonymous slots).
 
 On a machine without a GPU the supervisor's CPU slot runs one training job at a time: a job
 waits for it (not for GPU memory), and starts when the running job's ETA and the median durations
@@ -40,7 +42,7 @@ from app.store.schema import Job, JobState, Run, User, now
 from app.studio import access
 from app.studio.estimate import memory_words
 from app.studio.queue_cpu import (LANE_SUFFIX, CpuLaneView, cpu_lane, in_claim_order,
-                                  typical_seconds)
+                                  seconds_left, typical_seconds)
 
 #: Kinds that wait for a slot (a GPU's memory, or the CPU slot of a box without one): a
 #: playground session holds one while its model is loaded, so it waits like a training job.
@@ -229,7 +231,8 @@ def queue_view(engine: Engine, settings: Settings, actor: User,
         run_owner = {k: r.owner for k, r in runs.items()}
         run_name = {k: r.name for k, r in runs.items()}
         names = {u.id: u.name for u in s.exec(select(User))}
-        typical = {k: typical_seconds(s, k, on_gpu=True) for k in {j.kind for j in ordered}}
+        typical = {k: typical_seconds(s, k, on_gpu=True)
+                   for k in {j.kind for j in ordered + snap.running}}
         typical.update({k: typical_seconds(s, k) for k in {j.kind for j in cpu_jobs}})
 
     def slot_of(job: Job, need, **extra: Any) -> JobSlot:
@@ -249,6 +252,8 @@ def queue_view(engine: Engine, settings: Settings, actor: User,
         holds[slot.id] = []
         for job in (j for j in snap.running if slot.id in admission.slot_ids(j)):
             eta = attempt_eta(engine, job, t)
+            if job.kind != "playground":  # a session has no typical length: it yields
+                eta = seconds_left(job, eta, typical.get(job.kind), t)
             holds[slot.id].append((job.admitted_gib or 0.0, t + eta if eta is not None else None))
             view.running.append(slot_of(job, job.admitted_gib, eta_seconds=eta))
             if job.kind == "playground":

@@ -123,7 +123,10 @@ def cancel_outcome(engine: Engine, run: Run, job: Job | None, step: int | None) 
     cannot be cancelled: no job, or it ended). ``step``: the newest training step reported
     (None before the first). A running job reads the cancel at the end of a step (at most every
     0.2 s, worker.context.CANCEL_POLL_SECONDS), stops there and saves a checkpoint, so it keeps
-    one only once a step is done; checkpoints already on disk (a resumed run's) stay."""
+    one only once a step is done; checkpoints already on disk (a resumed run's) stay. The step
+    it names as done is the newest of ``step`` and the newest checkpoint's (the worker records a
+    checkpoint before the step metrics that lag it are read: it never says "step 9 is done"
+    beside a checkpoint-12)."""
     if job is None or job.state not in (JobState.QUEUED, JobState.RUNNING):
         return None
     if job.state == JobState.QUEUED:
@@ -132,6 +135,8 @@ def cancel_outcome(engine: Engine, run: Run, job: Job | None, step: int | None) 
     steps = checkpoint_steps(engine, run.id)
     kept = (f" The {len(steps)} checkpoint{'s' if len(steps) > 1 else ''} saved so far (newest "
             f"at step {steps[0]}) {'are' if len(steps) > 1 else 'is'} kept." if steps else "")
+    if step and steps:
+        step = max(step, steps[0])
     if not step:
         return ("Cancel this run? It has not finished a training step yet, so cancelling now "
                 "saves no checkpoint." + (kept or " Nothing is kept: the run cannot be resumed "

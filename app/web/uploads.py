@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fastapi import Request
+from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import MultipartParser, MultipartState, parse_options_header
 from starlette.concurrency import run_in_threadpool
 
@@ -73,6 +74,29 @@ FEED_BATCH_BYTES = 1024 * 1024
 def limit_message(limit_mb: int) -> str:
     return (f"the file is larger than the upload limit of {limit_mb} MiB "
             f"(WHETSTONE_MAX_UPLOAD_MB); nothing was saved")
+
+
+#: The parser's complaints about a too-large part header, in a user's words.
+_HEADER_LIMITS = {"maximum header size exceeded":
+                  "a part's headers are too long (is the file name thousands of characters "
+                  "long? rename the file)",
+                  "maximum header count exceeded": "a part has too many headers"}
+
+
+def unreadable_message(failure: BaseException) -> str:
+    """What a user reads when an upload's body could not be parsed or received: the
+    multipart parser's error (``failure``: a python-multipart ``FormParserError``, whose text
+    names parser internals such as "Found invalid character 13 in header at 13") worded as
+    "the upload's form data is malformed: …"; any other failure (the client went away) as an
+    upload that did not arrive whole. Never the exception's own text."""
+    if isinstance(failure, FormParserError):
+        what = _HEADER_LIMITS.get(str(failure).strip().lower(),
+                                  "it is not valid multipart/form-data (a part's headers or "
+                                  "boundary are broken)")
+        return (f"the upload's form data is malformed: {what}; nothing was saved: send the "
+                "file again as a browser or `curl -F file=@data.jsonl` does")
+    return "the upload did not arrive whole (the connection ended); nothing was saved: send " \
+        "the file again"
 
 
 async def receive_upload(request: Request, upload_dir: Path, limit_mb: int,
@@ -191,7 +215,7 @@ async def receive_upload(request: Request, upload_dir: Path, limit_mb: int,
         if not isinstance(failure, Exception):  # cancelled: the request is gone
             raise
         # malformed body or client gone: never leave a partial file
-        raise UploadError(f"the upload could not be read: {failure}", 400) from None
+        raise UploadError(unreadable_message(failure), 400) from None
     if out.temp_path is None:
         raise UploadError(f"no file was sent (expected a file field named {file_field!r})", 400)
     if out.bytes == 0:

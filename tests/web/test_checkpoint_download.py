@@ -13,7 +13,7 @@ import re
 import shutil
 import zipfile
 
-from app.store import queue, repo
+from app.store import events, queue, repo
 from app.store.schema import Artifact
 from app.store.specs import TrainSpec
 from app.studio import accounts
@@ -114,10 +114,11 @@ def test_rotated_or_unknown_checkpoint_is_404_naming_it(client, engine, settings
         r = client.get(f"/api/runs/{run_id}/checkpoints/{step}/download")
         assert r.status_code == 404
         msg = r.json()["error"]["message"]
-        assert f"checkpoint-{step} of run {run_id} is not on disk" in msg
+        assert msg.startswith(f"run {run_id} has no checkpoint at step {step} on disk: ")
         assert "save_total_limit" in msg and str(settings.data_dir) not in msg
+        assert msg.endswith("(checkpoints on disk: 4)")
         r = client.get(f"/runs/{run_id}/checkpoints/{step}/download")
-        assert r.status_code == 404 and f"checkpoint-{step} of run {run_id}" in r.text
+        assert r.status_code == 404 and f"has no checkpoint at step {step} on disk" in r.text
     page = client.get(f"/runs/{run_id}").text
     assert f"/runs/{run_id}/checkpoints/4/download" in page
     assert f"/runs/{run_id}/checkpoints/2/download" not in page
@@ -128,6 +129,37 @@ def test_rotated_or_unknown_checkpoint_is_404_naming_it(client, engine, settings
             assert r.status_code == 422, (url, r.status_code)
             assert f"step '{bad}' is not a checkpoint step" in html.unescape(r.text)
             assert "not on disk" not in r.text
+
+
+def test_a_step_not_reached_is_not_called_removed(client, engine, settings):
+    """Trial-break F5: a step the run has not reached was said to be "removed by
+    save_total_limit". The words follow the run's step (its newest metric or checkpoint) and
+    its last step, the same on the page and /api downloads and a checkpoint export."""
+    run_id = _run_with_checkpoints(client, engine, settings)  # max_steps 10, save_steps 2
+    _, job = repo.run_with_job(engine, run_id)
+    events.append_many(engine, job.id, [("metric", {"step": 5, "total_steps": 10, "loss": 3.0})])
+
+    def says(step: int) -> str:
+        r = client.get(f"/api/runs/{run_id}/checkpoints/{step}/download")
+        assert r.status_code == 404
+        msg = r.json()["error"]["message"]
+        page = client.get(f"/runs/{run_id}/checkpoints/{step}/download")
+        assert page.status_code == 404 and html.escape(msg) in page.text
+        assert msg.endswith("(checkpoints on disk: 4, 2)"), msg
+        return msg.split(" on disk: ", 1)[1]
+
+    assert says(8).startswith("the run has not reached step 8 yet (it is at step 5)")
+    assert says(12).startswith("the run trains 10 steps, so it never reaches step 12")
+    assert "save_total_limit" in says(3)  # an older step: not saved, or rotated away
+    queue.cancel(engine, job.id)
+    queue.acknowledge_cancel(engine, job.id, "w-test")
+    assert says(8).startswith("the run was cancelled at step 5, before it reached step 8")
+    r = client.post(f"/api/runs/{run_id}/exports",
+                    json={"format": "adapter", "checkpoint_step": 8})
+    assert r.status_code == 422
+    assert r.json()["error"]["message"].endswith(
+        "the run was cancelled at step 5, before it reached step 8 (checkpoints on disk: 4, 2)")
+    assert "save_total_limit" not in r.text
 
 
 def test_checkpoint_text_files_name_no_server_path(client, engine, settings):

@@ -141,3 +141,44 @@ def test_cpu_slot_counts_every_job_ahead_with_or_without_an_eta(client, engine) 
     assert [w["start_in_seconds"] for w in waiting[1:]] == [None, None]  # no typical duration
     page = client.get("/queue").text
     assert f"behind 3 jobs: {rule}" in page
+
+
+def test_a_member_sees_when_her_jobs_start_behind_another_users_run(app, client, engine):
+    """Trial-break F11: alice's waiting runs read "Estimated start unknown" while bob's run
+    (anonymous to her) had just started and had reported no ETA yet. The estimate is the same
+    for every reader; before a running job's first ETA metric it is the median of its kind
+    less the time it has run, so alice sees her start, bob's run staying anonymous."""
+    bob, alice = _member(client, "bob"), _member(client, "alice")
+    with session_scope(engine) as s:  # the seeded demo model's import: done, out of the way
+        for job in s.exec(select(Job).where(Job.state == JobState.QUEUED)):
+            job.state = JobState.SUCCEEDED
+    workers.register(engine, CPU_SLOT.id, "vm", 1, "cpu slot (2 cores, one job at a time)")
+    done = queue.enqueue(engine, "train", {}, owner=bob, estimate_gib=0.6)  # took 500 s
+    assert queue.admit(engine, CPU_SLOT, 300, ["train"], 0.1, 24.0).id == done.id
+    with session_scope(engine) as s:
+        row = s.get(Job, done.id)
+        row.state, row.started_at, row.finished_at = JobState.SUCCEEDED, now() - 900, now() - 400
+    running = queue.enqueue(engine, "train", {}, owner=bob, estimate_gib=0.6)
+    assert queue.admit(engine, CPU_SLOT, 300, ["train"], 0.1, 24.0).id == running.id
+    with session_scope(engine) as s:
+        s.get(Job, running.id).started_at = now() - 100  # 100 s in, no ETA metric yet
+    hers = [queue.enqueue(engine, "train", {}, owner=alice, estimate_gib=0.6) for _ in range(2)]
+
+    def starts(c) -> list[tuple]:
+        data = c.get("/api/queue").json()
+        (slot,) = data["gpus"]
+        (run,) = slot["running"]
+        assert 390 <= run["eta_seconds"] <= 400, run
+        return [(w["job_id"], w["visible"], round(w["start_in_seconds"] / 10))
+                for w in data["waiting"]]
+
+    expected = [(hers[0].id, True, 40), (hers[1].id, True, 90)]  # 400 s, then 500 s more
+    assert starts(client) == expected
+    with signed_in(app, "alice", "member-password-1") as c:
+        assert starts(c) == expected
+        seen = c.get("/api/queue").json()["gpus"][0]["running"][0]
+        assert (seen["visible"], seen["job_id"], seen["owner"]) == (False, None, None)
+        page = c.get("/queue").text
+        waiting = page[page.index("<h2>Waiting"):page.index('id="cpu-lane"')]
+        assert waiting.count('class="start">in ') == 2 and "unknown" not in waiting
+        assert 'class="start">in 6 min' in waiting

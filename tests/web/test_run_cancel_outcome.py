@@ -13,6 +13,17 @@ def _confirm(client, run_id: str) -> str:
     return html.split('hx-confirm="', 1)[1].split('"', 1)[0]
 
 
+def _checkpoints(engine, run_id: str, job_id: int, root, *steps: int) -> None:
+    """Record checkpoint folders (an adapter config each) of ``steps`` under ``root``."""
+    for step in steps:
+        folder = root / f"checkpoint-{step}"
+        folder.mkdir()
+        (folder / "adapter_config.json").write_text("{}")
+        repo.add_artifact(engine, Artifact(run_id=run_id, job_id=job_id, kind="checkpoint",
+                                           path=str(folder), bytes=1, name=folder.name,
+                                           meta={"step": step}))
+
+
 def test_the_confirmation_follows_the_runs_progress(client, engine, tmp_path):
     run_id = _queued_run(client, engine)
     assert _confirm(client, run_id) == ("Cancel this queued run? It has not started: it simply "
@@ -24,13 +35,7 @@ def test_the_confirmation_follows_the_runs_progress(client, engine, tmp_path):
         "Cancel this run? Training stops within a step or two (step 19 is done) and saves a "
         "checkpoint where it stops; the run can then be resumed or exported from it. If its last "
         "step comes first, the run finishes instead.")
-    for step in (5, 10):  # a resumed run's earlier checkpoints stay
-        folder = tmp_path / f"checkpoint-{step}"
-        folder.mkdir()
-        (folder / "adapter_config.json").write_text("{}")
-        repo.add_artifact(engine, Artifact(run_id=run_id, job_id=job.id, kind="checkpoint",
-                                           path=str(folder), bytes=1, name=folder.name,
-                                           meta={"step": step}))
+    _checkpoints(engine, run_id, job.id, tmp_path, 5, 10)  # a resumed run's earlier ones stay
     assert _confirm(client, run_id).endswith(
         "the run finishes instead. The 2 checkpoints saved so far (newest at step 10) are kept.")
     queue.cancel(engine, job.id)
@@ -70,3 +75,18 @@ def test_a_run_cancelled_while_queued_says_it_never_started(client, engine):
     assert r.status_code == 409
     assert r.json()["error"]["message"] == (f"run {run_id} was cancelled before it started; "
                                             "there is nothing to export")
+
+
+def test_the_step_done_is_never_older_than_the_newest_checkpoint(client, engine, tmp_path):
+    """Trial-break F10: the step metrics lag the checkpoint rows, and the question said "step 9
+    is done" beside "newest at step 12"; both the page's confirm and the question on click name
+    the newest of the two."""
+    run_id = _queued_run(client, engine)
+    job = queue.claim(engine, "w-test", 30, kinds=["train"])
+    events.append_many(engine, job.id, [("metric", {"step": 9, "total_steps": 40, "loss": 4.0})])
+    _checkpoints(engine, run_id, job.id, tmp_path, 10, 12)
+    for said in (_confirm(client, run_id), client.get(f"/runs/{run_id}/cancel-question").text):
+        assert "(step 12 is done)" in said and "step 9" not in said, said
+        assert said.endswith("The 2 checkpoints saved so far (newest at step 12) are kept.")
+    events.append_many(engine, job.id, [("metric", {"step": 14, "total_steps": 40, "loss": 3.9})])
+    assert "(step 14 is done)" in client.get(f"/runs/{run_id}/cancel-question").text

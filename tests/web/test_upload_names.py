@@ -31,6 +31,8 @@ CASES = [
     # a browser sends '"' as %22 and CR/LF as %0D/%0A (HTML's multipart/form-data encoding)
     ("my %22best%22 data.jsonl", 'my "best" data.jsonl'),
     ("two%0D%0Alines.jsonl", "twolines.jsonl"),
+    # a name that is only an extension is that kind of file, not one "(no extension)"
+    (".jsonl", "upload.jsonl"),
 ]
 
 
@@ -107,3 +109,8 @@ def test_name_that_cleans_to_no_extension_is_refused_with_the_field(client):
     body, headers = _multipart("data.jsonl\x01/..", ROWS, {"purpose": "fine-tune"})
     r = client.post("/v1/files", content=body, headers=headers)
     assert r.status_code == 400 and "unsupported file type" in r.json()["error"]["message"]
+    # a dot file of another kind is refused by the extension the user sees
+    body, headers = _multipart(".bashrc", ROWS, {"purpose": "fine-tune"})
+    r = client.post("/v1/files", content=body, headers=headers)
+    assert r.status_code == 400
+    assert "unsupported file type '.bashrc'" in r.json()["error"]["message"], r.text

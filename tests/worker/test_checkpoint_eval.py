@@ -239,8 +239,9 @@ def test_refusals_and_ownership(studio) -> None:
     run_id = studio["grpo_run"]
     r = c.post(f"/api/runs/{run_id}/checkpoints/3/evaluations", json={})
     assert r.status_code == 404
-    assert r.json()["error"]["message"] == (f"run {run_id} has no checkpoint at step 3 on disk "
-                                  "(checkpoints on disk: 2, 1)")
+    msg = r.json()["error"]["message"]
+    assert msg.startswith(f"run {run_id} has no checkpoint at step 3 on disk: the run "), msg
+    assert msg.endswith("(checkpoints on disk: 2, 1)") and "save_total_limit" not in msg
     r = c.post(f"/api/runs/{run_id}/checkpoints/2/evaluations", json={"samples": 0})
     assert r.status_code == 422 and "from 1 to 100" in r.text
     queued = c.post(f"/api/runs/{run_id}/checkpoints/2/evaluations")  # no body: the default
