@@ -5,6 +5,8 @@ eval and a Playground session (page API and /v1) are refused with ``over_gpu_mem
 naming the need and the quota, and queue nothing."""
 from __future__ import annotations
 
+from markupsafe import escape
+
 from sqlmodel import func, select
 
 from app.store import queue, repo
@@ -63,8 +65,12 @@ def test_resume_eval_and_playground_refuse_a_job_over_the_gpu_memory_quota(
                               "memory at once (estimate 0.06 GiB, plus the 25% admission margin")
         assert msg.endswith("Ask an admin to raise your quota (GPU memory at once, on the "
                             "Admin page).")
-        page = c.post(f"/runs/{run.id}/resume", follow_redirects=False)  # the page's button
-        assert page.status_code == 422 and QUOTA in page.text
+        # the page's button: back to the run page (post-redirect-get), the refusal shown once
+        page = c.post(f"/runs/{run.id}/resume", follow_redirects=False)
+        assert page.status_code == 303 and page.headers["location"] == f"/runs/{run.id}"
+        alert = f'<div class="alert error" role="alert">{escape(msg)}</div>'
+        assert alert in c.get(f"/runs/{run.id}").text
+        assert '<div class="alert error" role="alert">' not in c.get(f"/runs/{run.id}").text
 
         msg = _refused(c.post(f"/api/runs/{run.id}/checkpoints/2/evaluations", json={}))
         assert msg.startswith("this evaluation of checkpoint 2 needs about ")

@@ -16,6 +16,7 @@ from app.studio import runs as runs_uc
 from app.studio import train_time
 from app.studio.run_place import run_place
 from app.studio.errors import StudioError
+from app.web import flash
 from app.web.deps import CurrentUser, EngineDep, SettingsDep, is_htmx
 from app.web.auth import still_signed_in
 from app.web.render import render, render_block
@@ -193,6 +194,9 @@ def run_page(request: Request, run_id: str, engine: EngineDep, settings: Setting
     polled = is_htmx(request) and request.headers.get("hx-target") == "place"
     ctx = views.place_view(engine, user, run_id) if polled else \
         run_view(engine, settings, user, run_id)
+    refused = None if polled else flash.pop(request).get("controls_error")
+    if refused:  # a form's refusal (e.g. Resume), shown once after its redirect
+        ctx = {**ctx, "controls_error": refused}
     return render(request, "run.html", {**ctx, "place": run_place(engine, settings, user,
                                                                   ctx["job"])},
                   block="artifacts")
@@ -228,8 +232,19 @@ def cancel_run(request: Request, run_id: str, engine: EngineDep, settings: Setti
 def resume_run(request: Request, run_id: str, engine: EngineDep, settings: SettingsDep,
                user: CurrentUser):
     """Resume a cancelled or failed run from its newest checkpoint; back to its page (whose
-    live view follows the new job)."""
-    resume_uc.resume_run(engine, settings, user, run_id)
+    live view follows the new job). A refusal (over the GPU memory quota, nothing to resume
+    from) is post-redirect-get too: the run page shows its words once above the controls."""
+    try:
+        resume_uc.resume_run(engine, settings, user, run_id)
+    except StudioError as exc:
+        if exc.kind not in ("invalid", "conflict"):
+            raise
+        if is_htmx(request):
+            return render(request, "run.html", {**run_view(engine, settings, user, run_id),
+                                                "controls_error": exc.message},
+                          block="controls", status_code=409 if exc.kind == "conflict" else 422)
+        flash.push(request, controls_error=exc.message)
+        return RedirectResponse(f"/runs/{run_id}", status_code=303)
     if is_htmx(request):
         return Response(status_code=200, headers={"HX-Redirect": f"/runs/{run_id}"})
     return RedirectResponse(f"/runs/{run_id}", status_code=303)
