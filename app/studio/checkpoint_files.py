@@ -32,7 +32,7 @@ from app.store.schema import Artifact, User
 from app.studio import access, audit
 from app.studio.artifacts import base_model_id, checkpoint_step, portable_text
 from app.studio.datasets import is_under
-from app.studio.errors import StudioError
+from app.studio.errors import StudioError, whole
 from app.studio.exports import download_name
 
 #: File names (glob) of the trainer's resume state, left out of the plain download.
@@ -57,13 +57,12 @@ def step_of(value: str) -> int:
     """``value`` (the ``{step}`` of a checkpoint URL) as a step number. Raises StudioError
     invalid (field ``step``) unless it is a whole number >= 0."""
     text = str(value).strip()
-    # ASCII digits only: str.isdigit() also takes "²", which int() refuses; and no more digits
-    # than a step can have (int() refuses over 4300)
-    if not (text.isascii() and text.isdigit()) or len(text) > 18:
+    step = whole(text) if text[:1].isdigit() else None  # no sign: "+5" and "-1" are no step
+    if step is None:
         shown = repr(value) if len(str(value)) <= 40 else repr(str(value)[:40] + "…")
         raise StudioError("invalid", f"step {shown} is not a checkpoint step: use a whole "
                           "number >= 0, as the run page lists (checkpoint-<step>)", field="step")
-    return int(text)
+    return step
 
 
 def _folder(engine: Engine, settings: Settings, run_id: str, step: int) -> Artifact:
