@@ -9,9 +9,15 @@ BLOCK_K, reading the packed bytes as whole vectors, with the maths of ``whetston
     W[n, 2i]   = code[byte[n, i] >> 4] * absmax[(n*K + 2i) // blocksize]       (high nibble = even k)
     W[n, 2i+1] = code[byte[n, i] & 15] * absmax[(n*K + 2i) // blocksize]
 
-Several rows (BLOCK_M = 16/32/64, M padded and masked): W's chunk is dequantised in registers to x's
-dtype exactly as bitsandbytes does (bit-identical values; FMA contraction off), interleaved back into
-k order (tl.join) and multiplied on tensor cores, acc[n, m] += W[n, chunk] . x[m, chunk].
+Several rows (BLOCK_M = 16/32/64, M padded and masked), x fp16/bf16 (decoding): per absmax block,
+the high nibbles' code values (elements 2i) and the low nibbles' (2i+1), looked up in x's dtype from a
+table held in registers (``whetstone_kernels/nf4_lut.py``, PTX prmt), meet x's even and odd columns
+in two tensor-core dots, and the block's fp32 absmax scales their sum:
+acc[n, m] += absmax[n, blk] * (code[hi] . x[m, even] + code[lo] . x[m, odd]). W's values are thus
+code rounded to x's dtype times an unrounded absmax (bitsandbytes rounds the product instead: the
+same rounding level, not the same bits). Several fp32 rows: W's chunk is dequantised in registers
+exactly as bitsandbytes does (bit-identical values; FMA contraction off), interleaved back into k
+order (tl.join) and multiplied on tensor cores (IEEE fp32), acc[n, m] += W[n, chunk] . x[m, chunk].
 One row (BLOCK_M = 1): per absmax block (or BLOCK_K piece of one), sum_i code[hi_i] x[2i] +
 code[lo_i] x[2i+1] on CUDA-core FMAs in fp32, times the block's absmax, into a
 [BLOCK_N, min(blocksize, BLOCK_K)/2] accumulator reduced once at the end: the same W values,
@@ -33,7 +39,7 @@ so calls on one device must be ordered on one stream (two concurrent streams wou
 Shapes / dtypes: x [..., K] fp32/fp16/bf16 (flattened to M rows), packed uint8 (N*K/2 bytes, any
 shape, bitsandbytes' [N*K/2, 1]), state an ``NF4State`` or bitsandbytes ``QuantState`` with
 shape (N, K); bias [N] or None; y [..., N] in x's dtype (``impl="reference"`` = x @
-nf4_dequantize_ref(W, x.dtype)^T, so several rows differ only by accumulation order); fp32 dots use
+nf4_dequantize_ref(W, x.dtype)^T, so several fp32 rows differ only by accumulation order); fp32 dots use
 IEEE fp32 (no TF32). K % blocksize != 0 raises ValueError. Forward only: calling it
 with grad mode on and x (or bias) requiring grad raises RuntimeError (use ``whetstone_kernels.nf4.nf4_linear``).
 
@@ -56,6 +62,7 @@ import triton.language as tl
 from ._common import INTERPRET, check_impl, num_sms
 from .launch import launch
 from .nf4 import _as_state, _code, block_absmax
+from .nf4_lut import code16, nf4_lookup
 from .nf4_ref import nf4_dequantize_ref
 
 _LOCKS: dict = {}  # device -> int32 counters, all zero between calls
@@ -80,12 +87,12 @@ def _lora_term(XA, LB, offs_n, offs_m, n_ok, m_ok, r, stride_xa,
 
 
 @triton.jit
-def _nf4_matmul_kernel(X, Q, ABSMAX, ABSMAX2, CODE2, OFFSET, CODE, BIAS, Y, PART, LOCKS, XA, LB,
+def _nf4_matmul_kernel(X, Q, ABSMAX, ABSMAX2, CODE2, OFFSET, CODE, CODE16, BIAS, Y, PART, LOCKS, XA, LB,
                        M, N, K, KH, k_per_split, split_k, stride_xm, stride_ym, r, stride_xa, lora_scale,
                        BLOCKSIZE: tl.constexpr, BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr,
                        HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NB: tl.constexpr, IEEE: tl.constexpr,
-                       HAS_LORA: tl.constexpr, R: tl.constexpr):
+                       HAS_LORA: tl.constexpr, R: tl.constexpr, LUT: tl.constexpr, ASM: tl.constexpr):
     # BLOCK_K divides K (the launcher picks it so), so no K masks: packed bytes load as whole vectors
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -118,8 +125,29 @@ def _nf4_matmul_kernel(X, Q, ABSMAX, ABSMAX2, CODE2, OFFSET, CODE, BIAS, Y, PART
                 acc1 += (tl.load(CODE + (b >> 4)) * xe[None, :] + tl.load(CODE + (b & 15)) * xo[None, :]) \
                     * amax[:, None]
         acc = tl.sum(acc1, axis=1)[:, None]
+    elif LUT:
+        # several rows, x fp16/bf16: per absmax block (or BLOCK_K piece of one), the high nibbles'
+        # code values (elements 2j) dot x's even columns and the low nibbles' (2j+1) x's odd columns on
+        # tensor cores, and the block's absmax scales that dot in fp32: no interleave, one table
+        # lookup per nibble in registers (nf4_lut), no per-weight multiply
+        q_lut = Q + offs_n[:, None] * KH + tl.arange(0, SUB)[None, :]
+        x_rows = X + offs_m[:, None] * stride_xm + tl.arange(0, 2 * SUB)[None, :]
+        blk_n = offs_n * (K // BLOCKSIZE)
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            k0 = tl.multiple_of(k0, BLOCK_K)
+            for p in tl.static_range(NB):
+                kp = k0 + p * 2 * SUB
+                hi, lo = nf4_lookup(tl.load(q_lut + kp // 2, mask=n_ok[:, None], other=0), CODE16, ASM)
+                xt = tl.load(x_rows + kp, mask=m_ok[:, None], other=0.0)  # x[m, kp:kp + 2 SUB]
+                xe, xo = tl.split(tl.reshape(xt, [BLOCK_M, SUB, 2]))
+                d = tl.dot(hi, tl.trans(xe))
+                d = tl.dot(lo, tl.trans(xo), d)
+                amax = block_absmax(ABSMAX, ABSMAX2, CODE2, OFFSET, blk_n + kp // BLOCKSIZE, n_ok,
+                                    BLOCKSIZE2, NESTED)
+                acc += d * amax[:, None]
     else:
-        # several rows: the chunk's W dequantised exactly as bitsandbytes (interleaved back into k order)
+        # several rows, fp32 x: the chunk's W dequantised exactly as bitsandbytes (interleaved back into k order)
         # and multiplied on tensor cores
         jb = nb[:, None] * SUB + tl.arange(0, SUB)[None, :]  # [NB, SUB]: byte offset inside the chunk
         kk = tl.arange(0, BLOCK_K)
@@ -173,18 +201,24 @@ def _locks(device, n: int) -> torch.Tensor:
     return buf
 
 
-def pick_config(M: int, N: int, K: int, blocksize: int, device) -> dict:
+def pick_config(M: int, N: int, K: int, blocksize: int, device, dtype: torch.dtype | None = None) -> dict:
     """Tile sizes and split-K by shape (no autotuning: the first call compiles one kernel per shape class).
 
     BLOCK_M: 1 for one row (CUDA-core FMAs), else M padded to 16/32/64 (tensor cores). BLOCK_N x
     BLOCK_K: the tile of W per loop step (the launcher halves BLOCK_K until it divides K). SPLIT_K:
     doubled while there are fewer than 4 programs per SM and every split keeps >= 2 K chunks (a
-    1024 x 4096 weight has only 16 N tiles)."""
+    1024 x 4096 weight has only 16 N tiles). ``dtype`` is x's (None: fp16/bf16, the decode case):
+    several fp16/bf16 rows take the register-table path (nf4_lut), fp32 rows the exact one."""
     block_m = 1 if M == 1 else 16 if M <= 16 else 32 if M <= 32 else 64
+    lut = block_m > 1 and dtype != torch.float32
     if INTERPRET or device.type != "cuda":
         block_n, block_k, warps, stages = 32, 64, 4, 1
+    elif lut:
+        # H200 sweep of the register-table path (.gpu call s21-c1, M=16): BLOCK_N 128 (64 for a
+        # narrow weight), BLOCK_K 128, 3 stages (the packed bytes are copied to shared memory ahead)
+        block_n, block_k, warps, stages = 128 if N >= 4096 else 64, 128, 4, 3
     else:
-        # H200 sweeps (bench/nf4_matmul_bench.py --sweep, CUDA graphs): several rows, BLOCK_K 128
+        # H200 sweeps (bench/nf4_matmul_bench.py --sweep, CUDA graphs): fp32 rows, BLOCK_K 128
         # (s3-c2); one row, BLOCK_K 256 (s19-c1: 5.90 ms per Llama-3.1-8B token, 6.38 on tensor cores)
         block_n, block_k, warps, stages = 64, 256 if block_m == 1 else 128, 4, 1
     tiles = -(-N // block_n) * -(-M // block_m)
@@ -213,7 +247,7 @@ def nf4_matmul_fwd(x: torch.Tensor, packed: torch.Tensor, state, bias: torch.Ten
         if lora is not None:
             y.addmm_(lora[0], lora[1].t(), alpha=lora[2])
         return y
-    cfg = dict(config or pick_config(M, N, K, bs, x.device))
+    cfg = dict(config or pick_config(M, N, K, bs, x.device, x.dtype))
     block_k, split = cfg.pop("BLOCK_K"), cfg.pop("SPLIT_K")
     block_m, block_n = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
     if block_k < 32 or block_k & (block_k - 1):
@@ -232,18 +266,19 @@ def nf4_matmul_fwd(x: torch.Tensor, packed: torch.Tensor, state, bias: torch.Ten
     locks = _locks(x.device, grid[0] * grid[2]) if split > 1 else y
     xa, lb, scale = lora if lora is not None else (y, y, 0.0)
     r = xa.shape[1] if lora is not None else 0
+    lut = block_m > 1 and x.dtype != torch.float32
     if not INTERPRET:
-        # the tensor-core path dequantises exactly as bitsandbytes (absmax rounded twice: no FMA);
-        # the one-row path scales whole dots and wants the FMAs
-        cfg["enable_fp_fusion"] = block_m == 1
+        # the fp32 tensor-core path dequantises exactly as bitsandbytes (absmax rounded twice: no FMA);
+        # the one-row and register-table paths scale whole dots and want the FMAs
+        cfg["enable_fp_fusion"] = block_m == 1 or lut
     launch(_nf4_matmul_kernel, grid,
            x, packed, absmax, st.absmax2 if nested else absmax, st.code2 if nested else absmax, offset,
-           _code(x.device), bias if bias is not None else y, y, part, locks, xa, lb,
+           _code(x.device), code16(x.device, x.dtype) if lut else y, bias if bias is not None else y, y, part, locks, xa, lb,
            M, N, K, K // 2, k_per_split, split, x.stride(0), y.stride(0), r, xa.stride(0), float(scale),
            BLOCKSIZE=bs, BLOCKSIZE2=st.blocksize2 if nested else 1, NESTED=nested, HAS_BIAS=bias is not None,
            SPLIT=split > 1, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NB=max(block_k // bs, 1),
            IEEE=x.dtype == torch.float32, HAS_LORA=lora is not None, R=max(16, triton.next_power_of_2(max(r, 1))),
-           **cfg)
+           LUT=lut, ASM=not INTERPRET, **cfg)
     return y
 
 

@@ -2,9 +2,11 @@
 
 On the CPU the kernel runs under the Triton interpreter, where tl.dot is right in fp32/fp16 but not in
 bf16: bf16 is checked on CUDA only (here and in tests/gpu). Shapes are small (the interpreter is slow).
-Several rows: the kernel dequantises W exactly as the reference, so only the accumulation order differs
-(fp32 throughout, split-K partials summed in fixed order). One row: W's values are not rounded to x's
-dtype before the fp32 FMAs, so they differ at x's rounding level."""
+Several fp32 rows: the kernel dequantises W exactly as the reference, so only the accumulation order
+differs (fp32 throughout, split-K partials summed in fixed order). Several fp16/bf16 rows: the code
+values are rounded to x's dtype and each block's absmax scales its dot (nf4_lut), so W differs at x's
+rounding level. One row: W's values are not rounded to x's dtype before the fp32 FMAs, so they differ
+at x's rounding level."""
 import os
 
 import pytest
