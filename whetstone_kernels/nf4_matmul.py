@@ -204,17 +204,22 @@ def _locks(device, n: int) -> torch.Tensor:
 def pick_config(M: int, N: int, K: int, blocksize: int, device, dtype: torch.dtype | None = None) -> dict:
     """Tile sizes and split-K by shape (no autotuning: the first call compiles one kernel per shape class).
 
-    BLOCK_M: 1 for one row (CUDA-core FMAs), else M padded to 16/32/64 (tensor cores). BLOCK_N x
+    BLOCK_M: 1 for one fp32 row, or one row off the GPU (CUDA-core FMAs), else M padded to 16/32/64
+    (tensor cores). BLOCK_N x
     BLOCK_K: the tile of W per loop step (the launcher halves BLOCK_K until it divides K). SPLIT_K:
     doubled while there are fewer than 4 programs per SM and every split keeps >= 2 K chunks (a
     1024 x 4096 weight has only 16 N tiles). ``dtype`` is x's (None: fp16/bf16, the decode case):
     several fp16/bf16 rows take the register-table path (nf4_lut), fp32 rows the exact one."""
-    block_m = 1 if M == 1 else 16 if M <= 16 else 32 if M <= 32 else 64
-    lut = block_m > 1 and dtype != torch.float32
-    if INTERPRET or device.type != "cuda":
+    on_gpu = not INTERPRET and device.type == "cuda"
+    half = dtype != torch.float32
+    # one fp16/bf16 row on a GPU also takes the register-table tiles (padded to 16 rows): 4.77 ms per
+    # Llama-3.1-8B token against 6.10 on the one-row FMA path (.gpu call s21-c2)
+    block_m = 1 if M == 1 and not (half and on_gpu) else 16 if M <= 16 else 32 if M <= 32 else 64
+    lut = block_m > 1 and half
+    if not on_gpu:
         block_n, block_k, warps, stages = 32, 64, 4, 1
     elif lut:
-        # H200 sweep of the register-table path (.gpu call s21-c1, M=16): BLOCK_N 128 (64 for a
+        # H200 sweep of the register-table path (call s21-c1, M=16): BLOCK_N 128 (64 for a
         # narrow weight), BLOCK_K 128, 3 stages (the packed bytes are copied to shared memory ahead)
         block_n, block_k, warps, stages = 128 if N >= 4096 else 64, 128, 4, 3
     else:

@@ -73,11 +73,14 @@ def test_leading_dims_and_noncontiguous_x():
 
 
 def test_default_config_uses_split_k():
-    cfg = pick_config(8, 72, 320, 64, torch.device(DEV))
+    cfg = pick_config(8, 72, 2048, 64, torch.device(DEV))
     assert cfg["BLOCK_M"] == 16 and cfg["SPLIT_K"] > 1
-    # one row takes the CUDA-core FMA path; two rows and more the tensor-core tiles
-    assert [pick_config(m, 72, 320, 64, torch.device(DEV))["BLOCK_M"] for m in (1, 2, 17, 33, 63)] == \
-        [1, 16, 32, 64, 64]
+    # one fp32 row takes the CUDA-core FMA path; two rows and more the tensor-core tiles
+    assert [pick_config(m, 72, 320, 64, torch.device(DEV), torch.float32)["BLOCK_M"] for m in (1, 2, 17, 33, 63)] \
+        == [1, 16, 32, 64, 64]
+    # one fp16/bf16 row: the register-table tiles on a GPU, the FMA path under the interpreter
+    one = pick_config(1, 72, 320, 64, torch.device(DEV), torch.bfloat16)["BLOCK_M"]
+    assert one == (16 if DEV == "cuda" and os.environ.get("TRITON_INTERPRET") != "1" else 1)
 
 
 def test_bitsandbytes_state():
