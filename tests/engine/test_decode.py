@@ -302,3 +302,30 @@ def test_unpatched_model_is_routed_to_hf_and_says_so():
         out = _hf(pm, ids, mask, _cfg(eos_token_id=[]))
     assert out.shape == (3, 7 + NEW)
     assert said == ["generation: HF generate (the engine is not patched on this model)"]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_decode_attention_kernel_gives_hfs_tokens(arch, monkeypatch):
+    """The decode step's attention through whetstone_kernels.decode_attention (what CUDA runs; here
+    under the Triton interpreter, fp32): greedy tokens equal HF's, left padding included."""
+    from whetstone_kernels.decode_attention import decode_attention
+
+    calls = []
+
+    def kernel(*a, **kw):
+        calls.append(a[3].shape)
+        return decode_attention(*a, **kw)
+
+    init = decode._Model.__init__
+
+    def with_kernel(self, model):
+        init(self, model)
+        self.attn = kernel
+
+    monkeypatch.setattr(decode._Model, "__init__", with_kernel)
+    pm = _prepared(arch, True)
+    ids, mask = _prompts()
+    cfg = _cfg(eos_token_id=[])
+    ours = decode.generate(pm, ids, mask, cfg)
+    assert len(calls) == (NEW - 1) * pm.config.num_hidden_layers  # every decode step, every layer
+    assert torch.equal(ours, _hf(pm, ids, mask, cfg))

@@ -8,9 +8,11 @@ patched Llama-like model (Llama, Mistral, Qwen2/2.5, Qwen3) that runs the decode
 * **Prefill** of the left-padded prompt ids [B, P] in one pass per layer: RMSNorm, q/k/v, [q/k
   norm], RoPE (whetstone_kernels.rope) at HF's positions (``cumsum(attention_mask) - 1``), SDPA with a causal
   mask that hides pad keys; k and v (after RoPE) are written to a cache [B, Hk, P + T, D] per layer.
-* **Decode** of one token per row per step: the same layer with the query attending to the cache
-  (``q [B, Hk, G, D] @ k^T`` in the compute dtype, fp32 softmax over the P + t keys written so far,
-  pad keys masked). Projections (:mod:`worker.engine.decode_proj`) with fewer than 64 rows and
+* **Decode** of one token per row per step: the same layer with the query attending to the cache,
+  pad keys masked: on CUDA with the Triton kernels, ``whetstone_kernels.decode_attention`` (one pass
+  over the P + t columns written so far, the column read on the device, so one graph serves every
+  token; fp32 online softmax); otherwise ``q [B, Hk, G, D] @ k^T`` in the compute dtype over all
+  P + T columns, unwritten ones masked, fp32 softmax, times V. Projections (:mod:`worker.engine.decode_proj`) with fewer than 64 rows and
   an NF4 base run through ``whetstone_kernels.nf4_matmul`` (NF4 dequantised in registers, never stored
   dense) when it is available on CUDA and is right and faster than dequantise + GEMM on that
   weight shape and GPU (``fused_ok``, decided once per shape); otherwise the base weight is dequantised (or read dense,
@@ -103,6 +105,7 @@ class _Model:
 
     def __init__(self, model):
         from worker.engine.engine import engine_state
+        from whetstone_kernels.decode_attention import decode_attention
 
         st = engine_state(model)
         self.st, self.hf = st, model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -111,6 +114,7 @@ class _Model:
         dev = inner.embed_tokens.weight.device
         on_cuda = dev.type == "cuda"
         self.fused = nf4_matmul_kernel() if (st.impl == "triton" and on_cuda) else None
+        self.attn = decode_attention if (st.impl == "triton" and on_cuda) else None
         self.layers = []
         dtype = inner.embed_tokens.weight.dtype
         for layer in inner.layers:
@@ -161,6 +165,10 @@ class _Model:
                                                v.repeat_interleave(rep, 1),
                                                attn_mask=keymask, scale=a.scaling)
             o = o.transpose(1, 2).reshape(B, S, Hq * D)
+        elif self.attn is not None:  # one query per row: one pass over the columns written so far
+            kc.index_copy_(2, col, k)
+            vc.index_copy_(2, col, v)
+            o = self.attn(q[:, :, 0], kc, vc, keymask, col, a.scaling).reshape(B, 1, Hq * D)
         else:  # one query per row: grouped heads against the whole cache, unwritten keys masked
             kc.index_copy_(2, col, k)
             vc.index_copy_(2, col, v)
