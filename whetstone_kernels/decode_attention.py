@@ -135,7 +135,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: t
     """o [B, Hq, D] = softmax(scale q k^T | valid, columns <= col) v for one query per row (see module doc).
 
     q [B, Hq, D]; k, v [B, Hk, L, D] (Hq a multiple of Hk); valid [B, L] bool; col int64 [1] on
-    q's device, the last written cache column (< L). ``split`` overrides :func:`pick_split`."""
+    q's device, the last written cache column (< L). ``split`` (a power of two) overrides
+    :func:`pick_split`."""
     check_impl(impl)
     if q.dim() != 3 or k.dim() != 4 or v.shape != k.shape:
         raise ValueError(f"decode_attention needs q [B, Hq, D] and k, v [B, Hk, L, D], got {tuple(q.shape)}, "
@@ -152,9 +153,13 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: t
         return _reference(q, k, v, valid, col, scale)
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("decode_attention needs the last dim of q, k and v contiguous")
+    if split is not None and (split < 1 or split & (split - 1)):
+        raise ValueError(f"split must be a power of two >= 1, got {split}")
     G = Hq // Hk
     DP = next_pow2(max(D, 16))
     split = split or pick_split(B, Hk, L, block_l, q.device)
+    if valid.stride(1) != 1:
+        valid = valid.contiguous()
     o = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
     if split > 1:
         po = torch.empty(B * Hq * split, DP, dtype=torch.float32, device=q.device)

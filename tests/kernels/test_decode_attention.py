@@ -69,3 +69,9 @@ def test_split_choice_and_bad_inputs():
         decode_attention(q[:, :3], k, v, valid, c, 0.25)
     with pytest.raises(ValueError, match="share one of"):
         decode_attention(q.half(), k, v, valid, c, 0.25)
+    with pytest.raises(ValueError, match="power of two"):
+        decode_attention(q, k, v, valid, c, 0.25, split=3)
+    # a valid map that is a column slice of a wider one (stride 2) gives the same result
+    wide = torch.stack([valid, ~valid], -1).reshape(1, -1)[:, ::2]
+    assert wide.stride(1) == 2 and torch.equal(wide, valid)
+    torch.testing.assert_close(decode_attention(q, k, v, wide, c, 0.25), decode_attention(q, k, v, valid, c, 0.25))
