@@ -134,3 +134,42 @@ def test_cancelled_run_resumes_exactly(studio) -> None:
     assert job.result["final_loss"] == whole_job.result["final_loss"]
     r = c.post(f"/api/runs/{cut}/resume")
     assert r.status_code == 409 and "already succeeded" in r.json()["error"]["message"]
+
+
+def test_resumed_runs_eval_summary_covers_every_attempt(studio) -> None:
+    """A run with a held-out set, cancelled after its step-4 evaluation and resumed: the result's
+    ``eval`` counts the evaluations of both attempts and its first loss is step 0's (the base
+    model's), as the run's own events show (trial s21 F4: it counted the last attempt only)."""
+    c, eng, w = studio["client"], studio["engine"], studio["worker"]
+    spec = {**SPEC, "max_steps": 12, "save_steps": 4, "eval_steps": 4, "validation_split_percentage": 25}
+    r = c.post("/api/runs", json={**spec, "dataset": studio["dataset"]})
+    assert r.status_code == 201, r.text
+    run_id = r.json()["id"]
+
+    def evals() -> dict[int, float]:
+        r = c.get(f"/v1/fine_tuning/jobs/{run_id}/events", params={"limit": 10000})
+        return {e["data"]["step"]: e["data"]["eval_loss"] for e in r.json()["data"]
+                if e["type"] == "metrics" and "eval_loss" in (e["data"] or {})}
+
+    t = threading.Thread(target=w.serve, kwargs={"once": True})
+    t.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not any(s >= 5 for s in _steps(c, run_id)) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert c.post(f"/api/runs/{run_id}/cancel").status_code == 200
+    finally:
+        t.join(120)
+    assert c.get(f"/api/runs/{run_id}").json()["state"] == JobState.CANCELLED
+    first_attempt = evals()
+    assert 0 in first_attempt and 4 in first_attempt
+    assert c.post(f"/api/runs/{run_id}/resume").status_code == 200
+    w.serve(once=True)
+    job = queue.get_job(eng, repo.get_run(eng, run_id).job_id)
+    assert job.state == JobState.SUCCEEDED, job.error
+    every = evals()
+    assert sorted(every) == [0, 4, 8, 12]
+    summary = job.result["eval"]
+    assert summary["evaluations"] == 4
+    assert summary["first_eval_loss"] == every[0] == first_attempt[0]
+    assert summary["last_eval_loss"] == every[12]

@@ -100,12 +100,15 @@ def eval_callbacks(spec, metric: Callable[..., None]) -> tuple[Any, list]:
                 metric(step=state.global_step, total_steps=state.max_steps,
                        early_stopped=self.early_stopped, **self.best)
 
-        def summary(self) -> dict[str, Any]:
-            """What the run's result records of its evaluations."""
+        def summary(self, earlier: dict[int, float] | None = None) -> dict[str, Any]:
+            """What the run's result records of its evaluations; ``earlier``: ``{step:
+            eval_loss}`` of a resumed run's earlier attempts up to its checkpoint, so the counts
+            and the first loss are the whole run's (this attempt's value wins a shared step)."""
+            points = sorted({**(earlier or {}), **dict(self.points)}.items())
             return {"eval_steps": spec.eval_steps or spec.save_steps,
-                    "evaluations": len(self.points),
-                    "first_eval_loss": self.points[0][1] if self.points else None,
-                    "last_eval_loss": self.points[-1][1] if self.points else None,
+                    "evaluations": len(points),
+                    "first_eval_loss": points[0][1] if points else None,
+                    "last_eval_loss": points[-1][1] if points else None,
                     **self.best, "load_best_model_at_end": spec.load_best_model_at_end,
                     "early_stopping_patience": spec.early_stopping_patience,
                     "early_stopped": self.early_stopped}

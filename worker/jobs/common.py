@@ -270,6 +270,24 @@ def last_checkpoint(ctx: JobContext, ckpt_dir: Path) -> str | None:
     return str(last) if last else None
 
 
+def earlier_metric(ctx: JobContext, start_step: int, key: str, first_step: int = 1) -> dict[int, float]:
+    """``{step: value}`` of the job's metric events that carry the number ``key`` at
+    ``first_step <= step <= start_step``: what earlier attempts of a resumed run recorded up to
+    the checkpoint this attempt started from (a resumed job carries them, see
+    :func:`with_earlier_losses`). Empty for a fresh start (``start_step`` 0)."""
+    from app.store import events
+
+    out: dict[int, float] = {}
+    if start_step <= 0:
+        return out
+    for ev in events.since(ctx.engine, ctx.job.id, 0, 1_000_000, types=["metric"]):
+        step, value = ev.data.get("step"), ev.data.get(key)
+        if isinstance(step, int) and first_step <= step <= start_step \
+                and isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[step] = float(value)
+    return out
+
+
 def with_earlier_losses(ctx: JobContext, start_step: int, losses: list[tuple[int, float]],
                         training_loss: float, global_step: int
                         ) -> tuple[list[tuple[int, float]], float]:
@@ -279,15 +297,9 @@ def with_earlier_losses(ctx: JobContext, start_step: int, losses: list[tuple[int
     ``training_loss`` averages only this attempt's step losses over all ``global_step`` steps.
     Each earlier logged loss counts for the steps since the one logged before it (exact with
     ``logging_steps=1``). Unchanged for a fresh start."""
-    from app.store import events
-
     if start_step <= 0 or global_step <= 0:
         return losses, training_loss
-    earlier: dict[int, float] = {}
-    for ev in events.since(ctx.engine, ctx.job.id, 0, 1_000_000, types=["metric"]):
-        step, loss = ev.data.get("step"), ev.data.get("loss")
-        if isinstance(step, int) and 0 < step <= start_step and isinstance(loss, (int, float)):
-            earlier[step] = float(loss)
+    earlier = earlier_metric(ctx, start_step, "loss")
     total, done = 0.0, 0
     for step in sorted(earlier):
         total, done = total + earlier[step] * (step - done), step

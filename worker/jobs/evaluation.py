@@ -91,12 +91,16 @@ def split(ctx: JobContext, spec, dataset, row_numbers: list[int], what: str = "r
 
 
 def finish(ctx: JobContext, run_id: str, run_dir: Path, spec, held: HeldOut, reporter,
-           trainer, tokenizer) -> dict[str, Any]:
-    """The result's ``eval`` (and ``generation_eval``) entries after training; runs the
-    generation eval when the spec asks for it and records ``eval.json`` as artifact ``eval``."""
+           trainer, tokenizer, start_step: int = 0) -> dict[str, Any]:
+    """The result's ``eval`` (and ``generation_eval``) entries after training, over every
+    attempt of a run resumed at ``start_step``; runs the generation eval when the spec asks
+    for it and records ``eval.json`` as artifact ``eval``."""
     if held.eval_dataset is None or reporter is None:
         return {}
-    out: dict[str, Any] = {"eval": {**(held.info or {}), **reporter.summary()}}
+    from worker.jobs.common import earlier_metric
+
+    earlier = earlier_metric(ctx, start_step, "eval_loss", first_step=0)
+    out: dict[str, Any] = {"eval": {**(held.info or {}), **reporter.summary(earlier)}}
     best = out["eval"].get("best_checkpoint")
     if best:
         chosen = " (its weights are the adapter: load_best_model_at_end)" \

@@ -155,7 +155,7 @@ def run(ctx: JobContext) -> dict[str, Any]:
         "chat_template": chosen.name, "memory_peak": gpu.peak(),
     }
     result.update(evaluation.finish(ctx, run_id, run_dir, spec, held, reporter, trainer,
-                                    tokenizer))
+                                    tokenizer, callback.start_step))
     ctx.log(f"done: {state.global_step} steps in {runtime:.1f}s, final loss "
             f"{rounded(result['final_loss'])}")
     ctx.cancel_came_too_late(state.global_step, state.max_steps)  # one asked for since: told
