@@ -60,6 +60,22 @@ def _steps(client, run_id: str) -> dict[int, tuple[float, float]]:
     return out
 
 
+def _train_and_cancel_after(studio, run_id: str, step: int) -> None:
+    """Train ``run_id`` in the worker loop (a thread) and cancel it through /api once a training
+    metric of ``step`` or later has been reported; returns when the job has ended."""
+    c = studio["client"]
+    t = threading.Thread(target=studio["worker"].serve, kwargs={"once": True})
+    t.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not any(s >= step for s in _steps(c, run_id)) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        r = c.post(f"/api/runs/{run_id}/cancel")
+        assert r.status_code == 200, r.text
+    finally:
+        t.join(120)
+
+
 def _adapter(run_id: str, engine) -> dict:
     from safetensors.torch import load_file
 
@@ -76,16 +92,7 @@ def test_cancelled_run_resumes_exactly(studio) -> None:
     assert c.get(f"/api/runs/{whole}").json()["state"] == JobState.SUCCEEDED
 
     cut = _create(studio)
-    t = threading.Thread(target=w.serve, kwargs={"once": True})
-    t.start()
-    try:
-        deadline = time.monotonic() + 120
-        while not any(s >= 10 for s in _steps(c, cut)) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        r = c.post(f"/api/runs/{cut}/cancel")
-        assert r.status_code == 200, r.text
-    finally:
-        t.join(120)
+    _train_and_cancel_after(studio, cut, 10)
     first = c.get(f"/api/runs/{cut}").json()
     assert first["state"] == JobState.CANCELLED, first
     done = max(_steps(c, cut))
@@ -151,15 +158,7 @@ def test_resumed_runs_eval_summary_covers_every_attempt(studio) -> None:
         return {e["data"]["step"]: e["data"]["eval_loss"] for e in r.json()["data"]
                 if e["type"] == "metrics" and "eval_loss" in (e["data"] or {})}
 
-    t = threading.Thread(target=w.serve, kwargs={"once": True})
-    t.start()
-    try:
-        deadline = time.monotonic() + 120
-        while not any(s >= 5 for s in _steps(c, run_id)) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert c.post(f"/api/runs/{run_id}/cancel").status_code == 200
-    finally:
-        t.join(120)
+    _train_and_cancel_after(studio, run_id, 5)
     assert c.get(f"/api/runs/{run_id}").json()["state"] == JobState.CANCELLED
     first_attempt = evals()
     assert 0 in first_attempt and 4 in first_attempt
