@@ -298,7 +298,8 @@ def inspect_dataset(path: str | os.PathLike, tokenizer: TokenizerBundle | str | 
         warning_count += 1
         warnings.insert(0, Issue(row=None, field=None, message=hint))
     if valid == 0 and raise_if_empty and first_error is not None:
-        raise DatasetError(f"{first_error.message} (no usable rows: all {total} rows are invalid)",
+        every = "the only row is invalid" if total == 1 else f"all {total} rows are invalid"
+        raise DatasetError(f"{first_error.message} (no usable rows: {every})",
                            row=first_error.row, field=first_error.field)
     return DatasetReport(
         format=fmt, file_kind=file_kind(path), total_rows=total, valid_rows=valid,

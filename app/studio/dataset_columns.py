@@ -25,8 +25,10 @@ def column_mapping(ds: Dataset) -> dict[str, str] | None:
     return mapping if isinstance(mapping, dict) and mapping else None
 
 
-def _sample_rows(path: str, sample: int = 100) -> list[dict]:
-    """The first ``sample`` readable rows of a dataset file (empty when it cannot be read)."""
+def _read_sample(path: str, sample: int = 100) -> tuple[list[dict], bool]:
+    """(the first ``sample`` readable rows of a dataset file, whether they were read without a
+    file-level error: invalid UTF-8, a JSON document that does not parse; rows before the
+    error are kept)."""
     from app.data.loader import iter_records
 
     rows: list[dict] = []
@@ -37,8 +39,13 @@ def _sample_rows(path: str, sample: int = 100) -> list[dict]:
             if isinstance(rec.data, dict):
                 rows.append(rec.data)
     except DatasetError:
-        pass
-    return rows
+        return rows, False
+    return rows, True
+
+
+def _sample_rows(path: str, sample: int = 100) -> list[dict]:
+    """The first ``sample`` readable rows of a dataset file (empty when it cannot be read)."""
+    return _read_sample(path, sample)[0]
 
 
 def _columns(rows: list[dict]) -> list[str]:
@@ -79,19 +86,21 @@ def looks_like_prompts(rows: list[dict]) -> bool:
 def mapping_form(ds: Dataset) -> dict[str, Any] | None:
     """What the dataset page's column-mapping form shows, or None when it does not apply (a
     prompt dataset, a file whose rows have no columns to choose from, one that validated in a
-    format of its own): ``columns``, ``roles``, ``mapping`` (the current one, else a guess from
-    the prompt/answer column names), and ``prompts_hint`` (the rows look like GRPO prompts,
-    :func:`looks_like_prompts`)."""
-    from app.data.formats import MAPPING_ROLES
+    format of its own, a file that cannot be read through (invalid UTF-8, broken JSON: no
+    mapping mends that), chat rows with fewer than two other columns to map): ``columns``,
+    ``roles``, ``mapping`` (the current one, else a guess from the prompt/answer column names),
+    and ``prompts_hint`` (the rows look like GRPO prompts, :func:`looks_like_prompts`)."""
+    from app.data.formats import CONV_KEYS, MAPPING_ROLES
     from app.data.prompts import pick_columns
 
     current = column_mapping(ds)
     if ds.format == "prompts" or ds.status == validation.VALIDATING or \
             (ds.status == validation.PROCESSED and not current):
         return None
-    rows = _sample_rows(ds.path)
+    rows, readable = _read_sample(ds.path)
     columns = _columns(rows)
-    if not columns:
+    chat = any(isinstance(row.get(k), list) for row in rows for k in CONV_KEYS)
+    if not columns or not readable or (chat and len([c for c in columns if c not in CONV_KEYS]) < 2):
         return None
     guess, hint = {}, False
     try:

@@ -107,3 +107,20 @@ def test_the_dataset_page_shows_why_a_small_max_seq_length_is_refused(client, ap
     field.press("Enter")
     expect(page.locator("#report")).to_contain_text("Over max_seq_length (64)")
     expect(page.locator("#report .alert.error")).to_have_count(0)
+
+
+def test_no_column_mapping_where_a_mapping_cannot_help(client):
+    """The column-mapping form is for files whose columns were not recognised; a file that is
+    not UTF-8 (its columns read fine up to the bad byte) or a chat file whose only row is broken
+    gets the error alone (trial s21 F14), and one row is "the only row", not "all 1 rows"."""
+    messy = SHARED / "messy"
+    ds = _upload(client, "sms_spam_kaggle_latin1.csv", (messy / "sms_spam_kaggle_latin1.csv").read_bytes())
+    page = client.get(f"/datasets/{ds}").text
+    assert "invalid UTF-8 byte 0xe5" in page and "re-save it as UTF-8" in page
+    assert "Map the columns" not in page
+    ds = _upload(client, "chat.json", (messy / "sharegpt_empty_assistant_turn.json").read_bytes())
+    err = client.get(f"/api/datasets/{ds}").json()
+    assert err["status"] == "error"
+    page = client.get(f"/datasets/{ds}").text
+    assert "empty assistant turn (no usable rows: the only row is invalid)" in page, err
+    assert "Map the columns" not in page and "all 1 rows" not in page
