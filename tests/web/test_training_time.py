@@ -84,3 +84,47 @@ def test_run_finished_before_segments_were_recorded_shows_its_runtime(client, en
     fresh, _ = _running_run(client, engine)
     assert client.get(f"/api/runs/{fresh}").json()["training_time"] is None
     assert 'id="training-time"' not in client.get(f"/runs/{fresh}").text
+
+
+def _date_claims(engine, job_id: int, times: list[float]) -> None:
+    """Date the job's ``running`` state events (its claims, oldest first) ``times``."""
+    with session_scope(engine) as s:
+        evs = [e for e in s.exec(select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.type == "state")
+                                 .order_by(JobEvent.id)).all() if e.data.get("state") == JobState.RUNNING]
+        for ev, ts in zip(evs, times):
+            ev.ts = ts
+            s.add(ev)
+
+
+def _steps(engine, job_id: int, steps, t: float, every: float) -> None:
+    for i, step in enumerate(steps):
+        events.append_many(engine, job_id, [("metric", {"step": step, "total_steps": 300, "loss": 1.0})])
+        _set_ts(engine, job_id, t + every * i)
+
+
+def test_a_killed_attempt_counts_and_the_running_one_keeps_counting(client, engine):
+    """Trial s21 F15: the training process was SIGKILLed after step 20 (it could record no
+    segment), the job was requeued and resumed from checkpoint-20, then that attempt stopped at
+    27 recording its segment (its supervisor was killed), and the third claim trains on: the
+    training time counts the killed attempt from its step events (20 s), the recorded one (7 s)
+    and the running one (16 s so far), not 7 s frozen."""
+    run_id, job = _running_run(client, engine)
+    t0 = 1_700_000_000.0
+    _steps(engine, job, range(1, 21), t0 + 1, 1.0)           # steps 1..20, 1 s each
+    assert queue.reap(engine, restarted="w-test") == [(job, JobState.QUEUED)]
+    assert queue.claim(engine, "w-test", 30, kinds=["train"]).id == job
+    events.append_many(engine, job, [("log", {"message": "resuming from checkpoint-20", "resume_step": 20})])
+    _set_ts(engine, job, t0 + 31)
+    _steps(engine, job, range(21, 28), t0 + 32, 1.0)
+    _segment(engine, job, 20, 27, 7.0)
+    _set_ts(engine, job, t0 + 39)
+    assert queue.reap(engine, restarted="w-test") == [(job, JobState.QUEUED)]
+    assert queue.claim(engine, "w-test", 30, kinds=["train"]).id == job
+    events.append_many(engine, job, [("log", {"message": "resuming from checkpoint-27", "resume_step": 27})])
+    _set_ts(engine, job, t0 + 51)
+    _steps(engine, job, range(28, 36), t0 + 52, 2.0)         # 7 intervals of 2 s for steps 28..35
+    _date_claims(engine, job, [t0, t0 + 30, t0 + 50])
+    tt = client.get(f"/api/runs/{run_id}").json()["training_time"]
+    # 19 s between steps 1 and 20 scaled to 20 steps; 7 s recorded; 14 s for 7 intervals -> 8 steps
+    assert tt == {"this_attempt": 43.0, "all_attempts": 43.0, "attempts": 3, "resumed": True, "running": True}
+    assert "Training time: <strong>43 s</strong> over all 3 attempts" in client.get(f"/runs/{run_id}").text

@@ -135,6 +135,11 @@ def test_cancelled_run_resumes_exactly(studio) -> None:
     logs = [e["message"] for e in c.get(f"/v1/fine_tuning/jobs/{cut}/events",
                                         params={"limit": 10000}).json()["data"]]
     assert f"resuming from checkpoint-{done}" in logs
+    # ...and says the step as data: the run's training time starts the attempt there
+    from app.store import events
+    resumed = [e.data for e in events.since(eng, job.id, 0, 10000, types=["log"])
+               if e.data.get("message") == f"resuming from checkpoint-{done}"]
+    assert [d.get("resume_step") for d in resumed] == [done], resumed
     whole_job = queue.get_job(eng, repo.get_run(eng, whole).job_id)
     assert job.result["first_loss"] == whole_job.result["first_loss"] == want[1][1]
     assert job.result["train_loss"] == pytest.approx(whole_job.result["train_loss"], abs=1e-5)

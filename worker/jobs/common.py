@@ -266,7 +266,9 @@ def last_checkpoint(ctx: JobContext, ckpt_dir: Path) -> str | None:
     (:func:`worker.checkpoints.newest_complete`)."""
     last = newest_complete(ckpt_dir, on_skip=lambda msg: ctx.log(msg, "warning"))
     if last:
-        ctx.log(f"resuming from {last.name}")
+        step = last.name.rpartition("-")[2]
+        # the step, as data: the run's training time starts this attempt there (app.studio.train_time)
+        ctx.log(f"resuming from {last.name}", **({"resume_step": int(step)} if step.isdecimal() else {}))
     return str(last) if last else None
 
 
