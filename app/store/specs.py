@@ -44,7 +44,29 @@ def one_of(field: str, choices: tuple[str, ...]):
     return field_validator(field)(check)
 
 
-class LoraTrainingFields(BaseModel):
+def _is_number(annotation) -> bool:
+    """Whether a field's type is int or float (or one of them | None)."""
+    import typing
+
+    args = typing.get_args(annotation) or (annotation,)
+    return any(a in (int, float) for a in args) and bool not in args
+
+
+class NumbersNotBooleans(BaseModel):
+    """Refuses ``true``/``false`` for a number field (pydantic's lax mode reads them as 1/0,
+    so ``"per_device_train_batch_size": true`` would train with 1): "must be a number, not
+    true"."""
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_booleans(cls, value, info):
+        field = cls.model_fields.get(info.field_name)
+        if isinstance(value, bool) and field is not None and _is_number(field.annotation):
+            raise ValueError(f"must be a number, not {str(value).lower()}")
+        return value
+
+
+class LoraTrainingFields(NumbersNotBooleans):
     """The fields and checks every LoRA/QLoRA training spec shares (PEFT + optimizer + trainer).
 
     Subclasses redeclare a field only to change its default or bounds (GrpoSpec's optimizer
@@ -99,7 +121,7 @@ class LoraTrainingFields(BaseModel):
         return cleaned
 
 
-class HeldOutFields(BaseModel):
+class HeldOutFields(NumbersNotBooleans):
     """A run's held-out set (SFT and GRPO): OpenAI's ``validation_file`` or a percentage of the
     dataset's rows shuffled with the run's ``seed``; the rules in :mod:`app.studio.evaluation`."""
 
@@ -166,7 +188,7 @@ class TrainSpec(HeldOutFields, LoraTrainingFields):
         return self
 
 
-class ExportSpec(BaseModel):
+class ExportSpec(NumbersNotBooleans):
     """Export a run's result (spec_version 1): adapter, merged 16-bit, GGUF or Ollama."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -230,7 +252,7 @@ PROMPT_COLUMNS = ("prompt", "question", "instruction", "query", "problem", "inpu
 ANSWER_COLUMNS = ("answer", "solution", "reference", "target", "output", "completion")
 
 
-class RewardSpec(BaseModel):
+class RewardSpec(NumbersNotBooleans):
     """One reward function of a GRPO run: a built-in ``name`` (or ``custom``), its weight and params.
 
     ``params`` per reward (all optional unless stated):

@@ -157,3 +157,19 @@ def test_another_users_run_in_both_compare_slots_is_a_404(app, client, engine):
         assert r.status_code == 404, r.text
     r = client.get("/runs/compare", params={"a": mine, "b": mine})  # the owner: the same run
     assert r.status_code == 422 and "choose two different runs" in r.text
+
+
+def test_true_and_false_are_not_numbers(client, engine):
+    """Trial s21 F6: ``"per_device_train_batch_size": true`` made a run with batch 1 (pydantic's
+    lax mode reads booleans as 1/0); every number field of a spec refuses them, naming the
+    field; a boolean field still takes them."""
+    ds = upload_sft(client)
+    r = client.post("/api/runs", json={"model": "stories260K", "dataset": ds, "max_steps": 1,
+                                       "per_device_train_batch_size": True, "lora_dropout": False})
+    assert r.status_code == 422, r.text
+    assert r.json()["error"]["fields"] == {"per_device_train_batch_size": "must be a number, not true",
+                                           "lora_dropout": "must be a number, not false"}
+    r = client.post("/api/runs", json={"model": "stories260K", "dataset": ds, "max_steps": 1,
+                                       "packing": True})
+    assert r.status_code == 201, r.text
+    assert repo.get_run(engine, r.json()["id"]).spec["packing"] is True
