@@ -367,7 +367,8 @@ def queue_view(engine: Engine, settings: Settings, actor: User,
         row = slot_of(job, need, reason=reason, start_in_seconds=start, position=pos,
                       front=job.front_at is not None)
         if not row.visible and quota:
-            row.reason = "over its owner's quota"
+            held = admission.hold_kind(owner)
+            row.reason = admission.HELD_ANONYMOUS[held] if held else "over its owner's quota"
         row.note = waits_on.get(job.id)
         waiting.append(row)
     lanes = sum(1 for w in live if w.device.endswith(LANE_SUFFIX))
