@@ -230,7 +230,9 @@ def queue_view(engine: Engine, settings: Settings, actor: User,
         runs = {r.id: r for r in s.exec(select(Run).where(Run.id.in_(ids)))} if ids else {}
         run_owner = {k: r.owner for k, r in runs.items()}
         run_name = {k: r.name for k, r in runs.items()}
-        names = {u.id: u.name for u in s.exec(select(User))}
+        users = list(s.exec(select(User)))
+        names = {u.id: u.name for u in users}
+        disabled = {u.id for u in users if u.disabled}
         typical = {k: typical_seconds(s, k, on_gpu=True)
                    for k in {j.kind for j in ordered + snap.running}}
         typical.update({k: typical_seconds(s, k) for k in {j.kind for j in cpu_jobs}})
@@ -372,7 +374,8 @@ def queue_view(engine: Engine, settings: Settings, actor: User,
         row.note = waits_on.get(job.id)
         waiting.append(row)
     lanes = sum(1 for w in live if w.device.endswith(LANE_SUFFIX))
-    cpu = cpu_lane(lanes, cpu_jobs, typical, t, lambda j: attempt_eta(engine, j, t), slot_of)
+    cpu = cpu_lane(lanes, cpu_jobs, typical, t, lambda j: attempt_eta(engine, j, t), slot_of,
+                   disabled)
     return QueueView(gpus, waiting, access.is_admin(actor), cpu, yield_s)
 
 
