@@ -128,5 +128,6 @@ def cpu_lane(lanes: int, jobs: list[Job], typical: dict[str, float | None], t: f
         view.waiting.append(slot_of(job, None, reason=reason, start_in_seconds=start,
                                     position=pos))
         ahead += 1
-    view.waiting += [slot_of(job, None, reason=HELD_DISABLED) for job in held]
+    view.waiting += [slot_of(job, None, reason=HELD_DISABLED, position=len(queued) + i)
+                     for i, job in enumerate(held, 1)]
     return view

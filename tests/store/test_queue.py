@@ -205,8 +205,8 @@ def test_a_disabled_owners_cpu_lane_jobs_are_held_until_enabled(engine) -> None:
     assert queue.claim(engine, "any", 60) is None  # whatever the kinds
     workers.register(engine, "w1 lane", "h", 1, "cpu (cpu lane)")
     (row,) = queue_view(engine, Settings(), boss).cpu.waiting
-    assert (row.job_id, row.reason, row.start_in_seconds) == (
+    assert (row.job_id, row.reason, row.start_in_seconds, row.position) == (
         held.id, "held: its owner's account is disabled; enabling it again releases the job",
-        None)
+        None, 1)
     accounts.set_disabled(engine, boss, bob.id, False)
     assert queue.claim(engine, "lane", 60, kinds=kinds).id == held.id
