@@ -66,7 +66,9 @@ def test_jobs_at_once_zero_refuses_every_new_job_and_holds_the_waiting_ones(
                        "jobs_at_once_zero", PAUSED)
         assert msg.endswith("so this run is not queued.")
         form = c.post("/runs", data=_form(c, ds), headers={"HX-Request": "true"})
-        assert form.status_code == 422 and PAUSED in form.text  # above the form, not a 500
+        assert form.status_code == 422 and form.text.count(PAUSED) == 1  # above it, once
+        for url in ("/runs/new", "/runs/new/grpo"):  # said on the forms before Start
+            assert PAUSED in c.get(url).text, url
         _refused(c.post("/v1/fine_tuning/jobs", json={"model": model, "training_file": ds}),
                  "jobs_at_once_zero", PAUSED, 400)
         # resume and evaluate: refused, and the run page's buttons say why before the click
