@@ -5,8 +5,10 @@ A *slot* is one GPU of one supervisor (worker/supervisor.py), registered as a wo
 ``estimate_gib x (1 + gpu_admit_margin) + CUDA_CONTEXT_GIB`` GiB (a job with no estimate needs the
 whole slot: it runs alone). It is admitted onto a slot when
 
-* its owner is within their quotas (jobs running at once, GiB admitted at once, GPU-hours in the
-  last 24 h; ``users.quota_*``, None = no limit), and
+* its owner's jobs are not held (:func:`hold_reason`: the account is disabled, or its "Jobs at
+  once" is 0; an admin's way to pause a user: held jobs wait, running ones go on) and the owner
+  is within their quotas (jobs running at once, GiB admitted at once, GPU-hours in the last
+  24 h; ``users.quota_*``, None = no limit), and
 * its need fits beside the ``admitted_gib`` of the jobs already running on that slot;
 * a data-parallel run (its spec's ``num_gpus`` N > 1) needs N slots of one host at once: the
   offered slot and the N-1 others of its host with the most free memory, each with room for
@@ -66,6 +68,8 @@ class Owner:
     quota_gib: float | None = None
     quota_gpu_hours: float | None = None
     weight: float = 1.0
+    #: the account is disabled: its waiting jobs are held (:func:`hold_reason`)
+    disabled: bool = False
     running: int = 0
     held_gib: float = 0.0
     day_seconds: float = 0.0
@@ -141,7 +145,8 @@ def snapshot(s: Session, now: float, kinds: Collection[str], margin: float,
     for oid in ids:
         u = users.get(oid)
         owners[oid] = (Owner(oid, u.name, u.quota_jobs, u.quota_gib, u.quota_gpu_hours,
-                             u.share_weight or 1.0) if u else Owner(oid, oid or "nobody"))
+                             u.share_weight or 1.0, bool(u.disabled))
+                       if u else Owner(oid, oid or "nobody"))
     for j in running:
         owners[j.owner].running += 1
         owners[j.owner].held_gib += j.admitted_gib or 0.0
@@ -204,13 +209,49 @@ def over_gib_quota(quota_gib: float | None, need: float | None) -> bool:
     return quota_gib is not None and need is not None and need > quota_gib + 1e-9
 
 
+#: Why a job is held, as a member reads another user's job (an anonymous slot): no name.
+HELD_ANONYMOUS = {"disabled": "held: its owner's account is disabled",
+                  "paused": "held: its owner's Jobs at once is 0"}
+
+
+def hold_kind(owner: Owner | User) -> str | None:
+    """Whether no job of ``owner`` (an :class:`Owner`, or the User row: the same two fields)
+    may start now, whatever is free: ``"disabled"`` (an admin disabled the account),
+    ``"paused"`` (its "Jobs at once" quota is 0), else None."""
+    if owner.disabled:
+        return "disabled"
+    if owner.quota_jobs is not None and owner.quota_jobs <= 0:
+        return "paused"
+    return None
+
+
+def hold_reason(owner: Owner, whose: str | None = None) -> str | None:
+    """Why ``owner``'s waiting jobs are held (none of them is admitted, however much is free),
+    or None: the account is disabled, or its "Jobs at once" quota (the Admin page's name) is 0.
+    ``whose``: None when the owner reads, else the owner's name (an admin reading)."""
+    kind = hold_kind(owner)
+    if kind == "disabled":
+        name = "your" if whose is None else f"{whose}'s"
+        return f"held: {name} account is disabled; enabling it again releases the job"
+    if kind == "paused":
+        if whose is None:
+            return "held: Jobs at once is 0 for you; ask an admin"
+        return (f"held: Jobs at once is 0 for {whose}; raising it on the Admin page releases "
+                "the job")
+    return None
+
+
 def quota_reason(owner: Owner, need: float | None, whose: str | None = None) -> str | None:
-    """Why ``owner``'s next job of ``need`` GiB is over quota, or None when it is within.
+    """Why ``owner``'s next job of ``need`` GiB is held (:func:`hold_reason`) or over quota, or
+    None when it is within.
 
     ``whose``: None when the reader is the owner ("your 1 running job reaches your limit of 1
     at once"), else the owner's name, for an admin reading another user's job ("bob's 2
     running jobs reach bob's limit of 2 at once"). A job whose need alone is more than the
     GPU memory quota (:func:`over_gib_quota`) says it can never start under that quota."""
+    held = hold_reason(owner, whose)
+    if held is not None:
+        return held
     mine = "your" if whose is None else f"{whose}'s"
     if over_gib_quota(owner.quota_gib, need):
         return (f"over quota, can never start under {mine} current quota: this job needs "

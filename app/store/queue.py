@@ -157,7 +157,8 @@ def claim(engine: Engine, worker_id: str, lease_seconds: float,
           kinds: list[str] | None = None) -> Job | None:
     """Atomically claim the first queued job of ``kinds`` (None: any kind) in claim order
     (:data:`KIND_RANK`: rank, turns by owner among ``kinds``, priority, age), or return None
-    when there is none.
+    when there is none. A job whose owner's account is disabled is held: never claimed while it
+    is (as :func:`admit` holds GPU jobs; :func:`app.store.admission.hold_kind`).
 
     The job becomes ``running`` with ``lease_owner = worker_id`` and a lease of
     ``lease_seconds`` seconds; ``attempts`` is incremented. The owner's turn is a correlated
@@ -177,11 +178,12 @@ def claim(engine: Engine, worker_id: str, lease_seconds: float,
         "UPDATE jobs SET state = 'running', lease_owner = :w, lease_expires_at = :exp, "
         "attempts = attempts + 1, started_at = COALESCE(started_at, :now) "
         "WHERE id = (SELECT q.id FROM jobs q WHERE q.state = 'queued' AND q.cancel_requested = :f"
+        " AND NOT EXISTS (SELECT 1 FROM users u WHERE u.id = q.owner AND u.disabled = :t)"
         f"{kind_sql} ORDER BY {_rank_sql('q.kind')}, {turn}, q.priority DESC, q.id "
         f"LIMIT 1{lock}) AND state = 'queued' "
         "RETURNING id"
     )
-    params["f"] = False
+    params["f"], params["t"] = False, True
     with session_scope(engine, immediate=True) as s:
         row = s.execute(sql, params).first()
         if row is None:

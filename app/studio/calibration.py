@@ -136,6 +136,8 @@ def job_quota_refusal(engine: Engine | None, settings: Settings, owner: User | s
 
     ``owner``: the job's owner (a User, or its id, read with ``engine``); ``allocated_gib``:
     the job's estimated allocator peak per GPU (GiB, the ``estimate_gib`` it is queued with);
+    First the holds admission applies to every job of the owner (:func:`held_refusal`: "Jobs
+    at once" is 0, or the account is disabled), whatever the job's estimate.
     ``what``: the job as the message names it ("this run"); ``remedy``: the message's last
     sentence (``{whose}`` in it names the quota's owner); ``actor``: who asks, when not the
     owner (an admin resuming a member's run: the message says "alice's quota", not "your").
@@ -144,13 +146,16 @@ def job_quota_refusal(engine: Engine | None, settings: Settings, owner: User | s
     GPUs (:func:`app.store.admission.need_gib`) is more than the quota
     (:func:`app.store.admission.over_gib_quota`, the rule admission applies). No owner, no
     quota or no estimate: None."""
-    if owner is None or allocated_gib is None or allocated_gib <= 0:
+    if owner is None:
         return None
     if isinstance(owner, str):
         with session_scope(engine) as s:
             owner = s.get(User, owner)
         if owner is None:
             return None
+    held = held_refusal(owner, what, actor)
+    if held is not None or allocated_gib is None or allocated_gib <= 0:
+        return held
     per_gpu = admission.need_gib(allocated_gib, settings.gpu_admit_margin, None)
     need = per_gpu * max(1, num_gpus)
     if not admission.over_gib_quota(owner.quota_gib, need):
@@ -163,6 +168,29 @@ def job_quota_refusal(engine: Engine | None, settings: Settings, owner: User | s
         f"admission margin and the {CUDA_CONTEXT_GIB:g} GiB CUDA context), more than {whose} "
         f"GPU memory quota of {admission.quota_text(owner.quota_gib)} GiB at once: it could "
         f"never start. {remedy.format(whose=whose)}", None, code="over_gpu_memory_quota")
+
+
+def held_refusal(owner: User, what: str = "this run", actor: User | None = None
+                 ) -> StudioError | None:
+    """The refusal of a new job of ``owner`` that admission would hold forever
+    (:func:`app.store.admission.hold_kind`): their "Jobs at once" quota (the Admin page's name)
+    is 0, an admin's way to pause a user (StudioError invalid, code ``jobs_at_once_zero``), or
+    the account is disabled (an admin acting for a disabled user; code ``owner_disabled``);
+    None otherwise. ``what``: the job as the message names it; ``actor``: who asks, when not
+    the owner (the message then names the owner and the admin's remedy)."""
+    kind = admission.hold_kind(owner)
+    if kind is None:
+        return None
+    mine = actor is None or actor.id == owner.id
+    if kind == "paused":
+        text = ("Jobs at once is 0 for you: ask an admin. No job of yours starts while it is, so "
+                f"{what} is not queued." if mine else
+                f"Jobs at once is 0 for {owner.name}: raise it on the Admin page. No job of "
+                f"{owner.name}'s starts while it is, so {what} is not queued.")
+        return StudioError("invalid", text, None, code="jobs_at_once_zero")
+    return StudioError("invalid", f"{owner.name}'s account is disabled: enable it on the Admin "
+                       f"page first. A disabled account's jobs are held, so {what} is not "
+                       "queued.", None, code="owner_disabled")
 
 
 def check_job_quota(engine: Engine | None, settings: Settings, owner: User | str | None,
@@ -179,14 +207,14 @@ def check_job_quota(engine: Engine | None, settings: Settings, owner: User | str
 def check_quota(settings: Settings, owner: User | None, est: Estimate | None,
                 num_gpus: int = 1) -> None:
     """A new run's :func:`check_job_quota` for its calibrated estimate ``est`` (raises
-    StudioError ``over_gpu_memory_quota``; no estimate: no refusal)."""
-    if est is None or est.total_gib <= 0:
-        return
-    check_job_quota(None, settings, owner, est.allocated_gib, num_gpus)
+    StudioError ``over_gpu_memory_quota``; no estimate: only :func:`held_refusal`'s)."""
+    known = est is not None and est.total_gib > 0
+    check_job_quota(None, settings, owner, est.allocated_gib if known else None, num_gpus)
 
 
 #: Codes of the refusals above: about the whole spec, not one field (a form shows them on top).
-WHOLE_SPEC_CODES = ("too_big_for_gpus", "over_gpu_memory_quota")
+WHOLE_SPEC_CODES = ("too_big_for_gpus", "over_gpu_memory_quota", "jobs_at_once_zero",
+                    "owner_disabled")
 
 
 def for_new_run(engine: Engine, settings: Settings, model: Model, spec: Any,

@@ -15,7 +15,7 @@ Other users' jobs are anonymous slots, as on the GPU lane (the caller passes ``s
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from statistics import median
 from typing import Any
@@ -25,6 +25,8 @@ from sqlmodel import select
 from app.store.queue import CPU_KINDS, claim_key, claim_order, last_turns
 from app.store.schema import Job, JobState
 
+#: Why a CPU-lane job of a disabled account waits (the claim skips it; any reader).
+HELD_DISABLED = "held: its owner's account is disabled; enabling it again releases the job"
 #: The device suffix of a worker row that is a CPU lane (worker/loop.py ``start_cpu_lane``).
 LANE_SUFFIX = "(cpu lane)"
 
@@ -79,7 +81,8 @@ def _plural(n: int, word: str) -> str:
 
 
 def cpu_lane(lanes: int, jobs: list[Job], typical: dict[str, float | None], t: float,
-             eta_of: Callable[[Job], float | None], slot_of: Callable[..., Any]) -> CpuLaneView:
+             eta_of: Callable[[Job], float | None], slot_of: Callable[..., Any],
+             disabled: Collection[str] = ()) -> CpuLaneView:
     """The CPU lane view from the queued and running CPU-lane ``jobs`` in claim order
     (:func:`in_claim_order`).
 
@@ -89,6 +92,8 @@ def cpu_lane(lanes: int, jobs: list[Job], typical: dict[str, float | None], t: f
         t: now (epoch seconds).
         eta_of: a running job's seconds left by its own ``eta_seconds`` metric, else None.
         slot_of: ``(job, need_gib, **fields) -> JobSlot`` (hides other users' jobs).
+        disabled: ids of disabled accounts: their waiting jobs are held (the claim skips
+            them), listed last with :data:`HELD_DISABLED` and no start.
     """
     view = CpuLaneView(lanes)
     free_in: list[float | None] = []  # per busy lane: seconds until it frees (None: unknown)
@@ -98,7 +103,8 @@ def cpu_lane(lanes: int, jobs: list[Job], typical: dict[str, float | None], t: f
         free_in.append(eta)
     free_in += [0.0] * max(0, lanes - len(free_in))
     ahead = len(view.running)
-    queued = [j for j in jobs if j.state == JobState.QUEUED]
+    queued = [j for j in jobs if j.state == JobState.QUEUED and j.owner not in disabled]
+    held = [j for j in jobs if j.state == JobState.QUEUED and j.owner in disabled]
     for pos, job in enumerate(queued, 1):
         start = None
         if not lanes:
@@ -122,4 +128,6 @@ def cpu_lane(lanes: int, jobs: list[Job], typical: dict[str, float | None], t: f
         view.waiting.append(slot_of(job, None, reason=reason, start_in_seconds=start,
                                     position=pos))
         ahead += 1
+    view.waiting += [slot_of(job, None, reason=HELD_DISABLED, position=len(queued) + i)
+                     for i, job in enumerate(held, 1)]
     return view

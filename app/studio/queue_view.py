@@ -230,7 +230,9 @@ def queue_view(engine: Engine, settings: Settings, actor: User,
         runs = {r.id: r for r in s.exec(select(Run).where(Run.id.in_(ids)))} if ids else {}
         run_owner = {k: r.owner for k, r in runs.items()}
         run_name = {k: r.name for k, r in runs.items()}
-        names = {u.id: u.name for u in s.exec(select(User))}
+        users = list(s.exec(select(User)))
+        names = {u.id: u.name for u in users}
+        disabled = {u.id for u in users if u.disabled}
         typical = {k: typical_seconds(s, k, on_gpu=True)
                    for k in {j.kind for j in ordered + snap.running}}
         typical.update({k: typical_seconds(s, k) for k in {j.kind for j in cpu_jobs}})
@@ -367,11 +369,13 @@ def queue_view(engine: Engine, settings: Settings, actor: User,
         row = slot_of(job, need, reason=reason, start_in_seconds=start, position=pos,
                       front=job.front_at is not None)
         if not row.visible and quota:
-            row.reason = "over its owner's quota"
+            held = admission.hold_kind(owner)
+            row.reason = admission.HELD_ANONYMOUS[held] if held else "over its owner's quota"
         row.note = waits_on.get(job.id)
         waiting.append(row)
     lanes = sum(1 for w in live if w.device.endswith(LANE_SUFFIX))
-    cpu = cpu_lane(lanes, cpu_jobs, typical, t, lambda j: attempt_eta(engine, j, t), slot_of)
+    cpu = cpu_lane(lanes, cpu_jobs, typical, t, lambda j: attempt_eta(engine, j, t), slot_of,
+                   disabled)
     return QueueView(gpus, waiting, access.is_admin(actor), cpu, yield_s)
 
 

@@ -57,7 +57,8 @@ def resume_state(engine: Engine, settings: Settings, actor: User, run: Run, job:
     """Whether ``actor`` can resume ``run`` now, as the run page (before the click) and
     ``/api/runs/{id}`` say it: ``checkpoint_step`` (the step a resume starts from; None when the
     run has none to resume from), ``can_resume``, ``reason`` (why not, for a user; None when it
-    can) and ``code`` (``not_resumable`` or ``over_gpu_memory_quota``, as :func:`resume_run`
+    can) and ``code`` (``not_resumable``, ``over_gpu_memory_quota``, ``jobs_at_once_zero`` or
+    ``owner_disabled``, as :func:`resume_run`
     refuses it; None when it can)."""
     step, why = resumable(engine, run, job)
     problem = None if why is not None else quota_refusal(engine, settings, actor, run, job)
@@ -78,7 +79,8 @@ def resume_run(engine: Engine, settings: Settings, actor: User, run_id: str
             ``not_resumable``) when its job is queued or running, it succeeded, it saved no
             checkpoint, or its validation_file was deleted since; invalid (code
             ``over_gpu_memory_quota``) when the owner's GPU memory quota could never admit
-            the new job (:func:`app.studio.calibration.check_job_quota`).
+            the new job, or ``jobs_at_once_zero`` / ``owner_disabled`` when admission would
+            hold it (:func:`app.studio.calibration.check_job_quota`).
     """
     run, job = access.run_with_job(engine, actor, run_id)
     step, why = resumable(engine, run, job)

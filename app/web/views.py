@@ -135,6 +135,17 @@ def form_fields(template: str) -> set[str]:
         re.findall(r"(?:field|opt_number)\('(\w+)'", src))
 
 
+def form_notices(user, general: list | None) -> list:
+    """A run form's notices above it: ``general`` (a refusal of the submitted spec), and, before
+    Start, why no run of ``user`` can start at all (their Jobs at once is 0:
+    :func:`app.studio.calibration.held_refusal`), once."""
+    out = list(general or [])
+    held = calibration.held_refusal(user) if user is not None else None
+    if held is not None and held.message not in out:
+        out.append(held.message)
+    return out
+
+
 def kept_fields(values: dict[str, Any], spec_cls, template: str) -> dict[str, Any]:
     """Spec fields of a run form's ``values`` that ``template`` does not show and that differ
     from their default (a clone's ``weight_decay``, ``optim``, ...): the form carries them as

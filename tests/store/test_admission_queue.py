@@ -190,3 +190,44 @@ def test_a_job_too_big_for_every_gpu_less_the_reserve_is_refused(engine) -> None
     assert ("22.5 GiB with the 10% admission margin; the largest GPU of the live workers has "
             "24.0 GiB, 22.0 GiB admissible after the reserve") in exc.value.message
     assert need_gib(20.0, 0.1, 22.0) == 22.5 and need_gib(None, 0.1, 22.0) == 22.0
+
+
+def test_a_disabled_or_paused_owners_waiting_jobs_are_held_by_the_claim(url: str) -> None:
+    """F5/F12: an admin disables bob, or sets carol's Jobs at once to 0: the real admission
+    claim (SQLite and Postgres) skips their waiting jobs however free the GPU is, the queue
+    says why, a job already running goes on, and enabling / raising the quota releases them."""
+    eng = make_engine(url)
+    try:
+        slot = Slot("h-gpu0", "h", 0, 78.0, 80.0)
+        gpu_slot_row(eng, slot)
+        bob, carol, dave = (add_user(eng, n) for n in ("bob", "carol", "dave"))
+        running = queue.enqueue(eng, "train", {}, owner=bob.id, estimate_gib=4.0)
+        assert queue.admit(eng, slot, 300, ["train"], 0.1, 24.0).id == running.id
+        b = queue.enqueue(eng, "train", {}, owner=bob.id, estimate_gib=4.0)
+        c = queue.enqueue(eng, "train", {}, owner=carol.id, estimate_gib=4.0)
+        d = queue.enqueue(eng, "train", {}, owner=dave.id, estimate_gib=4.0)
+        from app.studio import accounts
+        admin = add_user(eng, "boss", role="admin")
+        accounts.set_disabled(eng, admin, bob.id, True)
+        quotas.set_quota(eng, admin, carol.id, jobs="0", gib="", gpu_hours="", weight="1")
+        got = []
+        while (job := queue.admit(eng, slot, 300, ["train"], 0.1, 24.0)) is not None:
+            got.append(job.id)
+        assert got == [d.id]  # 62 GiB free: only dave's starts
+        assert queue.get_job(eng, running.id).state == JobState.RUNNING  # bob's running goes on
+        assert {queue.get_job(eng, i).state for i in (b.id, c.id)} == {JobState.QUEUED}
+        view = queue_view(eng, SETTINGS, admin, kinds=("train",))
+        assert {w.job_id: w.reason for w in view.waiting} == {
+            b.id: "held: bob's account is disabled; enabling it again releases the job",
+            c.id: "held: Jobs at once is 0 for carol; raising it on the Admin page releases "
+                  "the job"}
+        as_carol = queue_view(eng, SETTINGS, carol, kinds=("train",))
+        assert sorted((w.visible, w.reason) for w in as_carol.waiting) == [
+            (False, "held: its owner's account is disabled"),
+            (True, "held: Jobs at once is 0 for you; ask an admin")]
+        accounts.set_disabled(eng, admin, bob.id, False)
+        quotas.set_quota(eng, admin, carol.id, jobs="1", gib="", gpu_hours="", weight="1")
+        got = {queue.admit(eng, slot, 300, ["train"], 0.1, 24.0).id for _ in range(2)}
+        assert got == {b.id, c.id}
+    finally:
+        eng.dispose()

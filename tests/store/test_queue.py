@@ -179,3 +179,34 @@ def test_the_cpu_lane_takes_turns_by_owner(engine) -> None:
     late = export("bob")
     first = queue.claim(engine, "lane-cpu", 60, kinds=list(queue.CPU_KINDS))
     assert first.id == late.id, (first.id, late.id, [j.id for j in more])
+
+
+def test_a_disabled_owners_cpu_lane_jobs_are_held_until_enabled(engine) -> None:
+    """F5 on the CPU lane (exports, imports, validations): the claim skips a disabled owner's
+    waiting job (one SQL statement, SQLite and Postgres), the queue page says it is held, and
+    enabling the account releases it; a job of no owner is claimed as before."""
+    from app.settings import Settings
+    from app.store import workers
+    from app.store.db import session_scope
+    from app.store.schema import User
+    from app.studio import accounts
+    from app.studio.queue_view import queue_view
+
+    with session_scope(engine) as s:
+        bob, boss = User(name="bob", password_hash="x"), User(name="boss", password_hash="x",
+                                                              role="admin")
+        s.add_all([bob, boss])
+    held = queue.enqueue(engine, "export", {"format": "adapter"}, priority=5, owner=bob.id)
+    free = queue.enqueue(engine, "validate_dataset", {}, owner=None)
+    accounts.set_disabled(engine, boss, bob.id, True)
+    kinds = list(queue.CPU_KINDS)
+    assert queue.claim(engine, "lane", 60, kinds=kinds).id == free.id
+    assert queue.claim(engine, "lane", 60, kinds=kinds) is None  # bob's export waits
+    assert queue.claim(engine, "any", 60) is None  # whatever the kinds
+    workers.register(engine, "w1 lane", "h", 1, "cpu (cpu lane)")
+    (row,) = queue_view(engine, Settings(), boss).cpu.waiting
+    assert (row.job_id, row.reason, row.start_in_seconds, row.position) == (
+        held.id, "held: its owner's account is disabled; enabling it again releases the job",
+        None, 1)
+    accounts.set_disabled(engine, boss, bob.id, False)
+    assert queue.claim(engine, "lane", 60, kinds=kinds).id == held.id

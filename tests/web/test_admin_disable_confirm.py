@@ -8,7 +8,8 @@ import pytest
 from tests.web.test_web_browser import CHROMIUM, page  # noqa: F401 - the signed-in page fixture
 
 QUESTION = ("Disable user bea? They are signed out everywhere and cannot sign in or use their "
-            "API keys until an admin enables them again.")
+            "API keys until an admin enables them again. Their waiting jobs are held (not "
+            "started) until then; their running jobs continue to the end.")
 
 
 def _bea(client) -> str:

@@ -110,7 +110,8 @@ class RunOut(BaseModel):
         default=None, description="single-run reads: whether the caller can resume the run now, "
         "as POST /api/runs/{id}/resume would answer: checkpoint_step (where a resume starts; null "
         "without one), can_resume, reason (why not; null when it can) and code (not_resumable, "
-        "over_gpu_memory_quota: the owner's GPU memory quota could never admit the job; null "
+        "over_gpu_memory_quota: the owner's GPU memory quota could never admit the job; "
+        "jobs_at_once_zero: the owner's Jobs at once quota is 0; owner_disabled; null "
         "when it can) (app.studio.resume.resume_state)")
 
 

@@ -62,7 +62,7 @@ def _form_ctx(request, values, errors=None, general=None) -> dict[str, Any]:
         values["model"] = ([m for m in models if m.status == "ready"] or models)[0].id
     if not values.get("dataset") and datasets:
         values["dataset"] = datasets[0].id
-    return {"values": values, "errors": errors or {}, "general_errors": general or [],
+    return {"values": values, "errors": errors or {}, "general_errors": views.form_notices(user, general),
             "models": models, "datasets": datasets,
             "dataset_label": dataset_labeller(engine, user),
             "all_modules": ALL_LINEAR,

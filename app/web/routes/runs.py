@@ -48,7 +48,7 @@ def _form_ctx(engine, user, values: dict, errors: dict | None = None,
         values["model"] = (ready or models)[0].id
     if not values.get("dataset") and datasets:
         values["dataset"] = datasets[0].id
-    return {"values": values, "errors": errors or {}, "general_errors": general or [],
+    return {"values": values, "errors": errors or {}, "general_errors": views.form_notices(user, general),
             "models": models, "datasets": datasets,
             "dataset_label": dataset_labeller(engine, user),
             "all_modules": ALL_LINEAR,
