@@ -22,7 +22,7 @@ def run_id(client) -> str:
 
 
 def test_every_list_refuses_a_bad_limit_naming_it(client, run_id) -> None:
-    lists = {"/api/runs": (1000, 422),
+    lists = {"/api/runs": (1000, 422), "/api/playground/sessions": (100, 422),
              "/v1/files": (10000, 400), "/v1/fine_tuning/jobs": (100, 400),
              f"/v1/fine_tuning/jobs/{run_id}/events": (10000, 400),
              f"/v1/fine_tuning/jobs/{run_id}/checkpoints": (100, 400)}
