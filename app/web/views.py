@@ -108,8 +108,8 @@ def run_view(engine, settings, user, run_id: str, controls_error: str | None = N
     model_name, dataset_name = input_names(engine, run)
     spec = run.spec or {}
     card = evaluation.run_evaluation(engine, run, job, settings, user)
-    can_resume = resume.resume_state(engine, settings, user, run, job)
-    why = resume.why_not(can_resume, job)
+    resume_now = resume.resume_state(engine, settings, user, run, job)
+    why = resume.why_not(resume_now, job)
     return {"run": run, "job": job, "state": state, "metric": m, "progress": progress,
             "error": job.error if job else None,
             "cancel_requested": bool(job and job.cancel_requested),
@@ -123,7 +123,7 @@ def run_view(engine, settings, user, run_id: str, controls_error: str | None = N
             "template_source": spec.get("chat_template"),
             "spec_json": json.dumps(spec, indent=2), "memory": calibration.memory_summary(job),
             "metric_peak": calibration.metric_peak(job, m),
-            "evaluation": card, "resume": can_resume, "resume_why": why,
+            "evaluation": card, "resume": resume_now, "resume_why": why,
             "controls_error": said_once(controls_error, [why]),
             "eval_error": said_once(eval_error, checkpoint_eval.shown_reasons(card)),
             "playground_link": playground_targets.run_link(engine, run, job),
