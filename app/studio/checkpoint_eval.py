@@ -222,6 +222,13 @@ def checkpoint_evals(engine: Engine, run: Run, settings: Settings | None = None,
             "default_samples": default_samples(run)}
 
 
+def shown_reasons(evaluation: dict[str, Any] | None) -> list[str]:
+    """The reasons the run page's Evaluation card prints beside its checkpoints' disabled
+    Evaluate buttons (``evaluation``: :func:`app.studio.evaluation.run_evaluation`'s)."""
+    rows = ((evaluation or {}).get("checkpoints") or {}).get("checkpoints") or []
+    return [c["reason"] for c in rows if not c["can_evaluate"] and c["reason"]]
+
+
 def run_evaluations(engine: Engine, settings: Settings, actor: User, run_id: str
                     ) -> dict[str, Any]:
     """Everything evaluated of a run (``GET /api/runs/{id}/evaluations``): ``held_out`` (where

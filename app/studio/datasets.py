@@ -100,16 +100,42 @@ def pickable_datasets(engine: Engine, actor: User) -> list[Dataset]:
 
 
 def in_use_message(engine: Engine, actor: User, ds: Dataset, exc: repo.InUse) -> str:
-    """Why ``ds`` cannot be deleted, naming the run that holds it only when ``actor`` may see
-    that run (another user's run is not named: its id would answer 404 anyway)."""
+    """Why ``ds`` cannot be deleted, in the names a user knows: its file name and the runs that
+    train on it, by name, with their count ("identity_alpaca.json is used by alice-first and 7
+    other runs: delete those runs first"); a run ``actor`` may not see (another user's) is
+    counted, never named (its id would answer 404 anyway). When no run trains on it: the
+    active run whose ``validation_file`` it is (``exc.run_id``)."""
+    runs = repo.runs_training_on(engine, ds.id)
+    if not runs:
+        return _validation_in_use(engine, actor, ds, exc.run_id)
+    seen = [r for r in runs if access.can_see(actor, r.owner)]
+    hidden = len(runs) - len(seen)
+    if not seen:
+        who = "another user's run" if hidden == 1 else f"{hidden} runs of other users"
+        return (f"{ds.filename} is used by {who}: an admin can delete "
+                f"{'it' if hidden == 1 else 'them'} first")
+    name, others = seen[0].name or seen[0].id, len(runs) - 1
+    if not others:
+        return f"{ds.filename} is used by run {name}: delete that run first"
+    theirs = f" ({hidden} of them another user's)" if hidden else ""
+    return (f"{ds.filename} is used by {name} and {others} other run{'s' if others > 1 else ''}"
+            f"{theirs}: delete those runs first")
+
+
+def _validation_in_use(engine: Engine, actor: User, ds: Dataset, run_id: str | None) -> str:
+    """Why ``ds``, the ``validation_file`` of run ``run_id`` whose job is active, cannot be
+    deleted now (the run named only when ``actor`` may see it)."""
     try:
-        run = repo.get_run(engine, exc.run_id) if exc.run_id else None
+        run, job = repo.run_with_job(engine, run_id) if run_id else (None, None)
     except repo.NotFound:
-        run = None
-    if run is None or access.can_see(actor, run.owner):
-        return str(exc)
-    return (f"dataset {ds.id!r} is used by another user's fine-tuning job; an admin can delete "
-            "that run first")
+        run, job = None, None
+    if run is None:
+        return f"{ds.filename} is in use by a run; delete it once that run has ended"
+    whose = f"run {run.name or run.id}" if access.can_see(actor, run.owner) \
+        else "another user's run"
+    state = f", whose job is {job.state}" if job is not None else ""
+    return (f"{ds.filename} is the validation_file of {whose}{state}: delete it once that run "
+            "has ended")
 
 
 def usable_models(engine: Engine, actor: User) -> list[Model]:

@@ -7,6 +7,8 @@ another user's object, so ids do not leak), ``invalid`` -> 422 (400 under ``/v1`
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 KINDS = ("not_found", "invalid", "unauthorized", "forbidden", "conflict", "too_many", "unavailable")
 
 
@@ -96,3 +98,12 @@ def whole(value: object) -> int | None:
         if digits.isascii() and digits.isdigit() and len(digits) <= 18:
             return int(text)
     return None
+
+
+def said_once(refusal: str | None, shown: Iterable[str | None]) -> str | None:
+    """The refusal of a click to show above a page's controls: ``refusal``, or None when the
+    page already shows that very sentence (``shown``: the reasons it prints beside its disabled
+    controls, e.g. "Cannot resume: ..."), so that a user reads it once, not twice."""
+    if refusal is None or refusal in {s for s in shown if s}:
+        return None
+    return refusal

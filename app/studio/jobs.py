@@ -116,6 +116,21 @@ def _visible(actor: User):
     return or_(Job.owner == actor.id, Job.run_id.in_(mine))
 
 
+def visible_jobs(engine: Engine, actor: User, kind: str, limit: int) -> list[Job]:
+    """The ``limit`` newest jobs of ``kind`` that ``actor`` may see, newest first: exactly
+    those :func:`app.studio.access.job` answers ``actor`` (a run's job is its run owner's;
+    an admin sees every user's, as every list does)."""
+    where = _visible(actor)
+    with session_scope(engine) as s:
+        q = select(Job).where(Job.kind == kind).order_by(Job.id.desc()).limit(limit)
+        jobs = s.exec(q if where is None else q.where(where)).all()
+        run_ids = {j.run_id for j in jobs if j.run_id}
+        owners = dict(s.exec(select(Run.id, Run.owner).where(Run.id.in_(run_ids))).all()) \
+            if run_ids else {}
+    return [j for j in jobs if access.can_see(actor, owners.get(j.run_id, j.owner)
+                                              if j.run_id else j.owner)]
+
+
 def _positions(s) -> dict[int, int]:
     """job id -> place in its lane's claim order (1 = claimed next), for the first
     :data:`POSITION_SCAN` queued jobs of every user."""

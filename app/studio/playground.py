@@ -39,6 +39,7 @@ from app.studio import checkpoint_eval as ckpt_eval
 from app.studio.datasets import context_window
 from app.studio.errors import StudioError, invalid
 from app.studio.job_states import state_words
+from app.studio.jobs import visible_jobs
 from app.studio.estimate import GIB, lora_params, model_shape, weight_bytes
 from app.studio.playground_params import (  # noqa: F401 - part of the playground's API
     DEFAULT_MAX_TOKENS, DEFAULTS, LIMITS, MAX_TOKENS, ROLES, messages, params, prompt_params)
@@ -259,6 +260,12 @@ def session(engine: Engine, actor: User, session_id: int | str) -> Job:
         return access.job(engine, actor, ident, kind=KIND)
     except StudioError:
         raise gone from None
+
+
+def list_sessions(engine: Engine, actor: User, limit: int) -> list[dict[str, Any]]:
+    """The ``limit`` newest Playground sessions ``actor`` may open with :func:`session` (an
+    admin: every user's, as every list), newest first, each as :func:`session_info`."""
+    return [session_info(engine, j) for j in visible_jobs(engine, actor, KIND, limit)]
 
 
 def status_of(engine: Engine, job: Job) -> str:

@@ -26,11 +26,19 @@ from app.studio.errors import StudioError, collect, invalid
 #: by this label (the error's ``field`` stays the key).
 LABELS = {"quota_jobs": "Jobs at once", "quota_gib": "GPU memory at once (GiB)",
           "quota_gpu_hours": "GPU-hours a day", "share_weight": "Weight"}
+#: What an empty field means, as a refusal says it: no limit for a quota; the default weight.
+EMPTY = {"share_weight": "empty: the default, 1"}
+
+
+def _empty(field: str) -> str:
+    """``(empty: ...)``: what leaving ``field`` empty means (:data:`EMPTY`, else no limit)."""
+    return f"({EMPTY.get(field, 'empty: no limit')})"
 
 
 def _number(field: str, raw: str | float | int | None, kind: type, minimum: float) -> float | None:
-    """A quota field: empty/None = no limit; else a ``kind`` number >= ``minimum``. Raises
-    StudioError invalid on ``field``, worded with its :data:`LABELS` label."""
+    """A quota field: empty/None = no limit (the weight: its default, 1); else a ``kind``
+    number >= ``minimum``. Raises StudioError invalid on ``field``, worded with its
+    :data:`LABELS` label and what leaving it empty means (:func:`_empty`)."""
     if raw is None or (isinstance(raw, str) and not raw.strip()):
         return None
     label = LABELS[field]
@@ -39,13 +47,13 @@ def _number(field: str, raw: str | float | int | None, kind: type, minimum: floa
     try:
         value = kind(raw)
     except (TypeError, ValueError):
-        raise invalid(field, f"{label} must be a number (empty: no limit)") from None
+        raise invalid(field, f"{label} must be a number {_empty(field)}") from None
     if not math.isfinite(value):  # "NaN", "1e999" (inf)
-        raise invalid(field, f"{label} must be a finite number (empty: no limit)")
+        raise invalid(field, f"{label} must be a finite number {_empty(field)}")
     if value < minimum:
         raise invalid(field, f"{label} must be at least {minimum:g}")
     if value > 1e9:
-        raise invalid(field, f"{label} must be at most 1000000000 (empty: no limit)")
+        raise invalid(field, f"{label} must be at most 1000000000 {_empty(field)}")
     return value
 
 
@@ -65,12 +73,12 @@ def _whole(field: str, raw: str | float | int, minimum: float) -> int:
             shown = str(raw).strip()
             shown = shown if len(shown) <= 20 else shown[:20] + "…"
             raise invalid(field, f"{label} must be a whole number, {minimum:g} or more "
-                          f"(empty: no limit), not {shown}") from None
+                          f"{_empty(field)}, not {shown}") from None
         value = int(number)
     if value < minimum:
         raise invalid(field, f"{label} must be at least {minimum:g}")
     if value > 1e9:
-        raise invalid(field, f"{label} must be at most 1000000000 (empty: no limit)")
+        raise invalid(field, f"{label} must be at most 1000000000 {_empty(field)}")
     return value
 
 

@@ -67,6 +67,17 @@ def resume_state(engine: Engine, settings: Settings, actor: User, run: Run, job:
             "reason": why or (problem.message if problem else None), "code": code}
 
 
+def why_not(state: dict[str, Any], job: Job | None) -> str | None:
+    """Why the run page says a run cannot be resumed (under its buttons, and as the disabled
+    Resume button's tooltip): ``state``'s reason (:func:`resume_state`) while its job is
+    cancelled or failed and it cannot resume; None otherwise (an active or finished run says
+    nothing about resuming)."""
+    if state["can_resume"] or job is None or job.state not in (JobState.CANCELLED,
+                                                               JobState.FAILED):
+        return None
+    return state["reason"]
+
+
 def resume_run(engine: Engine, settings: Settings, actor: User, run_id: str
                ) -> tuple[Run, Job]:
     """Queue a cancelled or failed run again; its new job resumes from the run's newest

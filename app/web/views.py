@@ -12,12 +12,12 @@ from fastapi.responses import RedirectResponse, Response
 from app.data.chat_template import DEFAULT_TEMPLATES, FALLBACK_TEMPLATE
 from app.store import repo
 from app.store.schema import JobState
-from app.studio import (access, accounts, calibration, checkpoint_files, evaluation,
-                        playground_targets, resume, train_time)
+from app.studio import (access, accounts, calibration, checkpoint_eval, checkpoint_files,
+                        evaluation, playground_targets, resume, train_time)
 from app.studio import exports as exports_uc
 from app.studio.compare import RESULT_LABELS
 from app.studio import verification
-from app.studio.errors import StudioError
+from app.studio.errors import StudioError, said_once
 from app.studio.estimate import memory_words
 from app.studio.job_states import never_started, no_checkpoint_words, state_words
 from app.studio.runs import input_names, template_tokens_to_add
@@ -89,9 +89,13 @@ def place_view(engine, user, run_id: str) -> dict[str, Any]:
     return {"run": run, "job": job, "state": _state(job), "place_poll": True}
 
 
-def run_view(engine, settings, user, run_id: str) -> dict[str, Any]:
+def run_view(engine, settings, user, run_id: str, controls_error: str | None = None,
+             eval_error: str | None = None) -> dict[str, Any]:
     """Everything the run page shows at load time (what ``user`` can start: resume, evaluate a
-    checkpoint, under ``settings``' admission rules and the owner's GPU memory quota)."""
+    checkpoint, under ``settings``' admission rules and the owner's GPU memory quota).
+    ``controls_error`` / ``eval_error``: the refusal of a click just made (Resume, Delete;
+    Evaluate), shown above the controls / on the Evaluation card unless the page already
+    says it beside the disabled button (:func:`app.studio.errors.said_once`)."""
     run, job = access.run_with_job(engine, user, run_id)
     # the tiles show the newest training step (an evaluation's metric event has no loss)
     m = evaluation.latest_training_metric(engine, job.id) if job else None
@@ -103,6 +107,9 @@ def run_view(engine, settings, user, run_id: str) -> dict[str, Any]:
         progress = 100
     model_name, dataset_name = input_names(engine, run)
     spec = run.spec or {}
+    card = evaluation.run_evaluation(engine, run, job, settings, user)
+    resume_now = resume.resume_state(engine, settings, user, run, job)
+    why = resume.why_not(resume_now, job)
     return {"run": run, "job": job, "state": state, "metric": m, "progress": progress,
             "error": job.error if job else None,
             "cancel_requested": bool(job and job.cancel_requested),
@@ -116,8 +123,9 @@ def run_view(engine, settings, user, run_id: str) -> dict[str, Any]:
             "template_source": spec.get("chat_template"),
             "spec_json": json.dumps(spec, indent=2), "memory": calibration.memory_summary(job),
             "metric_peak": calibration.metric_peak(job, m),
-            "evaluation": evaluation.run_evaluation(engine, run, job, settings, user),
-            "resume": resume.resume_state(engine, settings, user, run, job),
+            "evaluation": card, "resume": resume_now, "resume_why": why,
+            "controls_error": said_once(controls_error, [why]),
+            "eval_error": said_once(eval_error, checkpoint_eval.shown_reasons(card)),
             "playground_link": playground_targets.run_link(engine, run, job),
             "cancel_outcome": resume.cancel_outcome(engine, run, job, (m or {}).get("step")),
             **exports_view(engine, user, run.id)}

@@ -127,3 +127,30 @@ def test_refused_add_user_redirects_and_keeps_the_typed_values_once(client):
     assert not re.search(r'<input name="password"[^>]*value=', form)  # never sent back
     again = client.get("/admin").text  # the reload: the page, without the spent refusal
     assert "field-error" not in again and 'value="no spaces allowed"' not in again
+
+
+def test_an_empty_weight_is_the_default_not_no_limit(client):
+    """Trial s21 F3: "Weight must be a finite number (empty: no limit)", but an empty Weight
+    saves the default weight 1, not "no limit": its refusals say what empty means for it."""
+    engine = client.app.state.engine
+    uid = client.post("/api/users", json={"name": "wes", "password": "wes-password-1"}).json()["id"]
+    for raw, words in (("inf", "must be a finite number"), ("NaN", "must be a finite number"),
+                       ("abc", "must be a number"), ("2e9", "must be at most 1000000000")):
+        r = client.post(f"/admin/quotas/{uid}", headers={"HX-Request": "true"},
+                        data={"quota_jobs": "", "quota_gib": "", "quota_gpu_hours": "",
+                              "share_weight": raw})
+        assert r.status_code == 422, raw
+        errors = re.findall(r'<span class="field-error"[^>]*>([^<]*)</span>',
+                            html_lib.unescape(r.text))
+        assert errors == [f"Weight {words} (empty: the default, 1)"], (raw, errors)
+    r = client.post(f"/admin/quotas/{uid}", headers={"HX-Request": "true"},
+                    data={"quota_jobs": "", "quota_gib": "", "quota_gpu_hours": "",
+                          "share_weight": "3"})
+    assert r.status_code == 200
+    assert accounts.get_user(engine, uid).share_weight == 3.0
+    r = client.post(f"/admin/quotas/{uid}", headers={"HX-Request": "true"},
+                    data={"quota_jobs": "", "quota_gib": "", "quota_gpu_hours": "",
+                          "share_weight": ""})
+    assert r.status_code == 200 and accounts.get_user(engine, uid).share_weight == 1.0
+    assert "Empty = no limit (an empty Weight is the default, 1)." in \
+        client.get("/admin/quotas").text

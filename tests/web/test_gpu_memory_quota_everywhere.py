@@ -5,6 +5,8 @@ eval and a Playground session (page API and /v1) are refused with ``over_gpu_mem
 naming the need and the quota, and queue nothing."""
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 from markupsafe import escape
 
 from sqlmodel import func, select
@@ -51,6 +53,16 @@ def alices_cancelled_run(app, c, engine, settings, alice: str):
     return model, run, job
 
 
+@contextmanager
+def alice_and_her_cancelled_run(app, client, engine, settings):
+    """``(c, alice's id, run)``: a new member alice, signed in as ``c``, with
+    :func:`alices_cancelled_run`'s run."""
+    alice = client.post("/api/users", json={"name": "alice",
+                                            "password": "member-password-1"}).json()["id"]
+    with signed_in(app, "alice", "member-password-1") as c:
+        yield c, alice, alices_cancelled_run(app, c, engine, settings, alice)[1]
+
+
 def test_resume_eval_and_playground_refuse_a_job_over_the_gpu_memory_quota(
         app, client, engine, settings) -> None:
     alice = client.post("/api/users", json={"name": "alice",
@@ -65,12 +77,11 @@ def test_resume_eval_and_playground_refuse_a_job_over_the_gpu_memory_quota(
                               "memory at once (estimate 0.06 GiB, plus the 25% admission margin")
         assert msg.endswith("Ask an admin to raise your quota (GPU memory at once, on the "
                             "Admin page).")
-        # the page's button: back to the run page (post-redirect-get), the refusal shown once
+        # the page's button: back to the run page (post-redirect-get), where the disabled
+        # button's reason says it (once: tests/web/test_refusal_said_once.py)
         page = c.post(f"/runs/{run.id}/resume", follow_redirects=False)
         assert page.status_code == 303 and page.headers["location"] == f"/runs/{run.id}"
-        alert = f'<div class="alert error" role="alert">{escape(msg)}</div>'
-        assert alert in c.get(f"/runs/{run.id}").text
-        assert '<div class="alert error" role="alert">' not in c.get(f"/runs/{run.id}").text
+        assert f'id="resume-why">Cannot resume: {escape(msg)}</p>' in c.get(f"/runs/{run.id}").text
 
         msg = _refused(c.post(f"/api/runs/{run.id}/checkpoints/2/evaluations", json={}))
         assert msg.startswith("this evaluation of checkpoint 2 needs about ")

@@ -34,8 +34,9 @@ PARAMS = {"run_id": "run", "job_id": "run", "dataset_id": "dataset", "file_id": 
 ADMIN_ONLY = {"/admin/users/{user_id}", "/admin", "/admin/users", "/api/users",
               "/queue/jobs/{job_id}/front", "/api/queue/jobs/{job_id}/front", "/admin/quotas",
               "/admin/quotas/{user_id}", "/admin/usage.csv"}
-#: Form URLs whose GET only sends the caller to the form's page (POST-redirect-GET).
-FORM_PAGES = {"/account/keys": "/account", "/account/password": "/account"}
+#: Form URLs whose GET only sends the caller to the form's page (POST-redirect-GET); ``/runs``
+#: (where the run form posts) to the runs list, the dashboard.
+FORM_PAGES = {"/account/keys": "/account", "/account/password": "/account", "/runs": "/"}
 #: A playground session (an integer job id) is A's too.
 PARAMS["session_id"] = "session"
 PARAMS["request_id"] = "request"  # a prompt of A's session

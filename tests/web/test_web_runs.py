@@ -356,7 +356,7 @@ def test_an_admins_pickers_put_own_datasets_first_and_name_other_owners(app, cli
         r = client.post("/runs", data=_form(client, theirs, name="on-bobs"), follow_redirects=False)
         run_id = r.headers["location"].rsplit("/", 1)[1]
         r = bob.delete(f"/api/datasets/{theirs}")
-        assert r.status_code == 409 and "another user's fine-tuning job" in r.text
-        assert run_id not in r.text
+        assert r.status_code == 409 and "is used by another user's run" in r.text
+        assert run_id not in r.text and "on-bobs" not in r.text
         r = client.delete(f"/api/datasets/{theirs}")  # the admin sees the run: it is named
-        assert r.status_code == 409 and run_id in r.text
+        assert r.status_code == 409 and "is used by run on-bobs" in r.text

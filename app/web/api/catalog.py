@@ -61,6 +61,12 @@ async def create_model(request: Request, engine: EngineDep, settings: SettingsDe
     return model_out(models_uc.register_model(engine, settings, user, data), user)
 
 
+@router.get("/models/{model_id}", response_model=ModelOut)
+def get_model(model_id: str, engine: EngineDep, user: CurrentUser):
+    """One model the caller may use, as ``GET /api/models`` lists it (404 otherwise)."""
+    return model_out(access.model(engine, user, model_id), user)
+
+
 @router.delete("/models/{model_id}", response_model=ModelDeleted)
 def remove_model(model_id: str, engine: EngineDep, settings: SettingsDep, user: CurrentUser):
     """Delete a model no run uses (409 otherwise)."""

@@ -10,6 +10,7 @@ from app.studio import grpo as grpo_runs
 from app.studio import removal
 from app.studio import resume as resume_uc
 from app.studio import runs as runs_uc
+from app.studio.paging import page_limit
 from app.web.api.schemas import RunList, RunOut, json_object, run_out
 from app.web.deps import CurrentUser, EngineDep, SettingsDep
 from app.web.downloads import zip_stream
@@ -18,9 +19,11 @@ router = APIRouter(prefix="/api", tags=["runs"])
 
 
 @router.get("/runs", response_model=RunList)
-def list_runs(engine: EngineDep, user: CurrentUser, limit: int = 100, after: str | None = None):
-    """The caller's runs (an admin's: everyone's), newest first."""
-    runs = runs_uc.list_runs(engine, user, limit=max(1, min(limit, 1000)), after=after)
+def list_runs(engine: EngineDep, user: CurrentUser, limit: str | None = None,
+              after: str | None = None):
+    """The caller's runs (an admin's: everyone's), newest first; ``limit``: 1 to 1000
+    (default 100; app.studio.paging)."""
+    runs = runs_uc.list_runs(engine, user, limit=page_limit(limit, 100, 1000), after=after)
     return RunList(data=[run_out(engine, r) for r in runs])
 
 

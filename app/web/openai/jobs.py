@@ -24,6 +24,7 @@ from app.store.specs import TrainSpec
 from app.studio import access
 from app.studio import runs as runs_uc
 from app.studio.datasets import is_under
+from app.studio.paging import page_limit
 from app.studio.errors import StudioError
 from app.web.deps import CurrentUser, EngineDep, SettingsDep
 from app.web.errors import ApiError
@@ -113,9 +114,9 @@ def _run(engine, user, job_id: str) -> Run:
 
 
 @router.get("/fine_tuning/jobs")
-def list_jobs(engine: EngineDep, user: CurrentUser, after: str | None = None, limit: int = 20):
-    if not 1 <= limit <= 100:
-        raise ApiError(400, f"limit must be between 1 and 100, not {limit}", "limit", "invalid_value")
+def list_jobs(engine: EngineDep, user: CurrentUser, after: str | None = None,
+              limit: str | None = None):
+    limit = page_limit(limit, 20, 100)
     runs = runs_uc.list_runs(engine, user, limit=limit + 1, after=after)
     page = runs[:limit]
     return {"object": "list", "data": [job_object(engine, r) for r in page],
@@ -154,9 +155,9 @@ def _all_events(engine, job_id: int, before: int | None) -> list:
 
 @router.get("/fine_tuning/jobs/{job_id}/events")
 def list_events(job_id: str, engine: EngineDep, user: CurrentUser, after: str | None = None,
-                limit: int = 20):
+                limit: str | None = None):
     run = _run(engine, user, job_id)
-    limit = max(1, min(limit, 10000))
+    limit = page_limit(limit, 20, 10000)
     before = None
     if after:
         before = events.parse_id(after.removeprefix("ftevent-"))
@@ -213,10 +214,9 @@ def run_checkpoints(settings, run: Run) -> list[dict[str, Any]]:
 
 @router.get("/fine_tuning/jobs/{job_id}/checkpoints")
 def list_checkpoints(job_id: str, engine: EngineDep, settings: SettingsDep, user: CurrentUser,
-                     after: str | None = None, limit: int = 10):
+                     after: str | None = None, limit: str | None = None):
     run = _run(engine, user, job_id)
-    if not 1 <= limit <= 100:
-        raise ApiError(400, f"limit must be between 1 and 100, not {limit}", "limit", "invalid_value")
+    limit = page_limit(limit, 10, 100)
     model_name = job_object(engine, run)["model"]
     items = run_checkpoints(settings, run)
     if after:

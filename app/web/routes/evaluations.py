@@ -32,7 +32,7 @@ async def evaluate_checkpoint(request: Request, run_id: str, step: int, engine: 
     if not is_htmx(request) and error is None:
         return RedirectResponse(f"/runs/{run_id}#evaluation", status_code=303)
     return render(request, "run.html",
-                  {**run_view(engine, settings, user, run_id), "eval_error": error},
+                  run_view(engine, settings, user, run_id, eval_error=error),
                   block="evaluation", status_code=status)
 
 
@@ -46,5 +46,5 @@ def cancel_evaluation(request: Request, eval_id: int, engine: EngineDep, setting
     if not is_htmx(request) and error is None:
         return RedirectResponse(f"/runs/{run_id}#evaluation", status_code=303)
     return render(request, "run.html",
-                  {**run_view(engine, settings, user, run_id), "eval_error": error},
+                  run_view(engine, settings, user, run_id, eval_error=error),
                   block="evaluation", status_code=409 if error else 200)

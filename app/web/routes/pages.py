@@ -4,6 +4,7 @@ one), and the live workers."""
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
+from fastapi.responses import RedirectResponse
 
 from app.store import queue, repo
 from app.store import workers as workers_store
@@ -50,6 +51,12 @@ def _job_runs(engine, user, job_ids) -> dict[int, str]:
         if job.run_id and access.can_see(user, job.owner):
             out[job_id] = job.run_id
     return out
+
+
+@router.get("/runs", include_in_schema=False)
+def runs_list():
+    """The runs list is the dashboard: ``/runs`` (the natural URL of a list) sends there."""
+    return RedirectResponse("/", status_code=303)
 
 
 @router.get("/")

@@ -10,6 +10,7 @@ from starlette.concurrency import run_in_threadpool
 
 from app.studio import playground as pg
 from app.studio.errors import StudioError
+from app.studio.paging import page_limit
 from app.web.api.schemas import json_object
 from app.web.auth import still_signed_in
 from app.web.deps import CurrentUser, EngineDep, SettingsDep
@@ -55,6 +56,13 @@ async def open_session(request: Request, engine: EngineDep, settings: SettingsDe
                                           body.get("model"), body)
     info = await run_in_threadpool(pg.session_info, engine, job)
     return JSONResponse({**info, "reused": reused}, status_code=200 if reused else 201)
+
+
+@router.get("/api/playground/sessions")
+def list_sessions(engine: EngineDep, user: CurrentUser, limit: str | None = None):
+    """The caller's sessions (an admin's: everyone's), newest first, each as
+    ``GET /api/playground/sessions/{id}`` answers it; ``limit``: 1 to 100 (default 20)."""
+    return {"object": "list", "data": pg.list_sessions(engine, user, page_limit(limit, 20, 100))}
 
 
 @router.get("/api/playground/sessions/{session_id}")

@@ -192,11 +192,9 @@ def run_page(request: Request, run_id: str, engine: EngineDep, settings: Setting
     """The run page; its ``place`` block (htmx, every 5 s while queued) says where the queued
     job stands (app.studio.run_place) and is built from :func:`app.web.views.place_view` alone."""
     polled = is_htmx(request) and request.headers.get("hx-target") == "place"
+    # a form's refusal (e.g. Resume), shown once after its redirect
     ctx = views.place_view(engine, user, run_id) if polled else \
-        run_view(engine, settings, user, run_id)
-    refused = None if polled else flash.pop(request).get("controls_error")
-    if refused:  # a form's refusal (e.g. Resume), shown once after its redirect
-        ctx = {**ctx, "controls_error": refused}
+        run_view(engine, settings, user, run_id, flash.pop(request).get("controls_error"))
     return render(request, "run.html", {**ctx, "place": run_place(engine, settings, user,
                                                                   ctx["job"])},
                   block="artifacts")
@@ -240,8 +238,8 @@ def resume_run(request: Request, run_id: str, engine: EngineDep, settings: Setti
         if exc.kind not in ("invalid", "conflict"):
             raise
         if is_htmx(request):
-            return render(request, "run.html", {**run_view(engine, settings, user, run_id),
-                                                "controls_error": exc.message},
+            return render(request, "run.html", run_view(engine, settings, user, run_id,
+                                                        exc.message),
                           block="controls", status_code=409 if exc.kind == "conflict" else 422)
         flash.push(request, controls_error=exc.message)
         return RedirectResponse(f"/runs/{run_id}", status_code=303)
@@ -260,8 +258,7 @@ def delete_run(request: Request, run_id: str, engine: EngineDep, settings: Setti
     except StudioError as exc:
         if exc.kind != "conflict":
             raise
-        return render(request, "run.html", {**run_view(engine, settings, user, run_id),
-                                            "controls_error": exc.message},
+        return render(request, "run.html", run_view(engine, settings, user, run_id, exc.message),
                       block="controls", status_code=409)
     if is_htmx(request):
         return Response(status_code=200, headers={"HX-Redirect": "/"})

@@ -1,0 +1,28 @@
+"""The one rule for a list's ``limit`` query parameter, on every surface (``/api/runs``,
+``/api/playground/sessions``, ``/v1/files``, ``/v1/fine_tuning/jobs`` and a job's events and
+checkpoints): absent or empty means the list's default; otherwise a whole number from 1 to the
+list's most, or the request is refused naming ``limit`` (422 under ``/api``, 400 under ``/v1``,
+as every ``invalid`` StudioError). Nothing is clamped silently: ``-1`` is not "1", and ``5000``
+is not "the most"."""
+from __future__ import annotations
+
+from app.studio.errors import StudioError, whole
+
+
+def page_limit(value: object, default: int, most: int) -> int:
+    """How many items a list answers: ``default`` when ``value`` (the raw query parameter,
+    text or a number) is None or blank, else ``value`` as a whole number from 1 to ``most``.
+
+    Raises:
+        StudioError: invalid (field ``limit``, code ``invalid_value``) for anything else: 0, a
+            negative number, more than ``most``, ``2.5``, ``abc``.
+    """
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return default
+    n = whole(value)
+    if n is not None and 1 <= n <= most:
+        return n
+    shown = str(value)
+    shown = shown if len(shown) <= 24 else shown[:21] + "..."
+    raise StudioError("invalid", f"limit must be a whole number from 1 to {most} (default "
+                                 f"{default}), not {shown!r}", "limit", "invalid_value")

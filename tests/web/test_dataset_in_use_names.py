@@ -1,0 +1,57 @@
+"""Deleting a dataset that runs train on is refused in the names a user knows (trial s21 F9:
+"dataset 'file-98f8…' is used by fine-tuning job 'ftjob-171c…'" named ids, and one run of
+eight): the file name and the runs by name, with their count; another user's run is counted,
+never named. Every surface (page, /api, /v1) says the same (app.studio.datasets.in_use_message)."""
+from __future__ import annotations
+
+from app.store import repo
+from app.store.specs import TrainSpec
+from tests.web.conftest import signed_in, upload_sft
+
+MODEL = "model-stories260K"
+
+
+def _run(engine, ds: str, owner: str, name: str) -> None:
+    repo.create_run(engine, TrainSpec(model=MODEL, dataset=ds, max_steps=3), name=name,
+                    owner=owner)
+
+
+def _refusals(c, ds: str) -> list[str]:
+    """The refusal of deleting ``ds`` on the page, /api and /v1 (each a 409, the same words)."""
+    page = c.post(f"/datasets/{ds}/delete", headers={"HX-Request": "true"})
+    api = c.delete(f"/api/datasets/{ds}")
+    v1 = c.delete(f"/v1/files/{ds}")
+    assert (page.status_code, api.status_code, v1.status_code) == (409, 409, 409)
+    assert api.json()["error"]["code"] == v1.json()["error"]["code"] == "file_in_use"
+    msg = api.json()["error"]["message"]
+    assert v1.json()["error"]["message"] == msg
+    assert msg.replace("'", "&#39;") in page.text, page.text
+    return msg
+
+
+def test_a_dataset_in_use_names_its_file_and_runs(app, client, engine) -> None:
+    alice = client.post("/api/users", json={"name": "alice",
+                                            "password": "member-password-1"}).json()["id"]
+    admin = client.get("/api/me").json()["id"]
+    with signed_in(app, "alice", "member-password-1") as c:
+        ds = upload_sft(c)
+        _run(engine, ds, alice, "alice-first")
+        assert _refusals(c, ds) == ("identity_alpaca.json is used by run alice-first: delete "
+                                    "that run first")
+        for i in range(2):
+            _run(engine, ds, alice, f"alice-{i}")
+        assert _refusals(c, ds) == ("identity_alpaca.json is used by alice-first and 2 other "
+                                    "runs: delete those runs first")
+        _run(engine, ds, admin, "admins-secret-run")  # an admin may train on her upload
+        msg = _refusals(c, ds)
+        assert msg == ("identity_alpaca.json is used by alice-first and 3 other runs (1 of them "
+                       "another user's): delete those runs first")
+        assert ds not in msg and "ftjob-" not in msg and "admins-secret" not in msg
+        # the admin sees every run: none is another user's to them
+        assert _refusals(client, ds) == ("identity_alpaca.json is used by alice-first and 3 "
+                                         "other runs: delete those runs first")
+        # a dataset only another user's run trains on
+        other = upload_sft(c, "alpaca_en_demo.json")
+        _run(engine, other, admin, "admins-run")
+        assert _refusals(c, other) == ("alpaca_en_demo.json is used by another user's run: an "
+                                       "admin can delete it first")
