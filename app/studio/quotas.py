@@ -160,6 +160,21 @@ def usage(engine: Engine, actor: User, days: float = 30.0) -> tuple[list[RunUsag
     return rows, per_user
 
 
+def gpu_hours_note(engine: Engine, stale_seconds: float) -> str | None:
+    """What the Admin page says under its GPU-hours table on a box whose live workers have no
+    GPU slot (only CPU slots): jobs there run on the CPU, GPU-hours count GPU time only, so the
+    table stays empty and a GPU-hours quota never applies. None when a GPU slot is live, or no
+    worker is (nothing tells)."""
+    from app.store import workers
+    from app.studio.worker_view import any_gpu
+
+    if any_gpu(workers.live(engine, stale_seconds)) is not False:
+        return None
+    return ("This box has no GPU: its jobs run on the CPU slot, and GPU-hours count GPU time "
+            "only, so this table stays empty and a GPU-hours quota (GPU-hours a day) never "
+            "applies here.")
+
+
 def usage_csv(engine: Engine, actor: User, days: float = 30.0) -> str:
     """:func:`usage` as CSV text (admin only): ``job_id, run_id, user, kind, state, gpu,
     started_at, finished_at`` (UTC epoch seconds) and ``gpu_hours``.

@@ -154,3 +154,16 @@ def test_an_empty_weight_is_the_default_not_no_limit(client):
     assert r.status_code == 200 and accounts.get_user(engine, uid).share_weight == 1.0
     assert "Empty = no limit (an empty Weight is the default, 1)." in \
         client.get("/admin/quotas").text
+
+
+def test_gpu_hours_say_why_they_stay_empty_on_a_box_without_a_gpu(client, engine):
+    """Trial s21 F8: on a CPU-only studio the GPU-hours table and quota silently did nothing;
+    with only a CPU slot live the Admin page says why, with a GPU slot live it does not."""
+    from app.store import workers
+
+    note = "This box has no GPU: its jobs run on the CPU slot, and GPU-hours count GPU time only"
+    assert note not in client.get("/admin/quotas").text  # no live worker: nothing tells
+    workers.register(engine, "box-main", "box", 1, "cpu slot (2 cores, one job at a time)")
+    assert note in client.get("/admin/quotas").text
+    workers.register(engine, "box2:0", "box2", 2, "NVIDIA H200", gpu_capacity_gib=139.8)
+    assert note not in client.get("/admin/quotas").text

@@ -49,8 +49,9 @@ def api_move_to_front(engine: EngineDep, user: CurrentUser, job_id: int) -> dict
 def _quotas(request: Request, engine, user, status: int = 200, **extra) -> Response:
     users = accounts.list_users(engine, user)
     rows, per_user = quotas.usage(engine, user)
+    note = quotas.gpu_hours_note(engine, request.app.state.settings.worker_stale_seconds)
     return render(request, "_admin_quotas.html", {"users": users, "usage_rows": rows[:50],
-                                                  "usage_per_user": per_user,
+                                                  "usage_per_user": per_user, "gpu_hours_note": note,
                                                   "labels": quotas.LABELS, **extra},
                   status_code=status)
 
