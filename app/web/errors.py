@@ -34,6 +34,19 @@ class ApiError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
 
+async def request_json(request: Request):
+    """The request body parsed as JSON (any JSON value). Raises ApiError 400 "the request body is
+    not valid JSON", or, for an integer of more digits than Python converts (4300), a message
+    that says so: the body is JSON, but no field takes a number that large."""
+    try:
+        return await request.json()
+    except (ValueError, RecursionError) as exc:
+        if "integer string conversion" in str(exc):
+            raise ApiError(400, "the request body has a number of more than 4300 digits: no field "
+                                "takes a number that large") from None
+        raise ApiError(400, "the request body is not valid JSON") from None
+
+
 def conflict_of(action, *args) -> str | None:
     """Call ``action(*args)`` for a page's card: None when it succeeds, the message of the
     ``StudioError("conflict")`` it raises (shown on the card, answered 409); any other error

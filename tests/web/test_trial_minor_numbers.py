@@ -173,3 +173,15 @@ def test_true_and_false_are_not_numbers(client, engine):
                                        "packing": True})
     assert r.status_code == 201, r.text
     assert repo.get_run(engine, r.json()["id"]).spec["packing"] is True
+
+
+def test_a_number_of_5000_digits_is_named_as_such_not_invalid_json(client):
+    """Trial s21 F7: a body with a 5000-digit integer is valid JSON that Python will not convert;
+    /api and /v1 say that, not "not valid JSON" (which a truncated body still gets)."""
+    big = '{"model": "stories260K", "dataset": "x", "r": ' + "9" * 5000 + "}"
+    for url in ("/api/runs", "/v1/fine_tuning/jobs"):
+        r = client.post(url, content=big, headers={"content-type": "application/json"})
+        assert r.status_code == 400, r.text
+        assert "a number of more than 4300 digits" in r.text, r.text
+        r = client.post(url, content=big[:60], headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "not valid JSON" in r.text, r.text

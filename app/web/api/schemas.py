@@ -14,7 +14,7 @@ from app.store import events, repo
 from app.store.schema import Dataset, Model, Run
 from app.studio import access
 from app.studio import artifacts, calibration, resume, train_time
-from app.web.errors import ApiError
+from app.web.errors import ApiError, request_json
 
 
 class DatasetOut(BaseModel):
@@ -205,10 +205,7 @@ def run_out(engine, run: Run, full: bool = False, settings=None, user=None) -> R
 
 async def json_object(request: Request, what: str = "a JSON object") -> dict[str, Any]:
     """The request body, which must be a JSON object. Raises ApiError 400."""
-    try:
-        body = await request.json()
-    except (ValueError, RecursionError):
-        raise ApiError(400, "the request body is not valid JSON") from None
+    body = await request_json(request)
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be {what}")
     return body

@@ -27,7 +27,7 @@ from app.studio.datasets import is_under
 from app.studio.paging import page_limit
 from app.studio.errors import StudioError
 from app.web.deps import CurrentUser, EngineDep, SettingsDep
-from app.web.errors import ApiError
+from app.web.errors import ApiError, request_json
 from app.web.openai.graders import object_param as _object
 from app.web.openai.reinforcement import create_reinforcement_job
 from app.web.openai.shapes import event_object, fine_tuned_model_id, job_object
@@ -88,10 +88,7 @@ def spec_from_openai(body: dict[str, Any]) -> dict[str, Any]:
 async def create_job(request: Request, engine: EngineDep, settings: SettingsDep, user: CurrentUser):
     """Create a fine-tuning job: supervised (our TrainSpec fields as extra body fields) or, with
     ``method.type == "reinforcement"``, a GRPO run."""
-    try:
-        body = await request.json()
-    except (ValueError, RecursionError):
-        raise ApiError(400, "the request body is not valid JSON") from None
+    body = await request_json(request)
     suffix = body.get("suffix") if isinstance(body, dict) else None
     if suffix is not None and (not isinstance(suffix, str) or len(suffix) > 64):
         raise ApiError(400, "suffix: a string of at most 64 characters", "suffix",
