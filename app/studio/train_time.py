@@ -63,8 +63,9 @@ def stretch_seconds(points: list[tuple[int, float, dict]], start_step: int) -> f
     return 0.0
 
 
-def _estimated(engine: Engine, job: Job, recorded, window) -> dict[str, Any] | None:
-    """The segment of one of ``job``'s attempts that recorded none (it is still running, or its
+def _estimated(job: Job, evs, recorded, window) -> dict[str, Any] | None:
+    """The segment of one of ``job``'s attempts (``window``; ``evs`` its metric and log events)
+    that recorded none (it is still running, or its
     process was killed: a killed attempt cannot log its own), estimated from that attempt's
     step metric events (:func:`stretch_seconds`); None when it logged no step. Its start step
     is the checkpoint it resumed from (the worker's ``resume_step`` log), else the last
@@ -74,7 +75,7 @@ def _estimated(engine: Engine, job: Job, recorded, window) -> dict[str, Any] | N
     def inside(ts: float) -> bool:
         return ts >= t0 and (t1 is None or ts < t1)
     points, resumed = [], None
-    for ev in events.since(engine, job.id, 0, limit=1_000_000, types=["metric", "log"]):
+    for ev in evs:
         data = ev.data or {}
         if not inside(ev.ts):
             continue
@@ -108,13 +109,16 @@ def training_time(engine: Engine, job: Job | None) -> dict[str, Any] | None:
     segs = [seg for _, seg in recorded]
     running = job.state == JobState.RUNNING
     legacy = (job.result or {}).get("train_runtime")
+    evs = None  # the job's metric and log events, read once if an attempt needs an estimate
     for window in _attempts(engine, job):
         t0, t1 = window
         if any(seg.get("job_id") == job.id and ts >= t0 and (t1 is None or ts < t1) for ts, seg in recorded):
             continue
         if t1 is None and not running and isinstance(legacy, (int, float)):
             continue  # finished before segments were recorded: its result's runtime, below
-        est = _estimated(engine, job, recorded, window)
+        if evs is None:
+            evs = events.since(engine, job.id, 0, limit=1_000_000, types=["metric", "log"])
+        est = _estimated(job, evs, recorded, window)
         if est is not None:
             segs.append(est)
     if not any(seg.get("job_id") == job.id for seg in segs) and isinstance(legacy, (int, float)):
