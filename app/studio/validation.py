@@ -33,13 +33,19 @@ JOB_KIND = "validate_dataset"
 ROW_PROGRESS_SECONDS = 2.0
 
 
-def estimate_rows(path: str | Path) -> int | None:
+def estimate_rows(path: str | Path, parquet: bool = True) -> int | None:
     """The number of rows a file holds, cheaply (no parsing): Parquet from its metadata; JSON
     Lines, CSV and text from the count of non-empty lines (an upper bound when fields span
-    lines); None for a JSON document."""
+    lines); None for a JSON document.
+
+    ``parquet=False`` (the web process): None for Parquet, which needs pyarrow, a library the
+    web does not load (its first import holds the interpreter for seconds on a cold disk, while
+    other requests wait); the validation job reads it from the footer when it starts."""
     ext = os.path.splitext(str(path))[1].lower()
     try:
         if ext == ".parquet":
+            if not parquet:
+                return None
             import pyarrow.parquet as pq
 
             return int(pq.ParquetFile(path).metadata.num_rows)
@@ -65,7 +71,7 @@ def start(engine: Engine, actor: User, ds_id: str, final: Path, filename: str, s
 
     ``options``: ``mode`` (``sft``, ``sft_or_prompts`` or ``prompts``), ``prompt_column``,
     ``answer_column``."""
-    total = estimate_rows(final)
+    total = estimate_rows(final, parquet=False)
     ds = Dataset(id=ds_id, filename=filename, path=str(final.resolve()), bytes=size,
                  purpose=purpose, status=VALIDATING, owner=actor.id,
                  report={"validating": {"done": 0, "total": total}})
@@ -82,7 +88,7 @@ def start(engine: Engine, actor: User, ds_id: str, final: Path, filename: str, s
 def restart(engine: Engine, ds: Dataset, options: dict[str, Any]) -> Dataset:
     """Validate ``ds`` again with new ``options`` (see :func:`start`; a ``column_mapping``):
     the row goes back to ``validating`` and a new ``validate_dataset`` job is queued."""
-    total = estimate_rows(ds.path)
+    total = estimate_rows(ds.path, parquet=False)
     job = queue.enqueue(engine, JOB_KIND, {"dataset_id": ds.id, **options}, max_attempts=2,
                         owner=ds.owner)
     return repo.update_dataset(engine, ds.id, status=VALIDATING, error=None,
@@ -169,7 +175,13 @@ def validate(engine: Engine, settings: Settings, dataset_id: str, options: dict[
         ds = repo.get_dataset(engine, dataset_id)
     except repo.NotFound:
         return {"skipped": "the dataset was deleted"}
-    total = ((ds.report or {}).get("validating") or {}).get("total")
+    info = (ds.report or {}).get("validating") or {}
+    total = info.get("total")
+    if total is None and (total := estimate_rows(ds.path)) is not None:
+        try:  # the count the web left out (Parquet): shown from the job's start
+            ds = repo.update_dataset(engine, ds.id, report={"validating": {**info, "total": total}})
+        except repo.NotFound:
+            return {"skipped": "the dataset was deleted"}
     progress = Progress(engine, ds, total, settings.validate_timeout_seconds, emit, check)
     jid = job_id(ds)
     try:

@@ -176,3 +176,36 @@ def test_json_uploaded_as_txt_warns_with_the_right_extension(client, tmp_path):
         ext = ".jsonl" if name == "rows.txt" else ".json"
         assert any(f"rename it to {ext}" in w and "instruction, output" in w for w in warnings), warnings
         assert 'class="alert warn"' in page and f"rename it to {ext}" in page
+
+
+def test_a_parquet_upload_is_counted_by_the_job_not_the_web(client, tmp_path):
+    """The web records a Parquet upload without reading it (pyarrow stays out of the web
+    process: its first import held the interpreter for 1.5 s in CI while /healthz waited); the
+    validation job counts its rows from the footer as it starts, so the progress says "of N"."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from app.store import events as store_events
+    from app.studio import validation
+
+    rows = json.loads((SHARED / "sft" / "alpaca_en_demo.json").read_text())[:300]
+    path = tmp_path / "alpaca.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=64)
+    with path.open("rb") as fh:
+        r = client.post("/datasets", files={"file": (path.name, fh)}, follow_redirects=False)
+    assert r.status_code == 303, r.text[:500]
+    ds_id = r.headers["location"].rsplit("/", 1)[1]
+    ds = client.get("/api/datasets/" + ds_id).json()
+    assert ds["status"] == "validating" and ds["report"]["validating"]["total"] is None
+    assert "0/? rows" in validation.progress_text(
+        validation.repo.get_dataset(client.app.state.engine, ds_id))
+    assert run_validations(client.app) == 1
+    ds = client.get("/api/datasets/" + ds_id).json()
+    assert ds["status"] == "processed" and ds["rows"] == 300, ds
+    job_id = ds["report"]["validation_job_id"]
+    progress = [e.data for e in store_events.since(client.app.state.engine, job_id)
+                if e.type == "progress"]
+    assert progress and all(p["total"] == 300 for p in progress), progress
+    assert progress[-1]["message"] == "validating 300 / 300 rows"
