@@ -72,3 +72,16 @@ def n_epochs(engine: Engine, run: Run, job: Job | None) -> int | float | str:
     per_epoch = (_steps_per_epoch_logged(engine, job)
                  or _steps_per_epoch_planned(engine, spec, run.dataset_id))
     return AUTO if per_epoch is None else math.ceil(max_steps / per_epoch)
+
+
+def planned_steps(engine: Engine, run: Run) -> int | None:
+    """The optimizer steps ``run`` will train, planned before it starts: ``max_steps`` when
+    positive (GRPO always), else ``num_train_epochs`` (rounded up) times the steps per epoch
+    planned from the dataset's rows (:func:`_steps_per_epoch_planned`); None when unknown."""
+    spec = run.spec or {}
+    max_steps = int(spec.get("max_steps") or -1)
+    if max_steps > 0:
+        return max_steps
+    per_epoch = _steps_per_epoch_planned(engine, spec, run.dataset_id)
+    epochs = float(spec.get("num_train_epochs") or 1.0)
+    return None if per_epoch is None else max(1, math.ceil(per_epoch * epochs))

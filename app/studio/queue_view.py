@@ -7,8 +7,10 @@ free memory now (after the jobs ahead took theirs) starts at the next poll; else
 ("no GPU has room: needs X GiB, largest free Y GiB", or "behind N jobs" when the memory is free
 but the jobs ahead take it first). The estimated start is when enough admitted memory frees on one
 slot: a running job frees it at its ETA (its newest ``eta_seconds`` metric; before its first,
-the median duration of its kind less the time it has run), a job placed ahead after the median
-duration of recent succeeded jobs of its kind; unknown when a needed end is. The estimate is the
+its length less the time it has run), a job placed ahead after its length; unknown when a needed
+end is. A training job's length is its planned steps at the pace of recent jobs of its kind and
+model (:mod:`app.studio.queue_pace`), else (and for other kinds) the median duration of recent
+succeeded jobs of its kind. The estimate is the
 same whoever reads it (a member's own job may wait behind jobs she sees only as anonymous slots).
 
 On a machine without a GPU the supervisor's CPU slot runs one training job at a time: a job
@@ -43,6 +45,7 @@ from app.studio import access
 from app.studio.estimate import memory_words
 from app.studio.queue_cpu import (LANE_SUFFIX, CpuLaneView, cpu_lane, in_claim_order,
                                   seconds_left, typical_seconds)
+from app.studio.queue_pace import paces, planned_seconds
 
 #: Kinds that wait for a slot (a GPU's memory, or the CPU slot of a box without one): a
 #: playground session holds one while its model is loaded, so it waits like a training job.
@@ -236,6 +239,16 @@ def queue_view(engine: Engine, settings: Settings, actor: User,
         typical = {k: typical_seconds(s, k, on_gpu=True)
                    for k in {j.kind for j in ordered + snap.running}}
         typical.update({k: typical_seconds(s, k) for k in {j.kind for j in cpu_jobs}})
+        known = paces(s, {j.kind for j in ordered + snap.running})
+    spans: dict[int, float | None] = {}
+
+    def span_of(job: Job) -> float | None:
+        """Seconds ``job`` takes in all: its planned steps at its kind's pace, else the median
+        duration of its kind (:mod:`app.studio.queue_pace`)."""
+        if job.id not in spans:
+            planned = planned_seconds(engine, job, runs.get(job.run_id), known)
+            spans[job.id] = planned if planned is not None else typical.get(job.kind)
+        return spans[job.id]
 
     def slot_of(job: Job, need, **extra: Any) -> JobSlot:
         owner = run_owner.get(job.run_id, job.owner) if job.run_id else job.owner
@@ -255,7 +268,7 @@ def queue_view(engine: Engine, settings: Settings, actor: User,
         for job in (j for j in snap.running if slot.id in admission.slot_ids(j)):
             eta = attempt_eta(engine, job, t)
             if job.kind != "playground":  # a session has no typical length: it yields
-                eta = seconds_left(job, eta, typical.get(job.kind), t)
+                eta = seconds_left(job, eta, span_of(job), t)
             holds[slot.id].append((job.admitted_gib or 0.0, t + eta if eta is not None else None))
             view.running.append(slot_of(job, job.admitted_gib, eta_seconds=eta))
             if job.kind == "playground":
@@ -327,12 +340,12 @@ def queue_view(engine: Engine, settings: Settings, actor: User,
                 reason, start = "starts at the next admission", 0.0
                 if fit.capacity_gib is None:
                     cpu_busy[fit.id] = True
-                    span = typical.get(job.kind)
+                    span = span_of(job)
                     cpu_free[fit.id] = span
                     cpu_ahead += 1
                 else:
                     free_now[fit.id] -= need
-                    span = typical.get(job.kind)
+                    span = span_of(job)
                     holds[fit.id].append((need, t + span if span else None))
                 owner.running += 1
                 owner.held_gib += need or 0.0
@@ -354,7 +367,7 @@ def queue_view(engine: Engine, settings: Settings, actor: User,
                     reason = (f"no GPU has room: needs {need:.1f} GiB, largest free "
                               f"{max(largest_free, 0.0):.1f} GiB")
                 when = _earliest(holds, slots, need, t)
-                span = typical.get(job.kind)
+                span = span_of(job)
                 on_cpu = min(((f, i) for i, f in cpu_free.items() if f is not None),
                              default=None)
                 if on_cpu is not None and (when is None or on_cpu[0] < when[1]):
