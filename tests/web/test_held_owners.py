@@ -57,9 +57,10 @@ def test_jobs_at_once_zero_refuses_every_new_job_and_holds_the_waiting_ones(
     with signed_in(app, "alice", "member-password-1") as c:
         page = _jobs_at_once(client, alice, "0")  # accepted: a way to pause a user
         assert "Saved the quotas of alice." in page
-        assert "Jobs at once 0 pauses a user: they cannot start new jobs, their waiting jobs " \
-               "are held and their running ones continue to the end." in client.get(
-                   "/admin/quotas").text
+        assert "Jobs at once counts training, GRPO, evaluation and playground jobs; 0 pauses " \
+               "a user: they cannot start new ones, their waiting ones are held and their " \
+               "running ones continue to the end (their exports, imports and dataset checks " \
+               "still run; Disable holds those too)." in client.get("/admin/quotas").text
         before = _jobs(engine)
 
         msg = _refused(c.post("/api/runs", json={"model": model, "dataset": ds}),
