@@ -178,6 +178,62 @@ def test_cancel_stops_a_long_generation(studio):
     assert not [m for m in _events(studio, job.id, "metric") if m.get("step")]
 
 
+def test_a_cancel_during_a_rollout_saves_the_last_completed_step(studio, monkeypatch):
+    """Trial s22 F7: a cancel seen while step 3's completions are generated abandoned the step
+    and ended the job with no checkpoint, so the steps since the newest one were lost although
+    the cancel dialog promised a checkpoint where training stops. Now the last completed step
+    (2) is saved and recorded, the attempt's segment is logged, and Resume starts at step 3."""
+    import time
+    from contextlib import contextmanager
+
+    from app.studio import resume
+    from worker.engine import decode
+
+    real, rollouts, state = decode.fast_generate, [], {}
+
+    @contextmanager
+    def third_is_cancelled(lm, on_log=None, check=None):
+        rollouts.append(1)
+        if len(rollouts) == 3:  # step 3's rollout: the cancel arrives while it generates
+            queue.cancel(studio["engine"], state["job"])
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                check()  # raises JobCancelled once the heartbeat has read the flag
+                time.sleep(0.02)
+            raise AssertionError("the cancel was never seen")
+        with real(lm, on_log=on_log, check=check):
+            yield
+
+    monkeypatch.setattr(decode, "fast_generate", third_is_cancelled)
+    run, job = repo.create_run(studio["engine"], GrpoSpec(
+        model="stories260K", dataset=studio["toy"], max_steps=6, **TOY), kind="grpo")
+    state["job"] = job.id
+    studio["worker"].serve(once=True)
+    job = queue.get_job(studio["engine"], job.id)
+    assert job.state == JobState.CANCELLED, (job.state, job.error)
+    assert len(rollouts) == 3
+    saved = repo.list_artifacts(studio["engine"], run.id, kind="checkpoint")
+    assert [a.meta.get("step") for a in saved] == [2], [a.meta for a in saved]
+    folder = Path(saved[0].path)
+    assert folder.name == "checkpoint-2"
+    assert json.loads((folder / "trainer_state.json").read_text())["global_step"] == 2
+    logs = [e["message"] for e in _events(studio, job.id, "log")]
+    assert ("stopping training (cancelled) during step 3, whose rollout is abandoned; saving "
+            "checkpoint-2") in logs, logs
+    assert any(m.startswith("trained steps 1-2 in ") for m in logs), logs
+    assert [m["step"] for m in _events(studio, job.id, "metric") if m.get("step")][-1] == 2
+    # Resume continues from it: the new attempt trains steps 3-6
+    monkeypatch.setattr(decode, "fast_generate", real)
+    step, why = resume.resumable(studio["engine"], run, job)
+    assert (step, why) == (2, None)
+    _, again = repo.resume_run(studio["engine"], run.id, step, "resumed by the test")
+    studio["worker"].serve(once=True)
+    again = queue.get_job(studio["engine"], again.id)
+    assert again.state == JobState.SUCCEEDED, again.error
+    logs = [e["message"] for e in _events(studio, again.id, "log")]
+    assert any(m.startswith("trained steps 3-6 in ") for m in logs), logs
+
+
 def test_a_run_that_learns_nothing_says_so(studio):
     """A reward no completion can earn: every group has equal (zero) rewards, so after three steps
     the run log carries a warning that names what to change (issue 19 item 11)."""

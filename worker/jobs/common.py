@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import shutil
+import time
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -22,7 +23,7 @@ from app.store import repo
 from app.store.schema import Artifact, Dataset, Model
 from worker import gpu
 from worker.checkpoints import newest_complete
-from worker.context import JobContext, JobError
+from worker.context import JobCancelled, JobContext, JobError, WorkerShutdown
 
 
 def sha256(path: Path) -> str:
@@ -236,6 +237,50 @@ def write_config(ctx: JobContext, run_id: str, run_dir: Path, config: dict[str, 
     atomic_write(run_dir / "config.json", json.dumps(config, indent=2, default=str))
     if not repo.list_artifacts(ctx.engine, run_id, kind="config"):
         add_artifact(ctx, run_id, "config", run_dir / "config.json")
+
+
+def train(ctx: JobContext, trainer, callback, last: str | None, single: bool) -> tuple[Any, float]:
+    """``trainer.train(resume_from_checkpoint=last)`` under :func:`frozen_gc`, then this
+    attempt's segment recorded (:func:`record_segment`); returns (the train output, seconds).
+
+    ``callback`` is the job's :func:`worker.engine.callbacks.stopping_callback`. A stop at a
+    step's end has the trainer save a checkpoint there. A cancel or shutdown raised inside a
+    step (GRPO's rollout checks the job's stop flags, so a stop does not wait for a long
+    generation) leaves the trainer at its last completed step; for a ``single``-process run
+    that step is saved as a checkpoint too (unless it is already, or no step was trained in
+    this attempt), recorded by the job's checkpoint callback, so Resume redoes only the
+    abandoned step; then the segment is recorded and the stop raised again. A lost lease
+    saves nothing (the job may be another worker's by now). A rank of a data-parallel run does
+    not save (a checkpoint there needs every rank, and the others may be inside a collective):
+    the log says the steps since the newest checkpoint are lost.
+
+    Raises: what ``trainer.train`` raises (JobCancelled, WorkerShutdown, LeaseLost, ...)."""
+    t0 = time.monotonic()
+    try:
+        with frozen_gc():
+            out = trainer.train(resume_from_checkpoint=last)
+    except (JobCancelled, WorkerShutdown) as stop:
+        runtime = time.monotonic() - t0
+        state, reason = trainer.state, "cancelled" if isinstance(stop, JobCancelled) \
+            else "shutdown"
+        step = int(state.global_step)
+        folder = Path(trainer.args.output_dir) / f"checkpoint-{step}"
+        if step > callback.start_step and not folder.is_dir():
+            if single:
+                ctx.log(f"stopping training ({reason}) during step {step + 1}, whose rollout "
+                        f"is abandoned; saving checkpoint-{step}")
+                trainer._save_checkpoint(trainer.model, trial=None)
+                trainer.control = trainer.callback_handler.on_save(trainer.args, state,
+                                                                   trainer.control)
+            else:
+                ctx.log(f"stopping training ({reason}) during step {step + 1}; steps "
+                        f"{callback.start_step + 1}-{step} of this data-parallel run are not "
+                        "saved (no checkpoint mid-step across ranks)", "warning")
+        record_segment(ctx, callback.start_step, state, runtime)
+        raise
+    runtime = time.monotonic() - t0
+    record_segment(ctx, callback.start_step, trainer.state, runtime)
+    return out, runtime
 
 
 def record_segment(ctx: JobContext, start_step: int, state, runtime: float) -> None:

@@ -17,7 +17,6 @@ on greedy completions of held-out prompts, base vs fine-tuned: :mod:`worker.jobs
 """
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from app.store.specs import GrpoSpec
@@ -127,16 +126,12 @@ def run(ctx: JobContext) -> dict[str, Any]:
 
     # ---- train --------------------------------------------------------------------------------
     last = common.last_checkpoint(ctx, ckpt_dir)
-    t0 = time.monotonic()
-    try:
-        with common.frozen_gc():
-            trainer.train(resume_from_checkpoint=last)
+    try:  # a stop inside a step (the rollout) saves the last completed one
+        _, runtime = common.train(ctx, trainer, callback, last, single=ddp.world_size() == 1)
     except RewardError as e:
         raise JobError(f"stopped: {e}") from e
     finally:
         scorer.close()
-    runtime = time.monotonic() - t0
-    common.record_segment(ctx, callback.start_step, trainer.state, runtime)
     common.training_ended(ctx, callback, trainer.state)  # or a cancel that came too late
     if not main:
         return {}

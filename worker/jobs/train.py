@@ -16,7 +16,6 @@ Result: ``{"final_loss", "train_loss", "steps", "train_runtime", "tokens", "trai
 """
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from app.store.specs import TrainSpec
@@ -120,11 +119,7 @@ def run(ctx: JobContext) -> dict[str, Any]:
 
     # ---- train (resume from the newest checkpoint of an earlier attempt) ------------------
     last = common.last_checkpoint(ctx, ckpt_dir)
-    t0 = time.monotonic()
-    with common.frozen_gc():
-        out = trainer.train(resume_from_checkpoint=last)
-    runtime = time.monotonic() - t0
-    common.record_segment(ctx, callback.start_step, trainer.state, runtime)
+    out, runtime = common.train(ctx, trainer, callback, last, single=ddp.world_size() == 1)
     # cancelled / shutdown (checkpoint already saved) / lease lost; or a cancel too late
     common.training_ended(ctx, callback, trainer.state)
     if not main:
