@@ -324,12 +324,15 @@ def spec_value_text(value: Any) -> str:
 
 def compare_view(cmp: dict[str, Any]) -> dict[str, Any]:
     """:func:`app.studio.compare.compare_runs`'s answer with each diff row's ``a_text`` and
-    ``b_text`` (:func:`spec_value_text`) and each side's ``result_rows``
+    ``b_text`` (its ``a_label``/``b_label`` where the use case named the value, else
+    :func:`spec_value_text`) and each side's ``result_rows``
     (``[(key, label, value)]``, labelled by :data:`app.studio.compare.RESULT_LABELS`) for the
     page."""
-    diff = [{**d, "a_text": spec_value_text(d["a"]), "b_text": spec_value_text(d["b"])}
-            for d in cmp["diff"]]
+    diff = [{**d, "a_text": d.get("a_label") or spec_value_text(d["a"]),
+             "b_text": d.get("b_label") or spec_value_text(d["b"])} for d in cmp["diff"]]
     sides = {key: {**cmp[key], "result_rows": [(k, RESULT_LABELS[k], v)
                                                for k, v in cmp[key]["result"].items()]}
              for key in ("a", "b")}
-    return {**cmp, **sides, "diff": diff}
+    kinds = {cmp[k]["kind"] for k in ("a", "b")}
+    return {**cmp, **sides, "diff": diff, "any_sft": kinds != {"grpo"},
+            "any_grpo": "grpo" in kinds}

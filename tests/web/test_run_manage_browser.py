@@ -42,3 +42,23 @@ def test_clone_and_compare_in_the_browser(page, client, engine):  # noqa: F811
     labels = page.evaluate("window.compareChart.data.datasets.map(d => [d.label, d.data.length])")
     assert labels == [["A first: training loss", 4], ["A first: eval loss", 3],
                       ["B first (copy): training loss", 0]]
+
+
+def test_compare_draws_grpo_rewards_in_the_browser(page, client, engine):  # noqa: F811
+    """A GRPO run beside an SFT run: the loss chart holds the SFT run only; the reward chart
+    each GRPO step's mean reward overall and per function, the KL chart its KL."""
+    from tests.web.test_run_compare import _grpo
+
+    ds = upload_sft(client)
+    sft = _trained(client, engine, ds, "w-s", 4, name="sft")
+    grpo = _grpo(client, engine, "w-g", 5, [{"name": "numeric_match"},
+                                           {"name": "format", "weight": 0.5}], name="grpo")
+    page.goto(f"{page.base}/runs/compare?a={sft}&b={grpo}")
+    page.wait_for_function("window.compareRewardChart && window.compareKlChart")
+    series = "c => c.data.datasets.map(d => [d.label, d.data.length, (d.borderDash || []).length > 0])"
+    assert page.evaluate(f"({series})(window.compareRewardChart)") == [
+        ["B grpo: mean reward", 5, False], ["B grpo: format", 5, True],
+        ["B grpo: numeric_match", 5, True]]
+    assert page.evaluate(f"({series})(window.compareKlChart)") == [["B grpo: KL", 5, False]]
+    assert page.evaluate(f"({series})(window.compareChart)") == [
+        ["A sft: training loss", 4, False], ["A sft: eval loss", 3, True]]

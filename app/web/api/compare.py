@@ -17,8 +17,10 @@ router = APIRouter(prefix="/api", tags=["runs"])
 def compare_runs(run_id: str, engine: EngineDep, user: CurrentUser,
                  other: str | None = None) -> dict[str, Any]:
     """``{"a", "b", "diff"}`` for this run (a) and ``other`` (b): each run's id, name, kind,
-    model, dataset, state, curves (``loss`` and ``eval_loss`` as ``[step, value]`` pairs),
-    result and evaluation; ``diff`` the spec fields that differ (``field``, ``a``, ``b``)."""
+    model, dataset, state, curves (``loss``, ``eval_loss``, GRPO's ``reward``, ``kl`` and
+    ``rewards`` per function, as ``[step, value]`` pairs), result and evaluation; ``diff`` the
+    spec fields that differ (``field``, ``a``, ``b``; ``a_label``/``b_label`` naming ids and
+    rewards in words) (:func:`app.studio.compare.compare_runs`)."""
     access.run(engine, user, run_id)
     if not other:
         raise invalid("other", "name the run to compare with (?other=<run id>)")
