@@ -213,6 +213,26 @@
       if (window.htmx) window.htmx.process(fresh);
     }
   }
+  // A cancelled or failed run can be resumed from another tab, the API or a teammate's script:
+  // its run then has a new job, which this page (whose stream ended with the old one) would
+  // never show. While the page is visible it asks the run's current job every few seconds and
+  // reloads when that job is not the one it shows.
+  const RESUMABLE = ["failed", "cancelled"], FOLLOW_MS = 5000;
+  let following = null;
+  function followResumes(state) {
+    if (following || !RESUMABLE.includes(state) || !root.dataset.runUrl) return;
+    following = setInterval(async () => {
+      if (document.hidden) return;
+      const r = await fetch(root.dataset.runUrl, {credentials: "same-origin"}).catch(() => null);
+      if (!r || !r.ok) return;
+      const run = await r.json().catch(() => null);
+      if (run && run.job_id !== null && String(run.job_id) !== root.dataset.jobId) {
+        clearInterval(following);
+        window.location.reload();
+      }
+    }, FOLLOW_MS);
+  }
+  if (renderedFinal) followResumes(($("m-state") || {}).textContent.trim());
   es.addEventListener("end", (e) => {
     es.close();
     ended = true;
@@ -220,5 +240,6 @@
     const d = JSON.parse(e.data);
     if (FINAL.includes(d.state)) setState(d.state);
     if (!renderedFinal) refreshFinalParts();
+    followResumes(d.state);
   });
 })();

@@ -62,3 +62,31 @@ def test_compare_draws_grpo_rewards_in_the_browser(page, client, engine):  # noq
     assert page.evaluate(f"({series})(window.compareKlChart)") == [["B grpo: KL", 5, False]]
     assert page.evaluate(f"({series})(window.compareChart)") == [
         ["A sft: training loss", 4, False], ["A sft: eval loss", 3, True]]
+
+
+def test_a_cancelled_run_page_follows_a_resume_made_elsewhere(page, client, engine):  # noqa: F811
+    """Trial s22 F8: a cancelled run's page left open kept saying "cancelled · Resume from step
+    N" for minutes after the run was resumed through the API (its Resume then answered "still
+    active"). The open page now notices the run's new job and shows it."""
+    from playwright.sync_api import expect
+
+    from app.store import events, queue
+
+    ds = upload_sft(client)
+    r = client.post("/api/runs", json={"model": "stories260K", "dataset": ds, "max_steps": 9})
+    run = repo.get_run(engine, r.json()["id"])
+    assert queue.claim(engine, "w-c", 30, kinds=["train"]).id == run.job_id
+    events.append_many(engine, run.job_id, [("metric", {"step": s, "total_steps": 9,
+                                                         "loss": 3.0 - s / 10})
+                                            for s in (1, 2, 3)])
+    queue.cancel(engine, run.job_id)
+    assert queue.acknowledge_cancel(engine, run.job_id, "w-c")
+
+    page.goto(f"{page.base}/runs/{run.id}")
+    expect(page.locator("#m-state")).to_have_text("cancelled")
+    assert page.locator("#run").get_attribute("data-job-id") == str(run.job_id)
+    _, again = repo.resume_run(engine, run.id, 3, "resumed through the API")
+    page.wait_for_function(f"document.getElementById('run') && "
+                           f"document.getElementById('run').dataset.jobId === '{again.id}'",
+                           timeout=20_000)
+    expect(page.locator("#m-state")).to_have_text("queued")
