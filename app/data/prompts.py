@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from app.data.answers import NumberCount
 from app.data.errors import DatasetError
 from app.data.loader import iter_records
 
@@ -101,7 +102,8 @@ def inspect_prompts(path: str | os.PathLike, prompt_column: str | None = None,
     """A report for a prompt dataset: rows, usable rows, columns, the prompt and reference
     columns and a preview; ``on_rows(n)`` is called as rows are read (it may raise to stop).
     Rows whose messages are malformed (:func:`message_problem`) are listed in ``invalid``
-    (``{row, field, message}``), as the SFT report lists its invalid rows.
+    (``{row, field, message}``), as the SFT report lists its invalid rows; ``numbers`` says which
+    other columns hold a reference number in every row (:class:`app.data.answers.NumberCount`).
     Raises DatasetError when no row is readable or has a prompt."""
     rows = bad = usable = 0
     invalid: list[dict] = []
@@ -109,6 +111,7 @@ def inspect_prompts(path: str | os.PathLike, prompt_column: str | None = None,
     columns: set[str] = set()
     previews: list[dict] = []
     pcol = acol = None
+    numbers: NumberCount | None = None
     from app.data.report import counted
 
     for rec in counted(iter_records(path), on_rows):
@@ -119,7 +122,9 @@ def inspect_prompts(path: str | os.PathLike, prompt_column: str | None = None,
         if first is None:
             first = rec.data
             pcol, acol = pick_columns(first, prompt_column, answer_column)
+            numbers = NumberCount({pcol})
         columns.update(rec.data)
+        numbers.add(rec.row, rec.data)
         problem = message_problem(rec.data.get(pcol), pcol)
         if problem is not None:
             invalid.append({"row": rec.row, "field": problem[0], "message": problem[1]})
@@ -138,4 +143,4 @@ def inspect_prompts(path: str | os.PathLike, prompt_column: str | None = None,
     return {"format": "prompts", "rows": rows, "valid_rows": usable, "unreadable_rows": bad,
             "invalid_rows": rows - usable, "invalid": invalid, "warnings": [],
             "columns": sorted(columns), "prompt_column": pcol, "answer_column": acol,
-            "prompt_preview": previews}
+            "prompt_preview": previews, "numbers": numbers.report()}

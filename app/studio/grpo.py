@@ -5,7 +5,7 @@ Every surface (the GRPO form, ``POST /api/runs/grpo``, the OpenAI reinforcement 
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.engine import Engine
 
@@ -52,6 +52,7 @@ def create_grpo_run(engine: Engine, settings: Settings, actor: User, spec: GrpoS
     ds = usable_dataset(engine, actor, spec)
     spec = with_dataset_columns(spec, ds)
     check_columns(spec, ds)
+    check_numeric_references(spec, ds)
     evaluation.check_held_out(engine, actor, spec, ds.rows)
     check_qlora_device(engine, settings, spec)
     check_num_gpus(engine, settings, spec)
@@ -121,6 +122,57 @@ def check_columns(spec: GrpoSpec, ds: Dataset) -> None:
                              f"reward {label!r} needs a reference column: the dataset has no "
                              f"answer column; name one with answer_column or the reward's "
                              f"column ({have})")
+
+
+def _numbers(ds: Dataset | None) -> dict[str, dict[str, Any]] | None:
+    """Which columns of a prompt dataset hold a reference number, from its report
+    (:class:`app.data.answers.NumberCount`); None when not known (another format, or a report
+    made before it was counted)."""
+    if ds is None or ds.format != "prompts":
+        return None
+    return (ds.report or {}).get("numbers")
+
+
+def check_numeric_references(spec: GrpoSpec, ds: Dataset) -> None:
+    """Refuse ``numeric_match`` on a column where a row holds no number (the reward raises at
+    the first such row it scores, failing the run at its first steps, after its wait in the
+    queue), naming the row and the rewards that fit text answers.
+
+    Raises StudioError(invalid) (field ``rewards[i]``)."""
+    numbers = _numbers(ds)
+    if not numbers:
+        return
+    answer = spec.answer_column or (ds.report or {}).get("answer_column")
+    for i, r in enumerate(spec.rewards):
+        col = (r.params or {}).get("column") or answer
+        c = numbers.get(col) if r.name == "numeric_match" and col else None
+        if not c or c.get("first_without") is None:
+            continue
+        label, row, example = r.label or r.name, c["first_without"], c.get("example")
+        seen = (f"no row of column {col!r} holds one" if not c["with_number"] else
+                f"{c['with_number']:,} of {c['rows']:,} rows of column {col!r} hold one")
+        raise invalid(f"rewards[{i}]",
+                      f"reward {label!r} compares the number in a completion with the number "
+                      f"in the reference, but {seen}: row {row} has none ({example!r}); for "
+                      "text answers choose exact_match or text_similarity, or name another "
+                      "answer_column")
+
+
+def default_rewards(ds: Dataset | None) -> list[str]:
+    """The reward functions the GRPO form ticks for prompt dataset ``ds``: ``numeric_match``
+    and ``format`` where every reference holds a number (GSM8K-like), or nothing is known of
+    it; ``text_similarity`` and ``format`` for text references; ``format`` without an answer
+    column."""
+    numbers = _numbers(ds)
+    if numbers is None:
+        return ["numeric_match", "format"]
+    answer = (ds.report or {}).get("answer_column")
+    if not answer:
+        return ["format"]
+    c = numbers.get(answer)
+    if c and c.get("first_without") is None and c.get("rows"):
+        return ["numeric_match", "format"]
+    return ["text_similarity", "format"]
 
 
 def with_dataset_columns(spec: GrpoSpec, ds: Dataset) -> GrpoSpec:

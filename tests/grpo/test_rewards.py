@@ -7,6 +7,7 @@ from decimal import Decimal
 import pytest
 from pydantic import ValidationError
 
+from app.data import answers
 from app.store.specs import GrpoSpec, RewardSpec
 from worker.rewards import builtin
 from worker.rewards.base import (Batch, PerSample, RewardError, RewardFunction, group_advantages,
@@ -119,7 +120,7 @@ def test_score_all_weights_and_reports():
 # ---- built-ins on real GSM8K rows ---------------------------------------------------------
 def test_gsm8k_references_parse(gsm8k_rows):
     for row in gsm8k_rows:
-        ref = builtin.reference_answer(row["answer"])
+        ref = answers.reference_answer(row["answer"])
         assert ref is not None, row["answer"]
         assert str(ref) == row["answer"].split("####")[-1].strip().replace(",", "")
 
@@ -145,7 +146,7 @@ def test_numeric_match_on_gsm8k(gsm8k_rows):
 
 
 def test_numeric_extraction_forms():
-    ex = builtin.extract_answer
+    ex = answers.extract_answer
     assert ex("\\boxed{\\frac{7}{2}}") == Decimal("3.5")
     assert ex("total $1,234.50.") == Decimal("1234.50")
     assert ex("#### 72") == 72 and ex("first 3 then \\boxed{5} then 9") == 5

@@ -408,6 +408,67 @@ def test_upload_gsm8k_prompts_then_run(env, tmp_path):
     assert bad["status"] == "error" and "no prompt column" in bad["error"]
 
 
+def _checked_rewards(page: str) -> set[str]:
+    import re
+
+    return {m for tag in re.findall(r'<input[^>]*name="rewards"[^>]*>', page)
+            if "checked" in tag for m in re.findall(r'value="([^"]+)"', tag)}
+
+
+def test_numeric_match_only_where_every_reference_holds_a_number(env, tmp_path):
+    """Trial s22 F10: a prompt set with text answers (identity_alpaca: instruction -> output)
+    got numeric_match ticked by default, the run was accepted and failed at its first step
+    ("the reference in column 'output' has no number"), after its wait in the queue. The
+    report now counts the numbers of each column; the form ticks text_similarity there; a
+    run asking numeric_match of a column with a row without a number is refused at once,
+    naming the row."""
+    c = env["client"]
+
+    def upload(name: str, body: bytes) -> dict:
+        r = c.post("/api/grpo/datasets", files={"file": (name, body)})
+        assert r.status_code == 201, r.text
+        run_validations(c.app)
+        return c.get(f"/api/datasets/{r.json()['id']}").json()
+
+    text = upload("identity.json", (SHARED / "sft" / "identity_alpaca.json").read_bytes())
+    assert text["report"]["answer_column"] == "output"
+    counted = text["report"]["numbers"]["output"]
+    assert counted["rows"] == 91 and counted["first_without"] == 1 and counted["with_number"] < 91
+    gsm = upload("gsm8k_32.jsonl", "".join(GSM8K.read_text().splitlines(keepends=True)[:32])
+                 .encode())
+    assert gsm["report"]["numbers"]["answer"] == {"rows": 32, "with_number": 32,
+                                                  "first_without": None, "example": None}
+
+    assert _checked_rewards(c.get(f"/runs/new/grpo?dataset={text['id']}").text) == \
+        {"text_similarity", "format"}
+    assert _checked_rewards(c.get(f"/runs/new/grpo?dataset={gsm['id']}").text) == \
+        {"numeric_match", "format"}
+
+    body = {"model": "stories260K", "dataset": text["id"], "max_steps": 2,
+            "rewards": [{"name": "format"}, {"name": "numeric_match"}]}
+    r = c.post("/api/runs/grpo", json=body)
+    assert r.status_code == 422, r.text
+    err = r.json()["error"]
+    assert err["param"] == "rewards[1]" and "row 1 has none" in err["message"] \
+        and "of 91 rows of column 'output' hold one" in err["message"] \
+        and "exact_match or text_similarity" in err["message"], err
+    r = c.post("/runs/grpo", data=_form(text["id"], max_steps="2"))
+    assert r.status_code == 422 and "row 1 has none" in r.text
+    r = c.post("/api/runs/grpo", json={**body, "rewards": [{"name": "text_similarity"}]})
+    assert r.status_code == 201, r.text
+    # a column with a number in every row may be named for numeric_match
+    mixed = upload("mixed.jsonl", b'{"question": "two plus two?", "sum": 4, "note": "x"}\n'
+                                  b'{"question": "three plus four?", "sum": 7, "note": "y"}\n')
+    r = c.post("/api/runs/grpo", json={**body, "dataset": mixed["id"],
+                                       "rewards": [{"name": "numeric_match",
+                                                    "params": {"column": "sum"}}]})
+    assert r.status_code == 201, r.text
+    r = c.post("/api/runs/grpo", json={**body, "dataset": mixed["id"],
+                                       "rewards": [{"name": "numeric_match",
+                                                    "params": {"column": "note"}}]})
+    assert r.status_code == 422 and "no row of column 'note' holds one" in r.text, r.text
+
+
 def test_upload_form_names_the_prompt_column(env):
     """Rows without a recognisable prompt column: the upload form takes prompt_column and
     answer_column, and a refused upload shows its error without the "fields below" banner."""

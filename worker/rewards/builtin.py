@@ -7,89 +7,11 @@ Each is a :class:`~worker.rewards.base.PerSample` reward built from a
 from __future__ import annotations
 
 import re
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
 from typing import Any
 
+from app.data.answers import extract_answer, reference_answer
 from worker.rewards.base import PerSample, Sample
-
-_NUMBER = r"-?\$?\s*(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?"
-_NUMBER_RE = re.compile(_NUMBER)
-_HASHES_RE = re.compile(r"####\s*(" + _NUMBER + r")")
-_ANSWER_TAG_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
-
-
-def _boxed(text: str) -> list[str]:
-    """The contents of every ``\\boxed{...}`` in ``text`` (nested braces balanced)."""
-    out = []
-    start = 0
-    while True:
-        i = text.find("\\boxed{", start)
-        if i < 0:
-            return out
-        j = i + len("\\boxed{")
-        depth = 1
-        k = j
-        while k < len(text) and depth:
-            depth += {"{": 1, "}": -1}.get(text[k], 0)
-            k += 1
-        if depth == 0:
-            out.append(text[j:k - 1])
-        start = k
-
-
-def to_number(text: str) -> Decimal | None:
-    """``"1,234"``, ``"$5"``, ``"3.50"``, ``"7/2"``, ``"\\frac{7}{2}"`` -> Decimal; else None."""
-    t = str(text).strip()
-    frac = re.fullmatch(r"\\d?frac\{(-?[\d.]+)\}\{(-?[\d.]+)\}", t)
-    if frac:
-        t = f"{frac.group(1)}/{frac.group(2)}"
-    t = re.sub(r"^\\text\{(.*)\}$", r"\1", t)
-    t = t.replace(",", "").replace("$", "").replace(" ", "").rstrip(".").rstrip("%")
-    try:
-        if "/" in t:
-            a, b = t.split("/", 1)
-            den = Decimal(b)
-            return Decimal(a) / den if den != 0 else None
-        return Decimal(t)
-    except (InvalidOperation, ValueError):
-        return None
-
-
-def extract_answer(text: str, strict: bool = False) -> Decimal | None:
-    """The final numeric answer in ``text``.
-
-    Looks, in order, at the last ``\\boxed{}``, the last ``#### n`` (GSM8K), the last
-    ``<answer>...</answer>``; unless ``strict``, then the last number anywhere.
-    """
-    text = str(text)
-    for box in reversed(_boxed(text)):
-        n = to_number(box)
-        if n is not None:
-            return n
-    hashes = _HASHES_RE.findall(text)
-    if hashes:
-        return to_number(hashes[-1])
-    for tag in reversed(_ANSWER_TAG_RE.findall(text)):
-        n = to_number(tag)
-        if n is None:
-            nums = _NUMBER_RE.findall(tag)
-            n = to_number(nums[-1]) if nums else None
-        if n is not None:
-            return n
-    if strict:
-        return None
-    nums = _NUMBER_RE.findall(text)
-    return to_number(nums[-1]) if nums else None
-
-
-def reference_answer(value: Any) -> Decimal | None:
-    """The reference number of a dataset cell: GSM8K ``... #### 72``, ``\\boxed{}``, or a number."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, (int, float)):
-        return Decimal(str(value))
-    return extract_answer(str(value), strict=False)
-
 
 def _column(sample: Sample, column: str | None, reward: str) -> Any:
     if not column:

@@ -16,7 +16,7 @@ from app.store.specs import (ALL_LINEAR, CUSTOM_REWARD_SIGNATURE, GRPO_LOSS_TYPE
 from app.studio import clone as clone_uc
 from app.studio import datasets as datasets_uc
 from app.studio.errors import StudioError
-from app.studio.grpo import create_grpo_run, custom_rewards_allowed
+from app.studio.grpo import create_grpo_run, custom_rewards_allowed, default_rewards
 from app.web.deps import CurrentUser, EngineDep, SettingsDep, current_user, get_engine
 from app.web.render import render
 from app.web.uploads import UploadError, receive_upload
@@ -53,7 +53,9 @@ def _defaults() -> dict[str, Any]:
     return vals
 
 
-def _form_ctx(request, values, errors=None, general=None) -> dict[str, Any]:
+def _form_ctx(request, values, errors=None, general=None, fresh=False) -> dict[str, Any]:
+    """The form's context; ``fresh`` (a new form, not a re-shown one): the rewards ticked are
+    the chosen dataset's defaults (:func:`app.studio.grpo.default_rewards`)."""
     engine, user = get_engine(request), current_user(request)
     models = datasets_uc.usable_models(engine, user)
     datasets = grpo_datasets([d for d in datasets_uc.pickable_datasets(engine, user)
@@ -62,6 +64,9 @@ def _form_ctx(request, values, errors=None, general=None) -> dict[str, Any]:
         values["model"] = ([m for m in models if m.status == "ready"] or models)[0].id
     if not values.get("dataset") and datasets:
         values["dataset"] = datasets[0].id
+    if fresh:
+        values["rewards_on"] = default_rewards(next(
+            (d for d in datasets if d.id == values.get("dataset")), None))
     return {"values": values, "errors": errors or {}, "general_errors": views.form_notices(user, general),
             "models": models, "datasets": datasets,
             "dataset_label": dataset_labeller(engine, user),
@@ -160,7 +165,8 @@ def new_grpo_run(request: Request, engine: EngineDep, user: CurrentUser,
     else:
         values = _defaults()
         values.update(dataset=dataset or "", model=model or "")
-    return render(request, "run_grpo_new.html", _form_ctx(request, values), block="grpo_form")
+    return render(request, "run_grpo_new.html", _form_ctx(request, values, fresh=not clone),
+                  block="grpo_form")
 
 
 @router.post("/runs/new/grpo/estimate")
