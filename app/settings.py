@@ -25,6 +25,10 @@ class Settings(BaseSettings):
             ``stories260K`` is seeded; empty means download it from the Hugging Face Hub on first use.
         lease_seconds: how long a claimed job stays leased without a heartbeat (seconds).
         heartbeat_seconds: how often the worker renews its lease (seconds).
+        orphan_grace_seconds: how long a supervisor's job process may outlive its claim on the
+            job (ended, reaped after its heartbeat stopped, e.g. a process stuck in C code that
+            holds the interpreter) before it is sent SIGTERM, and as long again before SIGKILL;
+            meanwhile its GPU slots admit nothing (seconds).
         sqlite_busy_timeout_seconds: (faults) how long an SQLite writer waits for another's
             write lock before giving up with "database is locked" (seconds; the worker then
             backs off and retries, the web answers 503 "busy, retry").
@@ -101,6 +105,7 @@ class Settings(BaseSettings):
     seed_dir: Path | None = None
     lease_seconds: float = Field(default=60.0, gt=0)
     heartbeat_seconds: float = Field(default=2.0, gt=0)
+    orphan_grace_seconds: float = Field(default=10.0, gt=0)
     reap_interval_seconds: float = Field(default=15.0, gt=0)
     # faults
     sqlite_busy_timeout_seconds: float = Field(default=30.0, gt=0)

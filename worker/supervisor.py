@@ -18,6 +18,11 @@ their estimated memory, several at once per GPU, and runs each admitted job in i
   what to lower (worker/child.py), and exits: its memory is freed and the next job is admitted.
   A child that dies without ending its job (killed by the kernel's OOM killer, a signal) has its
   job reaped at once: requeued while attempts remain, with the cause.
+* A child that outlives its claim on the job (the job ended, or was reaped because the child's
+  heartbeat stopped: a process stuck in C code that holds the interpreter, e.g. a regular
+  expression that backtracks without end) still holds its GPU memory: its slots admit nothing
+  until it exits; after ``settings.orphan_grace_seconds`` it is sent SIGTERM, after as long
+  again SIGKILL (:meth:`Supervisor.collect`).
 * SIGTERM/SIGINT: every child stops at its next check (training checkpoints), its job goes back
   to the queue; then the lane stops and the rows are removed.
 * ``settings.simulated_gpus`` (tests only, e.g. ``2x24``) gives a CPU box simulated GPUs of that
@@ -124,6 +129,10 @@ class Child:
     admitted_gib: float | None = None
     #: every slot the job holds (a data-parallel job: several; else ``[slot]``)
     slots: list[Slot] | None = None
+    #: monotonic seconds since which the process has outlived its claim on the job (None: not)
+    orphan_since: float | None = None
+    #: the signal last sent to an orphaned process (SIGTERM, then SIGKILL), once each
+    signalled: int | None = None
 
     def slot_list(self) -> list[Slot]:
         """The slots this child's job holds."""
@@ -210,13 +219,51 @@ class Supervisor:
                 log.warning("job %s: its process exited with %s without ending it", c.job_id,
                             c.proc.returncode)
                 queue.reap(self.engine, restarted=c.owner, gone={c.owner})
+        self._stop_orphans()
         return len(done)
+
+    def _stop_orphans(self) -> None:
+        """Children still running whose job is no longer theirs (ended, or reaped because
+        their heartbeat stopped): SIGTERM after ``orphan_grace_seconds``, SIGKILL after twice
+        that; until they exit their slots admit nothing (:meth:`orphan_slots`)."""
+        grace = self.settings.orphan_grace_seconds
+        with self._lock:
+            alive = [c for c in self.children if c.proc.poll() is None]
+        for c in alive:
+            try:
+                job = queue.get_job(self.engine, c.job_id)
+                mine = job.state == "running" and job.lease_owner == c.owner
+            except queue.JobNotFound:
+                mine = False
+            t = time.monotonic()
+            if mine:
+                c.orphan_since = None
+            elif c.orphan_since is None:
+                c.orphan_since = t
+            elif t - c.orphan_since >= 2 * grace and c.signalled != signal.SIGKILL:
+                log.error("job %s: its process %s still runs %.0f s after its claim ended; "
+                          "killing it", c.job_id, c.proc.pid, t - c.orphan_since)
+                c.signalled = signal.SIGKILL
+                c.proc.kill()
+            elif t - c.orphan_since >= grace and c.signalled is None:
+                c.signalled = signal.SIGTERM
+                log.warning("job %s: its process %s outlived its claim by %.0f s (its heartbeat "
+                            "stopped?); sending SIGTERM", c.job_id, c.proc.pid, t - c.orphan_since)
+                c.proc.terminate()
+
+    def orphan_slots(self) -> set[str]:
+        """The ids of the slots a child holds that outlived its claim (its memory is still in
+        use although the job's row no longer counts it)."""
+        with self._lock:
+            return {s.id for c in self.children if c.orphan_since is not None
+                    and c.proc.poll() is None for s in c.slot_list()}
 
     def admit_all(self) -> int:
         """Admit onto every slot as many jobs as fit now; returns how many were admitted."""
         n = 0
+        held = self.orphan_slots()
         for slot in self.slots:
-            while not self.shutdown.is_set():
+            while slot.id not in held and not self.shutdown.is_set():
                 job = queue.admit(self.engine, slot,
                                   self.settings.lease_seconds + CHILD_START_SECONDS, self.kinds,
                                   self.settings.gpu_admit_margin, self.settings.fair_share_hours,

@@ -294,16 +294,16 @@ class RewardSpec(NumbersNotBooleans):
 
     @model_validator(mode="after")
     def _params(self) -> "RewardSpec":
-        import re
+        import regex
 
         p = self.params
         if self.name == "regex_match":
             pat = p.get("pattern")
             if not isinstance(pat, str) or not pat:
                 raise ValueError("regex_match needs params.pattern (a Python regular expression)")
-            try:
-                re.compile(pat)
-            except re.error as e:
+            try:  # the engine the reward matches with (worker/rewards/builtin.py)
+                regex.compile(pat)
+            except regex.error as e:
                 raise ValueError(f"regex_match pattern does not compile: {e}") from None
         if self.name == "length_penalty":
             t = p.get("target_tokens")

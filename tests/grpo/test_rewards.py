@@ -172,6 +172,27 @@ def test_exact_regex_format_length():
         [0.0, 0.0, 0.0, -1.0]
 
 
+def test_a_backtracking_pattern_stops_the_run_in_a_second_not_hours():
+    """Trial s22 F12: a member's ``(\\s*\\w+\\s*)*\\d`` held the training process in C code
+    (no heartbeat, no cancel) on ordinary story text. Patterns are matched by the ``regex``
+    library (that one is answered at once there) with a time limit per search; a pattern that
+    still backtracks past it fails the reward, naming the pattern."""
+    import time
+
+    story = "Once upon a time there was a little girl named Lily who loved to play " * 3
+    b = Batch(["p"], [story], [len(story)], {})
+    t = time.monotonic()
+    trial = builtin.make_builtin("regex_match", {"pattern": r"(\s*\w+\s*)*\d"}, None)
+    assert trial.score(b) == [0.0] and time.monotonic() - t < 1
+    bad = builtin.make_builtin("regex_match", {"pattern": r"(\w+\s*){1,50}\d"}, None)
+    t = time.monotonic()
+    with pytest.raises(RewardError, match=r"took more than 1 s on one completion of 210 "
+                                          r"characters: it backtracks without bound"):
+        bad.score(b)
+    assert time.monotonic() - t < 5
+    assert builtin.make_builtin("regex_match", {"pattern": r"\bLily\b"}, None).score(b) == [1.0]
+
+
 def test_missing_column_is_a_clear_error():
     fn = builtin.make_builtin("exact_match", {"column": "nope"}, None)
     with pytest.raises(RewardError, match="no column 'nope'"):

@@ -9,5 +9,5 @@ sys.path[:0] = [str(HERE.parents[1]), str(HERE)]
 from worker import loop  # noqa: E402
 from worker.__main__ import main  # noqa: E402
 
-loop.HANDLERS.update({k: f"faultjobs:{k}" for k in ("tick", "fill", "hog", "oom")})
+loop.HANDLERS.update({k: f"faultjobs:{k}" for k in ("tick", "fill", "hog", "oom", "wedge")})
 sys.exit(main())

@@ -5,6 +5,7 @@
 * ``fill``: write ``<data_dir>/fill/<job>`` in 64 KiB chunks until the disk is full (or, with
   ``inject``, raise ENOSPC at once, as a full disk does);
 * ``hog``: hold ``mib`` MiB of touched memory, then tick like ``tick``;
+* ``wedge``: hold the interpreter in a backtracking regular expression (no heartbeat);
 * ``oom``: tick for ``seconds``, then raise torch's ``OutOfMemoryError`` as a CUDA allocation
   past the memory left does (the admission tests' injected out-of-memory failure).
 """
@@ -61,3 +62,17 @@ def oom(ctx) -> dict:
     _ticks(ctx, float(ctx.payload.get("seconds", 0.3)), 0.05)
     raise torch.cuda.OutOfMemoryError(
         "CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity of 24 GiB")
+
+
+def wedge(ctx) -> dict:
+    """Write this process's pid to ``<data_dir>/wedge/<job>``, then hold the interpreter in C
+    code (a regular expression that backtracks without end, as a user's pattern did in trial
+    s22): no heartbeat, no signal handler runs until the process is killed."""
+    import os
+    import re
+
+    out = Path(ctx.settings.data_dir) / "wedge"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / str(ctx.job.id)).write_text(str(os.getpid()))
+    re.search(r"(\s*\w+\s*)*\d", "word " * 60)
+    return {}

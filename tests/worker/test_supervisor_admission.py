@@ -136,3 +136,40 @@ def test_fair_share_admits_the_user_with_less_recent_gpu_time_first(tmp_path) ->
         assert all(spans[i][1] <= spans[i + 1][0] for i in range(3))  # one at a time
     finally:
         studio.close()
+
+
+def test_a_job_process_that_outlives_its_claim_is_killed_before_its_slot_is_reused(tmp_path):
+    """Trial s22 F12: a job process stuck in C code (a member's regular expression that
+    backtracks without end) stops heartbeating, its job is reaped, and its slot was handed to
+    the next job while the process ran on beside it (on a GPU: memory counted free while in
+    use). Now the slot admits nothing while the orphan lives; it gets SIGTERM after
+    ``orphan_grace_seconds`` and SIGKILL after as long again; then the next job runs."""
+    import os
+
+    studio = Studio(tmp_path, **{**SIM, "lease_seconds": 3, "reap_interval_seconds": 0.5,
+                                 "orphan_grace_seconds": 1})
+    try:
+        eng = studio.engine
+        u = add_user(eng, "bob")
+        stuck = queue.enqueue(eng, "wedge", {}, owner=u.id, estimate_gib=6.0, max_attempts=1)
+        # 18 GiB -> 20.3 admitted: fits only once the stuck job's 7.1 GiB are free for real
+        nxt = queue.enqueue(eng, "tick", {"seconds": 0.5}, owner=u.id, estimate_gib=18.0)
+        studio.worker("sup", "--supervise")
+        pid_file = Path(studio.data_dir) / "wedge" / str(stuck.id)
+        wait_for(lambda: pid_file.exists() and pid_file.read_text(), 60, "the wedge started")
+        pid = int(pid_file.read_text())
+        reaped = wait_for(lambda: ended(eng, stuck.id), 60, "the stuck job reaped")
+        assert reaped.state == JobState.FAILED
+        os.kill(pid, 0)  # reaped, but its process still runs (and holds its memory)
+        started = wait_for(lambda: (lambda j: j if j.started_at else None)(
+            queue.get_job(eng, nxt.id)), 60, "the next job admitted")
+        assert started.started_at >= reaped.finished_at + 2 * 1.0 - 0.5  # grace, then kill
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # gone before the slot was reused
+        done = wait_for(lambda: ended(eng, nxt.id), 60, "the next job ran")
+        assert done.state == JobState.SUCCEEDED
+        log = (tmp_path / "sup.log").read_text()
+        assert f"job {stuck.id}: its process {pid} outlived its claim" in log
+        assert f"job {stuck.id}: its process {pid} still runs" in log and "killing it" in log
+    finally:
+        studio.close()

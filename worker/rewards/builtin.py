@@ -76,12 +76,31 @@ def text_similarity(params: dict, answer_column: str | None):
     return fn
 
 
+#: Seconds one ``regex_match`` search may take on one completion: a pattern that backtracks
+#: without bound (nested quantifiers such as ``(\w+\s*)*``) would otherwise hold the training
+#: process in C code for hours, its heartbeat and its cancel with it (trial s22, F12).
+REGEX_TIMEOUT_SECONDS = 1.0
+
+
 def regex_match(params: dict, answer_column: str | None):
-    pattern = re.compile(params["pattern"], re.DOTALL if params.get("dotall") else 0)
+    """1 when ``params.pattern`` matches the completion (with ``params.column``: its first
+    group, else the whole match, equals that column's value), matched by the ``regex`` library
+    with :data:`REGEX_TIMEOUT_SECONDS` a search.
+
+    Raises (from the reward): ValueError naming the pattern when a search runs out of time."""
+    import regex
+
+    pattern = regex.compile(params["pattern"], regex.DOTALL if params.get("dotall") else 0)
     column = params.get("column")
 
     def fn(s: Sample) -> float:
-        m = pattern.search(s.completion)
+        try:
+            m = pattern.search(s.completion, timeout=REGEX_TIMEOUT_SECONDS)
+        except TimeoutError:
+            raise ValueError(
+                f"the pattern {params['pattern']!r} took more than {REGEX_TIMEOUT_SECONDS:g} s "
+                f"on one completion of {len(s.completion):,} characters: it backtracks without "
+                "bound (nested repeats such as (\\w+\\s*)*); simplify it") from None
         if column is None:
             return 1.0 if m else 0.0
         if not m:
