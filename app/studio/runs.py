@@ -40,7 +40,9 @@ def field_errors(exc: ValidationError, fields=()) -> tuple[dict[str, str], list[
     general: list[str] = []
     for err in exc.errors():
         loc = err.get("loc") or ()
-        msg = err.get("msg", "invalid value").removeprefix("Value error, ")
+        info = fields.get(loc[0]) if loc and isinstance(fields, dict) else None
+        msg = (_in_words(err, info) or err.get("msg", "invalid value")).removeprefix(
+            "Value error, ")
         subject = re.sub(r"\([^)]*\)", "", msg)
         named = [w for w in dict.fromkeys(re.findall(r"\b[a-z]+_\w+\b", subject)) if w in fields]
         if loc:
@@ -51,6 +53,54 @@ def field_errors(exc: ValidationError, fields=()) -> tuple[dict[str, str], list[
         else:
             general.append(msg)
     return out, general
+
+
+def _num(v: float) -> str:
+    """A bound as the messages write it: whole numbers with thousands separators
+    (``10,000,000``), others as Python's shortest form (``1e-08``, ``0.5``)."""
+    if isinstance(v, int) or (isinstance(v, float) and v.is_integer() and abs(v) < 1e15):
+        return f"{int(v):,}"
+    return f"{v:g}"
+
+
+def _range_words(info) -> str:
+    """The range a pydantic number field allows, in words (the playground's words too):
+    " from 1 to 1,024", " greater than 0 and at most 10", " at least 0"; empty without
+    bounds."""
+    lo = hi = None
+    for m in getattr(info, "metadata", None) or ():
+        for key, word in (("ge", "at least"), ("gt", "greater than")):
+            if getattr(m, key, None) is not None:
+                lo = (word, getattr(m, key))
+        for key, word in (("le", "at most"), ("lt", "less than")):
+            if getattr(m, key, None) is not None:
+                hi = (word, getattr(m, key))
+    if lo and hi and lo[0] == "at least" and hi[0] == "at most":
+        return f" from {_num(lo[1])} to {_num(hi[1])}"
+    parts = [f"{b[0]} {_num(b[1])}" for b in (lo, hi) if b]
+    return f" {' and '.join(parts)}" if parts else ""
+
+
+def _in_words(err: dict[str, Any], info) -> str | None:
+    """A number field's pydantic error in the studio's words, with the field's range: "must be a
+    whole number from 1 to 1,024, written in digits, not '1e6'" (pydantic: "Input should be a
+    valid integer, unable to parse string as an integer"); None for every other error."""
+    kind, given = err.get("type", ""), err.get("input")
+    text = isinstance(given, str)
+    tail = f", not {given!r}" if text and len(given) <= 20 else ""
+    span = _range_words(info)
+    number = "," + span if span.startswith(" at ") else span  # "a whole number, at least 0"
+    if kind in ("int_parsing", "int_from_float", "int_type"):
+        return f"must be a whole number{number}{', written in digits' if text else ''}{tail}"
+    if kind in ("float_parsing", "float_type"):
+        return f"must be a number{number}{tail}"
+    if kind == "finite_number":
+        return f"must be a finite number{number}{tail}"
+    if kind in ("greater_than_equal", "greater_than", "less_than_equal", "less_than") and span:
+        shown = _num(given) if isinstance(given, (int, float)) and not isinstance(given, bool) \
+            else repr(given) if text and len(given) <= 20 else None
+        return f"must be{span}" + (f", not {shown}" if shown else "")
+    return None
 
 
 class SpecError(FieldErrors):

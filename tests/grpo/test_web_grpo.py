@@ -102,6 +102,32 @@ def test_form_errors(env):
     assert r.status_code == 422 and "not allowed" in r.text
 
 
+def test_number_fields_are_refused_in_the_studios_words(env):
+    """Trial s22 F2: 1e6 / 1e999 / 1.5 in whole-number fields were answered with pydantic's
+    "Input should be a valid integer, unable to parse string as an integer"; now every form
+    and /api say what the field takes, its range and what was given."""
+    import html
+
+    c = env["client"]
+    for field, given, words in (
+            ("reward_eval_samples", "1e6", "must be a whole number from 0 to 200, written in "
+                                           "digits, not '1e6'"),
+            ("r", "1e999", "must be a whole number from 1 to 1,024, written in digits, "
+                           "not '1e999'"),
+            ("seed", "1.5", "must be a whole number, at least 0, written in digits, not '1.5'"),
+            ("beta", "1e999", "must be a finite number from 0 to 100, not '1e999'"),
+            ("temperature", "x", "must be a number greater than 0 and at most 10, not 'x'"),
+            ("num_generations", "1", "must be from 2 to 256, not '1'")):
+        r = c.post("/runs/grpo", data=_form(env["dataset"], **{field: given}))
+        assert r.status_code == 422 and words in html.unescape(r.text), (field, r.text[-3000:])
+        assert "Input should be" not in r.text
+    r = c.post("/api/runs/grpo", json={"model": "stories260K", "dataset": env["dataset"],
+                                       "rewards": [{"name": "format"}], "max_steps": 2.5})
+    assert r.status_code == 422
+    assert r.json()["error"]["fields"] == {"max_steps": "must be a whole number from 1 to "
+                                                        "10,000,000"}
+
+
 @pytest.mark.parametrize("env", ["*"], indirect=True)
 def test_custom_reward_when_allowed(env):
     html = env["client"].get("/runs/new/grpo").text

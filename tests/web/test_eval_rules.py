@@ -64,7 +64,7 @@ def test_held_out_settings_are_stored(client, files) -> None:
     ({"validation_split_percentage": 10, "load_best_model_at_end": True, "eval_steps": 7,
       "save_steps": 50}, "save_steps", "save_steps (50) must be a multiple of eval_steps (7)"),
     ({"validation_split_percentage": 60}, "validation_split_percentage",
-     "less than or equal to 50"),
+     "must be from 0 to 50, not 60"),
 ])
 def test_refused(client, files, spec, field, text) -> None:
     spec = {k: {"VAL": files["val"], "TRAIN": files["train"]}.get(v, v) if isinstance(v, str) else v

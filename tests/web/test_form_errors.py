@@ -16,8 +16,8 @@ def test_a_long_name_and_bad_values_in_one_answer(client):
                                    "learning_rate": "-1", "r": "0"})
     assert r.status_code == 422
     assert "at most 100 characters (this one has 300)" in _label(r.text, "name")
-    assert "greater than or equal to 0.00000001" in _label(r.text, "learning_rate")
-    assert "greater than or equal to 1" in _label(r.text, "r")
+    assert "must be from 1e-08 to 1, not &#39;-1&#39;" in _label(r.text, "learning_rate")
+    assert "must be from 1 to 1,024, not &#39;0&#39;" in _label(r.text, "r")
     assert "choose a dataset" in r.text
 
 

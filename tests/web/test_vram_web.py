@@ -48,7 +48,7 @@ def test_form_fragment_follows_the_fields(client, engine):
                                                    "load_in_4bit": ""}).text
     assert _total(bf16) == 16.9 and "weights</th><td>14.96 GiB" in bf16
     bad = client.post("/runs/new/estimate", data={**FORM, "model": model.id, "r": "0"}).text
-    assert "estimate-total" not in bad and "r: Input should be greater than or equal to 1" in bad
+    assert "estimate-total" not in bad and "r: must be from 1 to 1,024, not &#39;0&#39;" in bad
     grpo = client.post("/runs/new/grpo/estimate",
                        data={**FORM, "model": model.id, "num_generations": "8",
                              "per_device_train_batch_size": "8", "max_prompt_length": "1024",
