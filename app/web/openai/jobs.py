@@ -81,6 +81,13 @@ def spec_from_openai(body: dict[str, Any]) -> dict[str, Any]:
             raw[key] = value
         else:
             raise ApiError(400, f"unknown parameter {key!r}", key, "unknown_parameter")
+    steps = raw.get("max_steps")
+    if hp.get("n_epochs") not in (None, "auto") and steps not in (None, -1, "-1"):
+        # transformers trains max_steps whatever num_train_epochs says; the job would read
+        # back the epochs those steps make, not the n_epochs asked for (trial s22 F3)
+        raise ApiError(400, "give hyperparameters.n_epochs or max_steps, not both: max_steps "
+                            "trains that many optimizer steps whatever n_epochs says",
+                       "hyperparameters.n_epochs", "invalid_value")
     return raw
 
 
