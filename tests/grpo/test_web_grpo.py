@@ -266,6 +266,10 @@ def test_n_epochs_resolves_to_a_shown_and_capped_max_steps(env):
     r = c.post("/v1/fine_tuning/jobs", json=body)
     assert r.status_code == 400 and r.json()["error"]["param"] == "hyperparameters.n_epochs"
     assert "10,000,000" in r.json()["error"]["message"]
+    body["method"]["reinforcement"]["hyperparameters"]["n_epochs"] = 1
+    r = c.post("/v1/fine_tuning/jobs", json={**body, "max_steps": 40})  # trial s22 F3
+    assert r.status_code == 400 and r.json()["error"]["param"] == "hyperparameters.n_epochs"
+    assert "n_epochs or max_steps, not both" in r.json()["error"]["message"]
     with pytest.raises(ValidationError, match="max_steps"):
         GrpoSpec(model="m", dataset="d", rewards=[{"name": "format"}], max_steps=10_000_001)
 

@@ -62,6 +62,10 @@ def spec_from_reinforcement(body: dict[str, Any], engine) -> dict[str, Any]:
             raw[key] = value
     if body.get("seed") is not None:
         raw["seed"] = body["seed"]
+    if epochs is not None and "max_steps" in raw:
+        raise bad_value("give hyperparameters.n_epochs or max_steps, not both: max_steps "
+                        "trains that many optimizer steps whatever n_epochs says",
+                        "hyperparameters.n_epochs")
     if epochs is not None:
         try:
             rows = repo.get_dataset(engine, body["training_file"]).rows
