@@ -16,6 +16,11 @@ from app.store.schema import Job, Run
 
 #: What ``n_epochs`` says when the count is not known yet (OpenAI's own placeholder).
 AUTO = "auto"
+#: Why a /v1 job naming both ``hyperparameters.n_epochs`` and ``max_steps`` is refused: the
+#: Trainer trains ``max_steps`` whatever the epochs say, and ``n_epochs`` would read back as the
+#: epochs those steps make, not the number asked for (trial s22, F3).
+EPOCHS_OR_STEPS = ("give hyperparameters.n_epochs or max_steps, not both: max_steps trains that "
+                   "many optimizer steps whatever n_epochs says")
 
 
 def _whole(x: Any) -> Any:

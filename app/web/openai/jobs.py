@@ -21,7 +21,7 @@ from starlette.concurrency import run_in_threadpool
 from app.store import events
 from app.store.schema import Run
 from app.store.specs import TrainSpec
-from app.studio import access
+from app.studio import access, epochs
 from app.studio import runs as runs_uc
 from app.studio.datasets import is_under
 from app.studio.paging import page_limit
@@ -83,11 +83,7 @@ def spec_from_openai(body: dict[str, Any]) -> dict[str, Any]:
             raise ApiError(400, f"unknown parameter {key!r}", key, "unknown_parameter")
     steps = raw.get("max_steps")
     if hp.get("n_epochs") not in (None, "auto") and steps not in (None, -1, "-1"):
-        # transformers trains max_steps whatever num_train_epochs says; the job would read
-        # back the epochs those steps make, not the n_epochs asked for (trial s22 F3)
-        raise ApiError(400, "give hyperparameters.n_epochs or max_steps, not both: max_steps "
-                            "trains that many optimizer steps whatever n_epochs says",
-                       "hyperparameters.n_epochs", "invalid_value")
+        raise ApiError(400, epochs.EPOCHS_OR_STEPS, "hyperparameters.n_epochs", "invalid_value")
     return raw
 
 

@@ -15,6 +15,7 @@ from app.store import repo
 from app.store.specs import GrpoSpec, field_bound
 from app.studio import runs as runs_uc
 from app.studio.grpo import create_grpo_run
+from app.studio.epochs import EPOCHS_OR_STEPS
 from app.web.errors import ApiError
 from app.web.openai.graders import bad_value, grader_rewards, object_param
 from app.web.openai.shapes import job_object
@@ -63,9 +64,7 @@ def spec_from_reinforcement(body: dict[str, Any], engine) -> dict[str, Any]:
     if body.get("seed") is not None:
         raw["seed"] = body["seed"]
     if epochs is not None and "max_steps" in raw:
-        raise bad_value("give hyperparameters.n_epochs or max_steps, not both: max_steps "
-                        "trains that many optimizer steps whatever n_epochs says",
-                        "hyperparameters.n_epochs")
+        raise bad_value(EPOCHS_OR_STEPS, "hyperparameters.n_epochs")
     if epochs is not None:
         try:
             rows = repo.get_dataset(engine, body["training_file"]).rows
