@@ -4,8 +4,9 @@ A GRPO dataset needs no answers to train on, only prompts (and whatever columns 
 read), so it is not one of the SFT formats: GSM8K's ``question`` + ``answer`` rows are a prompt
 dataset. A row's prompt is its ``prompt_column`` (default: the first of
 :data:`app.store.specs.PROMPT_COLUMNS` present) or, in the OpenAI reinforcement fine-tuning
-layout, its ``messages`` (the conversation up to the last user turn). Used by the web upload
-check and by the worker (:mod:`worker.engine.grpo`), so both agree.
+layout, its ``messages`` (a conversation that ends on a user turn: the model writes the next
+assistant turn; a row that ends on another turn is an invalid row). Used by the web upload check
+and by the worker (:mod:`worker.engine.grpo`), so both agree.
 """
 from __future__ import annotations
 
@@ -19,52 +20,64 @@ from app.data.loader import iter_records
 MESSAGES = "messages"
 
 
+class ColumnError(DatasetError):
+    """A prompt or reference column that is missing from the rows: ``option`` names the upload
+    option that fixes it (``prompt_column`` or ``answer_column``), for the form to show the
+    message at that field. ``str()`` is the message, as a DatasetError's without a location."""
+
+    def __init__(self, message: str, option: str):
+        super().__init__(message)
+        self.option = option
+
+
 def pick_columns(row: dict, prompt_column: str | None = None,
                  answer_column: str | None = None) -> tuple[str, str | None]:
     """(prompt column, reference column or None) for rows shaped like ``row``.
 
-    Raises DatasetError naming the columns the row has when a named column is missing or no
-    prompt column can be found.
+    Raises ColumnError (a DatasetError) naming the columns the row has when a named column is
+    missing or no prompt column can be found.
     """
     from app.store.specs import ANSWER_COLUMNS, PROMPT_COLUMNS
 
     have = ", ".join(row) or "none"
     if prompt_column:
         if prompt_column not in row:
-            raise DatasetError(f"the dataset has no prompt column {prompt_column!r} "
-                               f"(columns: {have})")
+            raise ColumnError(f"the dataset has no prompt column {prompt_column!r} "
+                              f"(columns: {have})", "prompt_column")
         pcol = prompt_column
     else:
         pcol = next((c for c in (*PROMPT_COLUMNS, MESSAGES) if c in row), None)
         if pcol is None:
-            raise DatasetError(f"no prompt column found (looked for "
-                               f"{', '.join((*PROMPT_COLUMNS, MESSAGES))}); name it with "
-                               f"prompt_column (columns: {have})")
+            raise ColumnError(f"no prompt column found (looked for "
+                              f"{', '.join((*PROMPT_COLUMNS, MESSAGES))}); name it with "
+                              f"prompt_column (columns: {have})", "prompt_column")
     if answer_column:
         if answer_column not in row:
-            raise DatasetError(f"the dataset has no reference column {answer_column!r} "
-                               f"(columns: {have})")
+            raise ColumnError(f"the dataset has no reference column {answer_column!r} "
+                              f"(columns: {have})", "answer_column")
         return pcol, answer_column
     return pcol, next((c for c in ANSWER_COLUMNS if c in row and c != pcol), None)
 
 
 def prompt_messages(value: Any, column: str, system_prompt: str | None = None) -> list[dict] | None:
-    """The chat messages of one row's prompt cell, or None when it is empty.
+    """The chat messages of one row's prompt cell, or None when the row has no usable prompt.
 
-    A string becomes ``[system?, user]``; a ``messages`` list is cut after its last user turn
-    (a system prompt is added only when it has none). Raises DatasetError on other shapes.
+    A string becomes ``[system?, user]``; a ``messages`` list is used as it is (roles made
+    canonical) when :func:`message_problem` finds nothing wrong with it (it ends on a user
+    turn), else None: the row is left out, as the upload report lists it. A system prompt is
+    added only when the messages have none. Raises DatasetError on other shapes.
     """
+    from app.data.formats import message_role
+
     if isinstance(value, str):
         if not value.strip():
             return None
         msgs = [{"role": "user", "content": value}]
     elif isinstance(value, list):
-        msgs = [{"role": str(m.get("role", "")), "content": str(m.get("content", ""))}
-                for m in value if isinstance(m, dict)]
-        last_user = max((i for i, m in enumerate(msgs) if m["role"] == "user"), default=None)
-        if last_user is None:
+        if not value or message_problem(value, column) is not None:
             return None
-        msgs = msgs[:last_user + 1]
+        msgs = [{"role": message_role(m, column), "content": str(m.get("content") or "")}
+                for m in value]
     elif value is None:
         return None
     else:
@@ -76,14 +89,15 @@ def prompt_messages(value: Any, column: str, system_prompt: str | None = None) -
 
 
 def message_problem(value: Any, column: str) -> tuple[str, str] | None:
-    """``(field, reason)`` of the first bad message in a ``messages`` prompt cell (a role
-    that is not system/user/assistant/tool, an assistant turn with no content), else None
-    (also for a text cell). The shape and role are the SFT check's
-    (:func:`app.data.formats.message_role`)."""
+    """``(field, reason)`` of the first problem of a ``messages`` prompt cell (a role that is
+    not system/user/assistant/tool, an assistant turn with no content, a last turn that is not
+    the user's: the model would write a second reply), else None (also for a text cell and an
+    empty list). The shape and role are the SFT check's (:func:`app.data.formats.message_role`)."""
     from app.data.formats import message_role
 
     if not isinstance(value, list):
         return None
+    role = None
     for i, msg in enumerate(value):
         try:
             role = message_role(msg, f"{column}[{i}]")
@@ -93,6 +107,10 @@ def message_problem(value: Any, column: str) -> tuple[str, str] | None:
         if role == "assistant" and not msg.get("tool_calls") \
                 and (content is None or (isinstance(content, str) and not content.strip())):
             return f"{column}[{i}].content", "the assistant turn has no content"
+    if role is not None and role != "user":
+        return (f"{column}[{len(value) - 1}].role",
+                f"the prompt ends on {'an' if role == 'assistant' else 'a'} {role} turn; a "
+                f"prompt's messages must end on a user turn, which the model answers")
     return None
 
 
@@ -101,10 +119,12 @@ def inspect_prompts(path: str | os.PathLike, prompt_column: str | None = None,
                     on_rows=None) -> dict[str, Any]:
     """A report for a prompt dataset: rows, usable rows, columns, the prompt and reference
     columns and a preview; ``on_rows(n)`` is called as rows are read (it may raise to stop).
-    Rows whose messages are malformed (:func:`message_problem`) are listed in ``invalid``
+    Rows whose messages are malformed or do not end on a user turn (:func:`message_problem`)
+    are listed in ``invalid``
     (``{row, field, message}``), as the SFT report lists its invalid rows; ``numbers`` says which
     other columns hold a reference number in every row (:class:`app.data.answers.NumberCount`).
-    Raises DatasetError when no row is readable or has a prompt."""
+    Raises DatasetError when no row is readable or has a prompt (naming the first invalid row's
+    row and field when there is one)."""
     rows = bad = usable = 0
     invalid: list[dict] = []
     first: dict | None = None
@@ -138,6 +158,10 @@ def inspect_prompts(path: str | os.PathLike, prompt_column: str | None = None,
                              for k, v in rec.data.items()})
     if first is None:
         raise DatasetError("the file has no readable rows")
+    if not usable and invalid:
+        first_bad = invalid[0]
+        raise DatasetError(f"{first_bad['message']} (no row of column {pcol!r} has a usable "
+                           f"prompt)", row=first_bad["row"], field=first_bad["field"])
     if not usable:
         raise DatasetError(f"no row has a non-empty prompt in column {pcol!r}")
     return {"format": "prompts", "rows": rows, "valid_rows": usable, "unreadable_rows": bad,

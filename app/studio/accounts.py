@@ -343,6 +343,32 @@ def end_token(engine: Engine, token: str) -> None:
                                            AuthToken.kind.in_(TOKEN_KINDS)))
 
 
+def list_sign_ins(engine: Engine, user: User, current: str | None = None
+                  ) -> list[tuple[AuthToken, bool]]:
+    """``user``'s live sign-ins (browser sessions and Bearer access tokens), newest first, each
+    with True for the one whose plaintext is ``current`` (the caller's own). API keys are not
+    sign-ins (:func:`list_api_keys`)."""
+    mine = _sha(current) if current else None
+    with session_scope(engine) as s:
+        rows = s.exec(select(AuthToken).where(AuthToken.user_id == user.id,
+                                              AuthToken.kind.in_(TOKEN_KINDS),
+                                              AuthToken.expires_at > now())
+                      .order_by(AuthToken.created_at.desc())).all()
+    return [(r, r.token_hash == mine) for r in rows]
+
+
+def sign_out_others(engine: Engine, user: User, keep_token: str | None) -> int:
+    """Sign ``user`` out everywhere but here: every session and access token of theirs ends,
+    except the one whose plaintext is ``keep_token`` (the caller's sign-in; None, as for an
+    API-key caller, keeps none). API keys stay valid. Returns how many ended (audited)."""
+    with session_scope(engine, immediate=True) as s:  # expired ones are no sign-ins to count
+        s.exec(delete(AuthToken).where(AuthToken.user_id == user.id,
+                                       AuthToken.expires_at <= now()))
+    ended = _end_all_tokens(engine, user.id, keep_token)
+    audit.record(engine, user.id, "user.signed_out_others", "user", user.id, sign_ins_ended=ended)
+    return ended
+
+
 def _touch(engine: Engine, user: User, t: float) -> None:
     if user.last_seen_at is None or t - user.last_seen_at >= _SEEN_EVERY:
         with session_scope(engine, immediate=True) as s:

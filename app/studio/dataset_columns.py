@@ -12,6 +12,7 @@ from app.data.errors import DatasetError
 from app.settings import Settings
 from app.store.schema import Dataset
 from app.studio import access, audit, validation
+from app.studio.datasets import uploaded_for_grpo
 from app.studio.errors import StudioError, invalid
 
 if TYPE_CHECKING:
@@ -94,7 +95,7 @@ def mapping_form(ds: Dataset) -> dict[str, Any] | None:
     from app.data.prompts import pick_columns
 
     current = column_mapping(ds)
-    if ds.format == "prompts" or ds.status == validation.VALIDATING or \
+    if uploaded_for_grpo(ds) or ds.status == validation.VALIDATING or \
             (ds.status == validation.PROCESSED and not current):
         return None
     rows, readable = _read_sample(ds.path)
@@ -131,7 +132,7 @@ def set_column_mapping(engine: Engine, settings: Settings, actor: User, dataset_
     if ds.status == validation.VALIDATING:
         raise StudioError("conflict", f"dataset {ds.filename!r} is {validation.progress_text(ds)}",
                           "file_id")
-    if ds.format == "prompts":
+    if uploaded_for_grpo(ds):
         raise StudioError("conflict", f"dataset {ds.filename!r} is a GRPO prompt dataset; its "
                           "prompt and answer columns are chosen on the GRPO run form", "file_id")
     try:

@@ -264,6 +264,13 @@ def record_upload(engine: Engine, settings: Settings, actor: User, temp_path: Pa
                                 {"mode": "sft_or_prompts" if prompts_fallback else "sft"})
 
 
+def uploaded_for_grpo(ds: Dataset) -> bool:
+    """True for a GRPO prompt dataset (format ``prompts``) and for a file uploaded as one
+    (purpose ``grpo``) whose validation failed: its page is the prompt dataset's, never the
+    SFT report with SFT training controls."""
+    return ds.format == "prompts" or ds.purpose == "grpo"
+
+
 def record_prompt_upload(engine: Engine, settings: Settings, actor: User, temp_path: Path,
                          filename: str, size: int, prompt_column: str | None = None,
                          answer_column: str | None = None) -> Dataset:

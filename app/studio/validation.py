@@ -192,13 +192,26 @@ def validate(engine: Engine, settings: Settings, dataset_id: str, options: dict[
         mapping = options.get("column_mapping")
         _settle(engine, ds.id, status=ERROR, error=str(exc),
                 report={"validation_job_id": jid, "rows_read": progress.done,
-                        **({"column_mapping": mapping} if mapping else {})})
+                        **({"column_mapping": mapping} if mapping else {}),
+                        **_prompt_upload(options, exc)})
         return {"status": ERROR, "error": str(exc)}
     rows = report.get("valid_rows") or report.get("rows")
     _settle(engine, ds.id, status=PROCESSED, error=None, format=report.get("format"), rows=rows,
             purpose=purpose, report={**report, "validation_job_id": jid})
     return {"status": PROCESSED, "rows": rows, "format": report.get("format"),
             "invalid_rows": report.get("invalid_rows") or 0}
+
+
+def _prompt_upload(options: dict[str, Any], exc: DatasetError) -> dict[str, Any]:
+    """For a failed GRPO prompt upload (mode ``prompts``): ``{"upload": {prompt_column,
+    answer_column, error_field}}``, the columns asked for and the option the error is about
+    (:class:`app.data.prompts.ColumnError`, else None), for its page to offer the upload again
+    with the message at that field; ``{}`` for other modes."""
+    if options.get("mode") != "prompts":
+        return {}
+    return {"upload": {"prompt_column": options.get("prompt_column") or "",
+                       "answer_column": options.get("answer_column") or "",
+                       "error_field": getattr(exc, "option", None)}}
 
 
 def _settle(engine: Engine, dataset_id: str, **fields: Any) -> None:

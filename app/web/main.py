@@ -110,6 +110,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     from app.web.openai import files as openai_files, jobs as openai_jobs, models as openai_models
     from app.web.openai import chat as openai_chat
     from app.web.routes import (account, artifacts, datasets, exports, grpo, models, pages, runs)
+    from app.web.routes import account_sessions
     from app.web.routes import gpus as gpu_routes, queue as queue_routes
     from app.web.routes import playground as playground_routes
 
@@ -124,7 +125,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app.include_router(compare_routes.router)  # before the runs router: "compare" is no run id
     app.include_router(api_compare.router)
-    for mod in (account, pages, datasets, models, runs, grpo, artifacts, exports, api_runs,
+    for mod in (account, account_sessions, pages, datasets, models, runs, grpo, artifacts, exports, api_runs,
                 catalog, api_exports, openai_files, openai_jobs, openai_models, queue_routes,
                 gpu_routes, openai_chat, playground_routes):
         app.include_router(mod.router)

@@ -94,9 +94,12 @@ def test_build_prompts_gsm8k_and_messages(stories_hf, tmp_path):
                                        "Tom has 3 apples.<|im_end|>\n<|im_start|>assistant\n")
     assert ps.dataset[0][COL + "answer"] == "... #### 3"
     rft = tmp_path / "m.jsonl"
-    rft.write_text('{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", '
-                   '"content": "x"}], "ref": "7"}\n')
+    rft.write_text('{"messages": [{"role": "user", "content": "Yo"}, {"role": "assistant", '
+                   '"content": "x"}], "ref": "7"}\n'
+                   '{"messages": [{"role": "user", "content": "Hi"}], "ref": "8"}\n')
     ps = build_prompts(str(rft), bundle, None, None, "ref", None)
+    # a row ending on an assistant turn has no prompt (as the upload report lists it)
+    assert ps.rows == 1 and ps.skipped == 1 and ps.row_numbers == [2]
     assert ps.dataset[0]["prompt"] == "<s>Hi" and ps.prompt_column == "messages"
 
 

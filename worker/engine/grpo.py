@@ -70,7 +70,8 @@ def build_prompts(path: str, bundle, template: str | None, prompt_column: str | 
     GSM8K's ``question``, or OpenAI-style ``messages``). ``template`` None means "no template":
     the prompt text (the last user turn) is used as is, after the BOS token; otherwise the
     messages are rendered with ``add_generation_prompt=True``. Rows without a prompt are skipped
-    (counted). Raises DatasetError.
+    (counted): an empty cell, or messages the upload report lists as invalid (one that does not
+    end on a user turn, :func:`app.data.prompts.message_problem`). Raises DatasetError.
     """
     from datasets import Dataset
 

@@ -139,8 +139,9 @@ def setup_submit(request: Request, token: Annotated[str, Form()] = "",
 def _account(request: Request, user: User, status: int = 200,
              headers: dict[str, str] | None = None, **extra) -> Response:
     keys = accounts.list_api_keys(_engine(request), user)
-    return render(request, "account.html", {"user": user, "keys": keys, **extra},
-                  status_code=status, headers=headers)
+    sessions = accounts.list_sign_ins(_engine(request), user, auth.current_token(request))
+    return render(request, "account.html", {"user": user, "keys": keys, "sessions": sessions,
+                                            **extra}, status_code=status, headers=headers)
 
 
 def _to(page: str, request: Request, **message) -> RedirectResponse:

@@ -115,8 +115,18 @@ def validating_page(request: Request, ds):
 
 def prompt_dataset_page(request: Request, ds):
     """A GRPO prompt dataset's page: rows, prompt/answer columns, example prompts and a link to
-    the GRPO run form (the SFT report and run form do not apply)."""
-    return render(request, "dataset_prompts.html", {"dataset": ds})
+    the GRPO run form (the SFT report and run form do not apply). One that failed validation:
+    the GRPO upload again, with the columns asked for and the message at its field."""
+    upload = (ds.report or {}).get("upload") or {}
+    values = {"upload_prompt_column": upload.get("prompt_column") or "",
+              "upload_answer_column": upload.get("answer_column") or ""}
+    errors = {}
+    if ds.status == "error" and ds.error:
+        field = upload.get("error_field")
+        errors["upload_" + field if field in ("prompt_column", "answer_column") else "upload"] = \
+            ds.error
+    return render(request, "dataset_prompts.html", {"dataset": ds, "values": values,
+                                                    "errors": errors})
 
 
 @router.get("/datasets/{dataset_id}")
@@ -128,7 +138,7 @@ async def dataset_page(request: Request, dataset_id: str, engine: EngineDep, use
     ds = validation.check_stale(engine, access.dataset(engine, user, dataset_id))
     if ds.status == validation.VALIDATING:
         return validating_page(request, ds)
-    if ds.format == "prompts":
+    if datasets_uc.uploaded_for_grpo(ds):
         return prompt_dataset_page(request, ds)
     if any(v not in (None, "") for v in (model, chat_template, max_seq_length)):
         ctx, status = await _report_ctx(request, ds, model, chat_template, max_seq_length)
@@ -200,7 +210,7 @@ async def dataset_report(request: Request, dataset_id: str, engine: EngineDep, u
     ds = access.dataset(engine, user, dataset_id)
     if ds.status == validation.VALIDATING:
         return validating_page(request, ds)
-    if ds.format == "prompts":
+    if datasets_uc.uploaded_for_grpo(ds):
         return prompt_dataset_page(request, ds)
     ctx, status = await _report_ctx(request, ds, model, chat_template, max_seq_length)
     ctx["oob_train_link"] = is_htmx(request)
