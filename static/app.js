@@ -163,6 +163,18 @@
       if (timeDirty) refreshTrainingTime();
     }, 1000);
   }
+  // Between two steps (GRPO's take 5-15 s) the line counts on by itself: each figure the server
+  // rendered as "so far" (data-tick, seconds) runs on from the moment it arrived; a step's
+  // refresh (above) brings the server's figure again, the run's end stops the clock.
+  const tickedSince = new WeakMap();
+  setInterval(() => {
+    if (ended) return;
+    for (const el of document.querySelectorAll("#training-time-box [data-tick]")) {
+      if (!tickedSince.has(el)) tickedSince.set(el, performance.now());
+      const base = Number(el.dataset.tick);
+      if (Number.isFinite(base)) el.textContent = duration(base + (performance.now() - tickedSince.get(el)) / 1000);
+    }
+  }, 1000);
   es.addEventListener("metric", (e) => {
     const d = JSON.parse(e.data);
     refreshTrainingTime();

@@ -52,7 +52,7 @@ def test_resumed_run_counts_every_attempt(client, engine, settings):
     job2 = repo.get_run(engine, run_id).job_id
     assert job2 != job1 and queue.claim(engine, "w-test", 30, kinds=["train"]).id == job2
     page = client.get(f"/runs/{run_id}").text  # running, no step yet: the earlier attempt
-    assert "Training time: <strong>2 min 05 s</strong> so far" in page
+    assert 'Training time: <strong data-tick="125.5">2 min 05 s</strong> so far' in page
     # trial defect: at step 8 of attempt 2 the time was attempt 1's alone; the running
     # attempt counts from its step metric events (steps 5..8 logged, 10 s apart: 40 s for 4
     # steps since step 4). Events copied from attempt 1 are older than job 2's start.
@@ -62,7 +62,8 @@ def test_resumed_run_counts_every_attempt(client, engine, settings):
                                                       "loss": 1.0, "eta_seconds": 20.0})])
         _set_ts(engine, job2, started + 5 + 20 * i)
     _shows(client, run_id, (40.0, 165.5, True),
-           "<strong>2 min 45 s</strong> over all 2 attempts (this attempt 40 s) so far</p>")
+           '<strong data-tick="165.5">2 min 45 s</strong> over all 2 attempts (this attempt '
+           '<span data-tick="40.0">40 s</span>) so far</p>')
     _segment(engine, job2, 4, 10, 60.25)
     queue.finish(engine, job2, "w-test", {"steps": 10, "train_runtime": 60.25,
                                           "final_loss": 1.0, "train_loss": 1.5})
@@ -127,4 +128,5 @@ def test_a_killed_attempt_counts_and_the_running_one_keeps_counting(client, engi
     tt = client.get(f"/api/runs/{run_id}").json()["training_time"]
     # 19 s between steps 1 and 20 scaled to 20 steps; 7 s recorded; 14 s for 7 intervals -> 8 steps
     assert tt == {"this_attempt": 43.0, "all_attempts": 43.0, "attempts": 3, "resumed": True, "running": True}
-    assert "Training time: <strong>43 s</strong> over all 3 attempts" in client.get(f"/runs/{run_id}").text
+    assert ('Training time: <strong data-tick="43.0">43 s</strong> over all 3 attempts'
+            in client.get(f"/runs/{run_id}").text)
