@@ -62,10 +62,12 @@ def pick_columns(row: dict, prompt_column: str | None = None,
 def prompt_messages(value: Any, column: str, system_prompt: str | None = None) -> list[dict] | None:
     """The chat messages of one row's prompt cell, or None when the row has no usable prompt.
 
-    A string becomes ``[system?, user]``; a ``messages`` list is used as it is (roles made
-    canonical) when :func:`message_problem` finds nothing wrong with it (it ends on a user
-    turn), else None: the row is left out, as the upload report lists it. A system prompt is
-    added only when the messages have none. Raises DatasetError on other shapes.
+    A string becomes ``[system?, user]``. A ``messages`` list (roles made canonical) is cut
+    after its last user turn: the model writes the reply to it, so a chat dataset whose rows end
+    on the assistant's answer serves as prompts too (:func:`after_last_user` says how many turns
+    are left out; the upload report warns). None when :func:`message_problem` finds a problem:
+    the row is left out, as the upload report lists it. A system prompt is added only when the
+    messages have none. Raises DatasetError on other shapes.
     """
     from app.data.formats import message_role
 
@@ -78,6 +80,7 @@ def prompt_messages(value: Any, column: str, system_prompt: str | None = None) -
             return None
         msgs = [{"role": message_role(m, column), "content": str(m.get("content") or "")}
                 for m in value]
+        msgs = msgs[:len(msgs) - after_last_user(value, column)]
     elif value is None:
         return None
     else:
@@ -88,29 +91,43 @@ def prompt_messages(value: Any, column: str, system_prompt: str | None = None) -
     return msgs
 
 
+def after_last_user(value: Any, column: str) -> int:
+    """How many turns of a ``messages`` prompt cell come after its last user turn (they are
+    left out of the prompt: :func:`prompt_messages`); 0 for a text cell or messages that end on
+    a user turn or have none."""
+    from app.data.formats import message_role
+
+    if not isinstance(value, list):
+        return 0
+    try:
+        roles = [message_role(m, f"{column}[{i}]") for i, m in enumerate(value)]
+    except DatasetError:
+        return 0
+    last = max((i for i, r in enumerate(roles) if r == "user"), default=None)
+    return 0 if last is None else len(roles) - 1 - last
+
+
 def message_problem(value: Any, column: str) -> tuple[str, str] | None:
     """``(field, reason)`` of the first problem of a ``messages`` prompt cell (a role that is
-    not system/user/assistant/tool, an assistant turn with no content, a last turn that is not
-    the user's: the model would write a second reply), else None (also for a text cell and an
-    empty list). The shape and role are the SFT check's (:func:`app.data.formats.message_role`)."""
+    not system/user/assistant/tool, an assistant turn with no content, no user turn at all),
+    else None (also for a text cell and an empty list). The shape and role are the SFT
+    check's (:func:`app.data.formats.message_role`)."""
     from app.data.formats import message_role
 
     if not isinstance(value, list):
         return None
-    role = None
+    roles = []
     for i, msg in enumerate(value):
         try:
-            role = message_role(msg, f"{column}[{i}]")
+            roles.append(message_role(msg, f"{column}[{i}]"))
         except DatasetError as exc:
             return exc.field, exc.message
         content = msg.get("content")
-        if role == "assistant" and not msg.get("tool_calls") \
+        if roles[-1] == "assistant" and not msg.get("tool_calls") \
                 and (content is None or (isinstance(content, str) and not content.strip())):
             return f"{column}[{i}].content", "the assistant turn has no content"
-    if role is not None and role != "user":
-        return (f"{column}[{len(value) - 1}].role",
-                f"the prompt ends on {'an' if role == 'assistant' else 'a'} {role} turn; a "
-                f"prompt's messages must end on a user turn, which the model answers")
+    if roles and "user" not in roles:
+        return column, "the messages have no user turn for the model to answer"
     return None
 
 
@@ -119,9 +136,10 @@ def inspect_prompts(path: str | os.PathLike, prompt_column: str | None = None,
                     on_rows=None) -> dict[str, Any]:
     """A report for a prompt dataset: rows, usable rows, columns, the prompt and reference
     columns and a preview; ``on_rows(n)`` is called as rows are read (it may raise to stop).
-    Rows whose messages are malformed or do not end on a user turn (:func:`message_problem`)
-    are listed in ``invalid``
-    (``{row, field, message}``), as the SFT report lists its invalid rows; ``numbers`` says which
+    Rows whose messages are malformed (:func:`message_problem`) are listed in ``invalid``
+    (``{row, field, message}``), as the SFT report lists its invalid rows; rows whose messages
+    go on after their last user turn (the turns after it are left out of the prompt) are
+    counted in one ``warnings`` entry (``{row: the first, field, message}``); ``numbers`` says which
     other columns hold a reference number in every row (:class:`app.data.answers.NumberCount`).
     Raises DatasetError when no row is readable or has a prompt (naming the first invalid row's
     row and field when there is one)."""
@@ -132,6 +150,7 @@ def inspect_prompts(path: str | os.PathLike, prompt_column: str | None = None,
     previews: list[dict] = []
     pcol = acol = None
     numbers: NumberCount | None = None
+    cut: list[tuple[int, str]] = []  # (row, field) of rows whose prompt leaves turns out
     from app.data.report import counted
 
     for rec in counted(iter_records(path), on_rows):
@@ -153,6 +172,9 @@ def inspect_prompts(path: str | os.PathLike, prompt_column: str | None = None,
         except DatasetError:
             ok = False
         usable += ok
+        left_out = after_last_user(rec.data.get(pcol), pcol) if ok else 0
+        if left_out:
+            cut.append((rec.row, f"{pcol}[{len(rec.data[pcol]) - left_out}]"))
         if ok and len(previews) < preview:
             previews.append({k: v[:500] if isinstance(v, str) else v
                              for k, v in rec.data.items()})
@@ -164,7 +186,13 @@ def inspect_prompts(path: str | os.PathLike, prompt_column: str | None = None,
                            f"prompt)", row=first_bad["row"], field=first_bad["field"])
     if not usable:
         raise DatasetError(f"no row has a non-empty prompt in column {pcol!r}")
+    whose = "1 row's" if len(cut) == 1 else f"{len(cut):,} rows'"
+    warnings = [] if not cut else [{
+        "row": cut[0][0], "field": cut[0][1],
+        "message": f"{whose} messages go on after the last user turn (the first: row "
+                   f"{cut[0][0]}); each prompt is the conversation up to its last user turn, "
+                   "which the model answers; the turns after it are left out"}]
     return {"format": "prompts", "rows": rows, "valid_rows": usable, "unreadable_rows": bad,
-            "invalid_rows": rows - usable, "invalid": invalid, "warnings": [],
+            "invalid_rows": rows - usable, "invalid": invalid, "warnings": warnings,
             "columns": sorted(columns), "prompt_column": pcol, "answer_column": acol,
             "prompt_preview": previews, "numbers": numbers.report()}

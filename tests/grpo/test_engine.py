@@ -98,9 +98,10 @@ def test_build_prompts_gsm8k_and_messages(stories_hf, tmp_path):
                    '"content": "x"}], "ref": "7"}\n'
                    '{"messages": [{"role": "user", "content": "Hi"}], "ref": "8"}\n')
     ps = build_prompts(str(rft), bundle, None, None, "ref", None)
-    # a row ending on an assistant turn has no prompt (as the upload report lists it)
-    assert ps.rows == 1 and ps.skipped == 1 and ps.row_numbers == [2]
-    assert ps.dataset[0]["prompt"] == "<s>Hi" and ps.prompt_column == "messages"
+    # a row ending on an assistant turn: its prompt is the conversation up to the user turn
+    assert ps.rows == 2 and ps.skipped == 0 and ps.row_numbers == [1, 2]
+    assert [r["prompt"] for r in ps.dataset] == ["<s>Yo", "<s>Hi"]
+    assert ps.prompt_column == "messages"
 
 
 def test_trainer_runs_policy_reference_and_generation_through_the_engine(stories_hf, tmp_path):

@@ -240,8 +240,7 @@ def test_prompt_datasets(tmp_path):
         pick_columns({"x": 1})
     msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "2+2?"},
             {"role": "assistant", "content": "4"}]
-    assert prompt_messages(msgs[:2], "messages", "ignored") == msgs[:2]
-    assert prompt_messages(msgs, "messages") is None  # ends on an assistant turn: no prompt
+    assert prompt_messages(msgs, "messages", "ignored") == msgs[:2]  # up to the last user turn
     assert prompt_messages("hi", "q", "sys") == [{"role": "system", "content": "sys"},
                                                  {"role": "user", "content": "hi"}]
     assert prompt_messages("  ", "q") is None
@@ -250,4 +249,4 @@ def test_prompt_datasets(tmp_path):
                  '{"messages": [{"role": "assistant", "content": "no user"}], "answer": "1"}\n')
     rep = inspect_prompts(p)
     assert rep["rows"] == 2 and rep["valid_rows"] == 1 and rep["prompt_column"] == "messages"
-    assert [(i["row"], i["field"]) for i in rep["invalid"]] == [(2, "messages[0].role")]
+    assert [(i["row"], i["field"]) for i in rep["invalid"]] == [(2, "messages")]

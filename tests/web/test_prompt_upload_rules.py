@@ -1,5 +1,6 @@
-"""GRPO prompt uploads from the browser (trial s22 F9): prompts in OpenAI ``messages`` must end on
-a user turn, and an upload that fails validation keeps the GRPO upload, not the SFT page."""
+"""GRPO prompt uploads from the browser (trial s22 F9): a prompt in OpenAI ``messages`` is the
+conversation up to its last user turn and the report says which rows leave turns out; an upload
+that fails validation keeps the GRPO upload, not the SFT page."""
 from __future__ import annotations
 
 import html
@@ -32,29 +33,37 @@ def _field_error(page: str, field: str) -> str | None:
     return html.unescape(m.group(1)) if m else None
 
 
-def test_messages_ending_on_an_assistant_turn_are_invalid_rows(client, engine):
-    """A row whose messages end on an assistant turn is an invalid row naming the row and the
-    field (the model would write a second reply); the job reads the same rule (no prompt);
-    a file of only such rows fails validation with that message."""
+def test_messages_after_the_last_user_turn_are_left_out_and_said(client, engine):
+    """Trial s22 F9 (a): a row whose messages end on the assistant's answer was taken as a
+    prompt without a word. Its prompt is the conversation up to the last user turn (so a chat
+    dataset serves as GRPO prompts; the model writes that reply), and the report now says how
+    many rows leave turns out, naming the first; a row with no user turn at all is a row left
+    out, naming its field; a file of only such rows fails naming the row and field."""
+    no_user = [{"role": "system", "content": "s"}, {"role": "assistant", "content": "yo"}]
     mixed = _upload(client, "mixed.jsonl", _jsonl({"messages": ENDS_USER, "answer": "4"},
-                                                  {"messages": ENDS_ASSISTANT, "answer": "1"}))
+                                                  {"messages": ENDS_ASSISTANT, "answer": "1"},
+                                                  {"messages": no_user, "answer": "2"}))
     ds = repo.get_dataset(engine, mixed)
     assert ds.status == "processed" and ds.format == "prompts", ds.error
-    assert ds.report["rows"] == 2 and ds.report["valid_rows"] == 1
-    assert [(i["row"], i["field"]) for i in ds.report["invalid"]] == [(2, "messages[1].role")]
-    assert "ends on an assistant turn" in ds.report["invalid"][0]["message"]
+    assert ds.report["rows"] == 3 and ds.report["valid_rows"] == 2
+    assert [(i["row"], i["field"]) for i in ds.report["invalid"]] == [(3, "messages")]
+    assert "no user turn" in ds.report["invalid"][0]["message"]
+    (warning,) = ds.report["warnings"]
+    assert (warning["row"], warning["field"]) == (2, "messages[1]")
+    assert warning["message"].startswith("1 row's messages go on after the last user turn "
+                                         "(the first: row 2); each prompt is the conversation "
+                                         "up to its last user turn")
     page = html.unescape(client.get(f"/datasets/{mixed}").text)
-    assert "Rows left out" in page and "messages[1].role" in page
-    assert "assistant: yo" not in page  # not among the example prompts
-    # the worker builds its prompts with the same function: no prompt for that row
-    assert prompt_messages(ENDS_ASSISTANT, "messages") is None
+    assert warning["message"] in page and "Rows left out" in page
+    # the worker builds its prompts with the same function
+    assert prompt_messages(ENDS_ASSISTANT, "messages") == ENDS_ASSISTANT[:1]
     assert prompt_messages(ENDS_USER, "messages") == ENDS_USER
+    assert prompt_messages(no_user, "messages") is None
 
-    only = _upload(client, "ends_assistant.jsonl", _jsonl({"messages": ENDS_ASSISTANT}))
+    only = _upload(client, "no_user.jsonl", _jsonl({"messages": no_user}))
     ds = repo.get_dataset(engine, only)
     assert ds.status == "error"
-    assert ds.error.startswith("row 1, field 'messages[1].role': the prompt ends on an "
-                               "assistant turn; a prompt's messages must end on a user turn")
+    assert ds.error.startswith("row 1, field 'messages': the messages have no user turn"), ds.error
 
 
 def test_failed_prompt_upload_offers_the_grpo_upload_again(client, engine):
