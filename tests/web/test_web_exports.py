@@ -153,3 +153,31 @@ def test_export_records_with_server_paths_are_shown_without_them(client, engine,
     page = client.get(f"/runs/{run_id}/exports").text
     assert str(tmp_path) not in listed + page and "/work/" not in listed + page
     assert "ollama create m-1 -f Modelfile" in page
+
+
+def test_export_verification_names_no_server_path(client, engine, settings):
+    """Trial s22 F5: ``GET /api/exports/11`` showed ``verification.checks.adapter.peft.path =
+    "/tmp/.../exports/export-11/adapter"``, and so did the run page's raw JSON. The worker's
+    record keeps it; what members see is the path inside the export."""
+    run_id = _finished_run(client, engine)
+    r = client.post(f"/api/runs/{run_id}/exports", json={"format": "adapter"})
+    export_id = r.json()["id"]
+    job = queue.claim(engine, "w-export", 30, kinds=["export"])
+    folder = settings.data_dir / "exports" / f"export-{export_id}"
+    peft = {"path": str(folder / "adapter"), "peft_type": "LORA", "r": 8, "tensors": 4}
+    verification = {"passed": True, "checks": {"adapter": {"passed": True, "peft": peft,
+                                                           "failures": [],
+                                                           "files": [str(folder), "/etc/x"]}}}
+    assert queue.finish(engine, job.id, "w-export", {"format": "adapter",
+                                                     "verification": verification})
+    assert queue.get_job(engine, export_id).result["verification"] == verification  # kept
+
+    info = client.get(f"/api/exports/{export_id}").json()
+    check = info["verification"]["checks"]["adapter"]
+    assert check["peft"] == {**peft, "path": "adapter"} and check["files"] == [".", "x"]
+    assert str(settings.data_dir) not in client.get(f"/api/exports/{export_id}").text
+    listed = client.get(f"/api/runs/{run_id}/exports").json()["data"]
+    assert listed[0]["verification"] == info["verification"]
+    page = client.get(f"/runs/{run_id}/exports", headers={"HX-Request": "true"}).text
+    assert '"peft": {\n        "path": "adapter",' in page.split("raw JSON", 1)[1]
+    assert str(settings.data_dir) not in page and "/tmp/" not in page

@@ -256,9 +256,12 @@ def run(ctx) -> dict:
                                "source_ref": model_row.source_ref},
                          llama_timeout=getattr(ctx.settings, "llama_cpp_timeout_seconds", None))
     except VerificationFailed as e:
+        from app.studio.artifacts import without_server_paths
         from worker.export.verify import summarize
 
-        ctx.log("export verification failed", "error", verification=e.result["verification"])
+        # the event is what the export's event stream shows: no server path in it
+        ctx.log("export verification failed", "error",
+                verification=without_server_paths(e.result["verification"], export_id))
         raise JobError(f"export verification failed: {summarize(e.result['verification'])} "
                        "(the diff is under Verification → details)") from e
     except ExportError as e:
