@@ -181,3 +181,23 @@ def test_export_verification_names_no_server_path(client, engine, settings):
     page = client.get(f"/runs/{run_id}/exports", headers={"HX-Request": "true"}).text
     assert '"peft": {\n        "path": "adapter",' in page.split("raw JSON", 1)[1]
     assert str(settings.data_dir) not in page and "/tmp/" not in page
+
+
+def test_an_export_error_names_no_server_path(client, engine, settings):
+    """The export's ``error`` (a run whose adapter is not on disk) names the folder inside the
+    data dir (relative to it), never its server path; driven by the real worker loop and export handler."""
+    from worker.loop import Worker
+
+    run_id = _finished_run(client, engine)
+    export_id = client.post(f"/api/runs/{run_id}/exports", json={"format": "adapter"}).json()["id"]
+    w = Worker(settings, worker_id="w-export", kinds=["export"], poll_interval=0.05)
+    w.start()
+    try:
+        w.serve(once=True)
+    finally:
+        w.stop()
+    info = client.get(f"/api/exports/{export_id}").json()
+    assert info["status"] == "failed" and info["error"] == (
+        f"runs/{run_id}/adapter: no adapter_config.json; has the run finished "
+        "training?")
+    assert str(settings.data_dir) not in client.get(f"/runs/{run_id}/exports").text
