@@ -85,11 +85,13 @@ ACTIVE = (JobState.QUEUED, JobState.RUNNING)
 
 class InUse(ValueError):
     """A row cannot be deleted because another row references it (message names it;
-    ``run_id``: the run that holds it, when one does; ``kind``: the busy job's kind)."""
+    ``run_id``: the run that holds it, when one does; ``kind``: the busy job's kind;
+    ``busy``: every busy job as ``(id, kind, state)``, oldest first, when several may be)."""
 
-    def __init__(self, message: str, run_id: str | None = None, kind: str | None = None):
+    def __init__(self, message: str, run_id: str | None = None, kind: str | None = None,
+                 busy: list[tuple[int, str, str]] | None = None):
         super().__init__(message)
-        self.run_id, self.kind = run_id, kind
+        self.run_id, self.kind, self.busy = run_id, kind, busy or []
 
 
 # ---- models -----------------------------------------------------------------------------
@@ -242,22 +244,18 @@ def delete_run(engine: Engine, run_id: str) -> tuple[Run, list[Artifact], list[J
     run) as the record of the GPU time they used (quotas count it). Returns (run, its artifacts,
     its export jobs) so the caller can delete their files.
 
-    Raises NotFound, and InUse naming the job (training, export, ...) still queued or running.
+    Raises NotFound, and InUse whose ``busy`` lists every job (training, export, ...) still
+    queued or running.
     """
     with session_scope(engine, immediate=True) as s:
         run = s.get(Run, run_id)
         if run is None:
             raise NotFound(f"no fine-tuning job with id {run_id!r}")
         jobs = list(s.exec(select(Job).where(Job.run_id == run_id)).all())
-        busy = next((j for j in jobs if j.state in ACTIVE), None)
-        if busy is not None:
-            what = {"train": "its training job", "grpo": "its training job",
-                    "export": f"export {busy.id}",
-                    "evaluate": f"evaluation {busy.id}",
-                    "playground": "a playground session"}.get(busy.kind,
-                                                              f"its {busy.kind} job {busy.id}")
-            raise InUse(f"fine-tuning job {run_id!r} is in use: {what} is {busy.state}",
-                        run_id, busy.kind)
+        busy = sorted((j.id, j.kind, str(j.state)) for j in jobs if j.state in ACTIVE)
+        if busy:
+            raise InUse(f"run {run_id} is in use: job {busy[0][0]} is {busy[0][2]}", run_id,
+                        busy[0][1], busy)
         arts = list(s.exec(select(Artifact).where(Artifact.run_id == run_id)).all())
         for a in arts:
             s.delete(a)

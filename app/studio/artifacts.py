@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+from pathlib import PurePath
 from typing import Any
 
 from sqlalchemy.engine import Engine
@@ -33,6 +34,25 @@ def present(engine: Engine, run_id: str, kind: str | None = None) -> list[Artifa
 def is_server_path(value: Any) -> bool:
     """Whether ``value`` is a string naming a server filesystem path (absolute, or ``~``)."""
     return isinstance(value, str) and (os.path.isabs(value) or value.startswith("~"))
+
+
+def without_server_paths(value: Any, folder: str | None = None) -> Any:
+    """``value`` (a JSON-like record: dicts, lists, scalars) as members see it: every string
+    that is a server path (:func:`is_server_path`) becomes its part below the last component
+    named ``folder`` (an export's ``export-11``: ``/data/exports/export-11/adapter`` ->
+    ``adapter``; the folder itself -> ``.``), else its last component (a file name). Other
+    values are returned as they are; ``value`` is not changed."""
+    if isinstance(value, dict):
+        return {k: without_server_paths(v, folder) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [without_server_paths(v, folder) for v in value]
+    if not is_server_path(value):
+        return value
+    parts = PurePath(value).parts
+    if folder in parts:
+        below = parts[len(parts) - parts[::-1].index(folder):]
+        return "/".join(below) or "."
+    return parts[-1] if parts else value
 
 
 def base_model_id(model: Model) -> str:

@@ -112,28 +112,36 @@ def estimate_gib(engine: Engine, run: Run) -> float | None:
     return round((weights + adapter + kv + logits) / est.GIB + GENERATION_SLACK_GIB, 4)
 
 
+def evaluating(step: int, jobs: list[Job]) -> Job | None:
+    """The queued or running eval of checkpoint ``step`` among a run's eval ``jobs`` (None when
+    there is none)."""
+    return next((j for j in jobs if j.state in (JobState.QUEUED, JobState.RUNNING)
+                 and (j.payload or {}).get("checkpoint_step") == step), None)
+
+
 def refusal(engine: Engine, run: Run, step: int, steps: list[int] | None = None,
             jobs: list[Job] | None = None, settings: Settings | None = None,
             actor: User | None = None) -> StudioError | None:
     """Why checkpoint ``step`` of ``run`` cannot be evaluated now (None: it can): the run has
     no held-out set (conflict), no such checkpoint on disk (not_found, field
-    ``checkpoint_step``), an eval of it is already queued or running (conflict), or, with
+    ``checkpoint_step``), an eval of it is already queued or running (conflict, code
+    ``being_evaluated``), or, with
     ``settings`` (``actor``: who asks), the run owner's GPU memory quota could never admit
     the eval (invalid, code ``over_gpu_memory_quota``:
     :func:`app.studio.calibration.job_quota_refusal`). ``steps`` / ``jobs``: the run's
     checkpoint steps and eval jobs, when already read."""
     if not has_held_out(run.spec or {}):
-        return StudioError("conflict", f"run {run.id} has no held-out set to evaluate on: it was "
-                           "created without validation_file or validation_split_percentage")
+        return StudioError("conflict", f"run {run.name or run.id} has no held-out set to evaluate "
+                           "on: it was created without validation_file or "
+                           "validation_split_percentage")
     missing = not_on_disk(engine, run.id, step, steps)
     if missing is not None:
         return missing
-    for job in eval_jobs(engine, run.id) if jobs is None else jobs:
-        if job.state in (JobState.QUEUED, JobState.RUNNING) \
-                and (job.payload or {}).get("checkpoint_step") == step:
-            return StudioError("conflict", f"checkpoint-{step} of run {run.id} is already being "
-                               f"evaluated (evaluation {job.id}, {job.state}); cancel that "
-                               "evaluation to evaluate it again")
+    job = evaluating(step, eval_jobs(engine, run.id) if jobs is None else jobs)
+    if job is not None:
+        return StudioError("conflict", f"checkpoint-{step} of run {run.name or run.id} is already "
+                           f"being evaluated (evaluation {job.id}, {job.state}); cancel that "
+                           "evaluation to evaluate it again", None, "being_evaluated")
     if settings is not None:
         return calibration.job_quota_refusal(
             engine, settings, run.owner, estimate_gib(engine, run), 1,
@@ -208,15 +216,21 @@ def checkpoint_evals(engine: Engine, run: Run, settings: Settings | None = None,
                      actor: User | None = None) -> dict[str, Any]:
     """The checkpoints part of a run's evaluation: ``checkpoints`` (each on-disk step with
     ``can_evaluate``, the ``reason`` it cannot and its ``code``, newest first: :func:`refusal`,
-    the GPU memory quota included with ``settings``), ``evals`` (every eval job, newest first:
-    :func:`eval_info`) and ``active`` (whether one is queued or running)."""
+    the GPU memory quota included with ``settings``; ``evaluation``: ``{"id", "status"}`` of
+    its eval while one is queued or running, which the run page shows in place of the
+    button, else None), ``evals``
+    (every eval job, newest first: :func:`eval_info`) and ``active`` (whether one is queued
+    or running)."""
     jobs, steps = eval_jobs(engine, run.id), checkpoint_steps(engine, run.id)
     rows = []
     for step in steps:
         problem = refusal(engine, run, step, steps, jobs, settings, actor)
+        busy = evaluating(step, jobs)
         rows.append({"step": step, "can_evaluate": problem is None,
                      "reason": None if problem is None else problem.message,
-                     "code": None if problem is None else problem.code})
+                     "code": None if problem is None else problem.code,
+                     "evaluation": None if busy is None else {"id": busy.id,
+                                                              "status": busy.state}})
     return {"checkpoints": rows, "evals": [eval_info(j) for j in jobs],
             "active": any(j.state in (JobState.QUEUED, JobState.RUNNING) for j in jobs),
             "default_samples": default_samples(run)}
@@ -224,9 +238,12 @@ def checkpoint_evals(engine: Engine, run: Run, settings: Settings | None = None,
 
 def shown_reasons(evaluation: dict[str, Any] | None) -> list[str]:
     """The reasons the run page's Evaluation card prints beside its checkpoints' disabled
-    Evaluate buttons (``evaluation``: :func:`app.studio.evaluation.run_evaluation`'s)."""
+    Evaluate buttons (``evaluation``: :func:`app.studio.evaluation.run_evaluation`'s); a
+    checkpoint being evaluated shows that instead (``evaluation``), so a refused second
+    Evaluate click is said above the list."""
     rows = ((evaluation or {}).get("checkpoints") or {}).get("checkpoints") or []
-    return [c["reason"] for c in rows if not c["can_evaluate"] and c["reason"]]
+    return [c["reason"] for c in rows if not c["can_evaluate"] and c["reason"]
+            and not c.get("evaluation")]
 
 
 def run_evaluations(engine: Engine, settings: Settings, actor: User, run_id: str

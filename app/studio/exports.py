@@ -19,7 +19,7 @@ from app.store import events, queue, repo
 from app.store.schema import Job, JobState, Run
 from app.store.specs import GGUF_TYPES, ExportSpec
 from app.studio import access, audit, jobs
-from app.studio.artifacts import checkpoint_step, is_server_path
+from app.studio.artifacts import checkpoint_step, is_server_path, without_server_paths
 from app.studio.datasets import is_under
 from app.studio.errors import StudioError, invalid, whole
 from app.studio.job_states import no_checkpoint_words
@@ -66,7 +66,8 @@ def export_info(engine: Engine, job: Job) -> dict[str, Any]:
     """One export as the API and the run page show it: ``id``, ``run_id``, ``format``,
     ``quantization``, ``dtype`` (a merged export's written dtype once done, else the requested
     one or None), ``status``, ``error``, ``progress``, ``verification`` (the
-    figures, or the diff of a failed check), ``files`` (``name``, ``size``, ``sha256``, ``url``),
+    figures, or the diff of a failed check; a path in it is relative to the export's folder,
+    never a server path), ``files`` (``name``, ``size``, ``sha256``, ``url``),
     ``ollama``, ``provenance`` (base model, revision, adapter, base weights merged into),
     ``cancel_requested`` and timestamps (epoch seconds)."""
     payload, result = job.payload or {}, job.result or {}
@@ -89,7 +90,8 @@ def export_info(engine: Engine, job: Job) -> dict[str, Any]:
             "status": job.state, "error": job.error,
             "cancel_requested": bool(job.cancel_requested),
             "created_at": job.created_at, "finished_at": job.finished_at,
-            "progress": prog.data if prog else None, "verification": verification,
+            "progress": prog.data if prog else None,
+            "verification": without_server_paths(verification, export_key),
             "files": files, "ollama": public_ollama(result.get("ollama"), files),
             "provenance": public_provenance(result.get("provenance")),
             "events_url": f"/api/exports/{job.id}/events"}

@@ -55,11 +55,8 @@ def delete_run(engine: Engine, settings: Settings, actor: User, run_id: str) -> 
     try:
         run, arts, exports = repo.delete_run(engine, run.id)
     except repo.InUse as exc:
-        if exc.kind == "playground":
-            raise StudioError("conflict", f"{exc}; stop it on the Playground page (or let it end "
-                              "when idle), then delete the run", None, "run_in_use") from None
-        raise StudioError("conflict", f"{exc}; cancel it or wait until it ends, then delete "
-                                      "the run", None, "run_in_use") from None
+        raise StudioError("conflict", in_use_words(run, exc.busy), None,
+                          "run_in_use") from None
     except repo.NotFound:
         raise StudioError("not_found", f"no fine-tuning job with id {run_id!r}") from None
     _remove(run.output_dir or settings.data_dir / "runs" / run.id, settings.data_dir / "runs")
@@ -70,6 +67,41 @@ def delete_run(engine: Engine, settings: Settings, actor: User, run_id: str) -> 
     audit.record(engine, actor.id, "run.deleted", "run", run.id, name=run.name,
                  exports=[j.id for j in exports])
     return run
+
+
+#: How the refusal names one busy job of a kind (``{id}``), and several (``{n}``, ``{ids}``).
+_BUSY_WORDS = {"train": ("its training job is {state}", None),
+               "grpo": ("its training job is {state}", None),
+               "export": ("export {id} is {state}", "{n} exports in progress ({ids})"),
+               "evaluate": ("evaluation {id} is {state}", "{n} evaluations in progress ({ids})"),
+               "playground": ("a playground session is {state}",
+                              "{n} playground sessions are queued or running")}
+
+
+def in_use_words(run: Run, busy: list[tuple[int, str, str]]) -> str:
+    """Why ``run`` cannot be deleted now, naming it by its name (its id when it has none) and
+    every job of it still queued or running (``busy``: ``(id, kind, state)`` each): ``run
+    alice-grpo2 is in use: 2 exports in progress (15 queued, 16 running); cancel them or wait
+    until they end, then delete the run``. A playground session is stopped on the Playground
+    page (its job id is nothing a user saw)."""
+    parts, kinds = [], list(dict.fromkeys(kind for _, kind, _ in busy))
+    for kind in kinds:
+        mine = [(i, state) for i, k, state in busy if k == kind]
+        one, many = _BUSY_WORDS.get(kind, (f"its {kind} job {{id}} is {{state}}",
+                                           f"{{n}} {kind} jobs in progress ({{ids}})"))
+        if len(mine) == 1 or many is None:
+            parts.append(one.format(id=mine[0][0], state=mine[0][1]))
+        else:
+            parts.append(many.format(n=len(mine), ids=", ".join(f"{i} {st}" for i, st in mine)))
+    several = len(busy) > 1
+    if "playground" in kinds:
+        remedy = ("stop it on the Playground page (or let it end when idle)" if not several
+                  else "stop the playground session on the Playground page (or let it end when "
+                  "idle), cancel the rest or wait until they end")
+    else:
+        remedy = "cancel them or wait until they end" if several else \
+            "cancel it or wait until it ends"
+    return f"run {run.name or run.id} is in use: {', '.join(parts)}; {remedy}, then delete the run"
 
 
 def delete_export(engine: Engine, settings: Settings, actor: User, export_id: int) -> Job:

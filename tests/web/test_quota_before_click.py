@@ -59,7 +59,8 @@ def test_resume_and_evaluate_say_the_quota_before_the_click(app, client, engine,
         assert c.get(f"/api/runs/{run.id}").json()["resume"] == {
             "checkpoint_step": 2, "can_resume": False, "reason": resume_msg, "code": QUOTA_CODE}
         assert c.get(f"/api/runs/{run.id}/evaluations").json()["checkpoints"] == [
-            {"step": 2, "can_evaluate": False, "reason": eval_msg, "code": QUOTA_CODE}]
+            {"step": 2, "can_evaluate": False, "reason": eval_msg, "code": QUOTA_CODE,
+             "evaluation": None}]
 
         # an admin reading alice's run is told it is alice's quota, as the click would say
         admin_msg = _refusal(client, f"/api/runs/{run.id}/resume")
@@ -77,6 +78,6 @@ def test_resume_and_evaluate_say_the_quota_before_the_click(app, client, engine,
         assert c.get(f"/api/runs/{run.id}").json()["resume"] == {
             "checkpoint_step": 2, "can_resume": True, "reason": None, "code": None}
         assert c.get(f"/api/runs/{run.id}/evaluations").json()["checkpoints"] == [
-            {"step": 2, "can_evaluate": True, "reason": None, "code": None}]
+            {"step": 2, "can_evaluate": True, "reason": None, "code": None, "evaluation": None}]
         assert c.post(f"/api/runs/{run.id}/checkpoints/2/evaluations", json={}).status_code == 202
         assert c.post(f"/api/runs/{run.id}/resume").status_code == 200

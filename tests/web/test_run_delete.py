@@ -3,12 +3,14 @@ while a job uses them. The worker is simulated through the store (claim, artifac
 cancel), the channel it uses."""
 from __future__ import annotations
 
+from markupsafe import escape
+
 from app.store import queue, repo
 from app.store.schema import Artifact, JobState
 from app.store.specs import TrainSpec
 from app.studio import accounts
 from tests.web.conftest import ADMIN_PASSWORD, ADMIN_USER, signed_in, upload_sft
-from tests.web.test_export_checkpoint import _cancel, _checkpoint, _running_run
+from tests.web.test_export_checkpoint import _cancel, _checkpoint, _rename, _running_run
 
 
 def _built_export(client, engine, settings, run_id: str) -> tuple[int, object]:
@@ -115,3 +117,30 @@ def test_a_run_a_playground_session_uses_says_where_to_stop_it(client, engine):
     msg = r.json()["error"]["message"]
     assert "a playground session is queued; stop it on the Playground page" in msg
     assert str(session.id) not in msg.replace(run_id, "")
+
+
+def test_a_run_with_exports_in_progress_is_named_with_every_export(client, engine, settings):
+    """Trial s22 F4: the refusal named the run by its id and only the first of its two
+    queued exports. It names the run by its name and every export, the same on /api and
+    the page."""
+    run_id, job_id = _running_run(client, engine)
+    _checkpoint(engine, settings, run_id, job_id, 2)
+    _cancel(engine, job_id)
+    _rename(engine, run_id, "alice-grpo2")
+    ids = [client.post(f"/api/runs/{run_id}/exports", json={"format": f}).json()["id"]
+           for f in ("adapter", "merged_16bit")]
+    assert queue.claim(engine, "w-export", 30, kinds=["export"]).id == ids[0]
+    msg = (f"run alice-grpo2 is in use: 2 exports in progress ({ids[0]} running, {ids[1]} "
+           "queued); cancel them or wait until they end, then delete the run")
+    r = client.delete(f"/api/runs/{run_id}")
+    assert r.status_code == 409 and r.json()["error"]["code"] == "run_in_use"
+    assert r.json()["error"]["message"] == msg
+    r = client.post(f"/runs/{run_id}/delete", headers={"HX-Request": "true"})
+    assert r.status_code == 409 and str(escape(msg)) in r.text
+    assert client.get(f"/api/runs/{run_id}").status_code == 200
+    # one left: it alone is named
+    assert queue.finish(engine, ids[0], "w-export", {})
+    r = client.delete(f"/api/runs/{run_id}")
+    assert r.status_code == 409 and r.json()["error"]["message"] == (
+        f"run alice-grpo2 is in use: export {ids[1]} is queued; cancel it or wait until it "
+        "ends, then delete the run")

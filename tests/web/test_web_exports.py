@@ -153,3 +153,51 @@ def test_export_records_with_server_paths_are_shown_without_them(client, engine,
     page = client.get(f"/runs/{run_id}/exports").text
     assert str(tmp_path) not in listed + page and "/work/" not in listed + page
     assert "ollama create m-1 -f Modelfile" in page
+
+
+def test_export_verification_names_no_server_path(client, engine, settings):
+    """Trial s22 F5: ``GET /api/exports/11`` showed ``verification.checks.adapter.peft.path =
+    "/tmp/.../exports/export-11/adapter"``, and so did the run page's raw JSON. The worker's
+    record keeps it; what members see is the path inside the export."""
+    run_id = _finished_run(client, engine)
+    r = client.post(f"/api/runs/{run_id}/exports", json={"format": "adapter"})
+    export_id = r.json()["id"]
+    job = queue.claim(engine, "w-export", 30, kinds=["export"])
+    folder = settings.data_dir / "exports" / f"export-{export_id}"
+    peft = {"path": str(folder / "adapter"), "peft_type": "LORA", "r": 8, "tensors": 4}
+    verification = {"passed": True, "checks": {"adapter": {"passed": True, "peft": peft,
+                                                           "failures": [],
+                                                           "files": [str(folder), "/etc/x"]}}}
+    assert queue.finish(engine, job.id, "w-export", {"format": "adapter",
+                                                     "verification": verification})
+    assert queue.get_job(engine, export_id).result["verification"] == verification  # kept
+
+    info = client.get(f"/api/exports/{export_id}").json()
+    check = info["verification"]["checks"]["adapter"]
+    assert check["peft"] == {**peft, "path": "adapter"} and check["files"] == [".", "x"]
+    assert str(settings.data_dir) not in client.get(f"/api/exports/{export_id}").text
+    listed = client.get(f"/api/runs/{run_id}/exports").json()["data"]
+    assert listed[0]["verification"] == info["verification"]
+    page = client.get(f"/runs/{run_id}/exports", headers={"HX-Request": "true"}).text
+    assert '"peft": {\n        "path": "adapter",' in page.split("raw JSON", 1)[1]
+    assert str(settings.data_dir) not in page and "/tmp/" not in page
+
+
+def test_an_export_error_names_no_server_path(client, engine, settings):
+    """The export's ``error`` (a run whose adapter is not on disk) names the folder inside the
+    data dir (relative to it), never its server path; driven by the real worker loop and export handler."""
+    from worker.loop import Worker
+
+    run_id = _finished_run(client, engine)
+    export_id = client.post(f"/api/runs/{run_id}/exports", json={"format": "adapter"}).json()["id"]
+    w = Worker(settings, worker_id="w-export", kinds=["export"], poll_interval=0.05)
+    w.start()
+    try:
+        w.serve(once=True)
+    finally:
+        w.stop()
+    info = client.get(f"/api/exports/{export_id}").json()
+    assert info["status"] == "failed" and info["error"] == (
+        f"runs/{run_id}/adapter: no adapter_config.json; has the run finished "
+        "training?")
+    assert str(settings.data_dir) not in client.get(f"/runs/{run_id}/exports").text

@@ -251,14 +251,16 @@ def test_refusals_and_ownership(studio) -> None:
     assert r.json()["error"]["message"] == (
         f"checkpoint-{2} of run {run_id} is already being evaluated (evaluation "
         f"{queued.json()['id']}, queued); cancel that evaluation to evaluate it again")
-    # the page says so instead of a button, and keeps polling while it is queued
+    # the page says it is queued instead of a button, and keeps polling while it is queued
     page = c.get(f"/runs/{run_id}").text
-    assert 'id="evaluate-2"' not in page and "is already being evaluated" in page
+    assert 'id="evaluate-2"' not in page and "is already being evaluated" not in page
+    assert (f'id="evaluating-2" role="status">Evaluation {queued.json()["id"]} queued — '
+            "results appear below when it finishes") in page
     assert 'hx-trigger="every 3s"' in page
     r = c.post(f"/runs/{run_id}/checkpoints/2/evaluate", headers={"HX-Request": "true",
                                                                    "HX-Target": "evaluation"})
-    # said once: beside checkpoint-2, not again above the list
-    assert r.status_code == 409 and 'id="eval-error"' not in r.text
+    # a second click is refused above the list, once (tests/web/test_evaluate_click.py)
+    assert r.status_code == 409 and 'id="eval-error"' in r.text
     assert r.text.count("is already being evaluated") == 1
     # another user: every eval route answers 404, as for a run that does not exist
     for method, url in (("get", f"/api/runs/{run_id}/evaluations"),

@@ -256,13 +256,24 @@ def run(ctx) -> dict:
                                "source_ref": model_row.source_ref},
                          llama_timeout=getattr(ctx.settings, "llama_cpp_timeout_seconds", None))
     except VerificationFailed as e:
+        from app.studio.artifacts import without_server_paths
         from worker.export.verify import summarize
 
-        ctx.log("export verification failed", "error", verification=e.result["verification"])
+        # the event is what the export's event stream shows: no server path in it
+        ctx.log("export verification failed", "error",
+                verification=without_server_paths(e.result["verification"], export_id))
         raise JobError(f"export verification failed: {summarize(e.result['verification'])} "
                        "(the diff is under Verification → details)") from e
     except ExportError as e:
-        raise JobError(str(e)) from e
+        from app.studio.artifacts import portable_text
+
+        # the job's error is what /api/exports and the run page show: no server path in it
+        # (the base's folder is named as the model; a path in the data dir, relative to it)
+        msg = portable_text(str(e), [model_row.path or ""], model_row.name)
+        for root in sorted({str(ctx.settings.data_dir), str(ctx.settings.data_dir.resolve())},
+                           key=len, reverse=True):
+            msg = msg.replace(root.rstrip("/") + "/", "")
+        raise JobError(msg) from e
     if res.get("merged"):
         m = res["merged"]
         ctx.log(f"merged weights written as {m['dtype']}: {m['dtype_reason']}", "info",

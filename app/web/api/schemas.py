@@ -233,7 +233,8 @@ class CheckpointEvalOut(BaseModel):
 class RunEvaluationsOut(BaseModel):
     """Everything evaluated of a run: ``held_out`` (where the held-out set comes from),
     ``end_of_run`` (``eval``, ``generation_eval``, ``reward_eval`` of the training job),
-    ``checkpoints`` on disk (``step``, ``can_evaluate``, ``reason``) and ``evals`` of them."""
+    ``checkpoints`` on disk (``step``, ``can_evaluate``, ``reason``, ``code``, ``evaluation``:
+    its queued or running eval's ``{"id", "status"}`` or None) and ``evals`` of them."""
 
     run_id: str
     kind: str
