@@ -261,13 +261,14 @@ class Supervisor:
     def admit_all(self) -> int:
         """Admit onto every slot as many jobs as fit now; returns how many were admitted."""
         n = 0
-        held = self.orphan_slots()
-        for slot in self.slots:
-            while slot.id not in held and not self.shutdown.is_set():
+        held = self.orphan_slots()  # still in use by a process its job no longer counts
+        free = [s for s in self.slots if s.id not in held]
+        for slot in free:
+            while not self.shutdown.is_set():
                 job = queue.admit(self.engine, slot,
                                   self.settings.lease_seconds + CHILD_START_SECONDS, self.kinds,
                                   self.settings.gpu_admit_margin, self.settings.fair_share_hours,
-                                  peers=self.slots)
+                                  peers=free)
                 if job is None:
                     break
                 self.spawn(slot, job)

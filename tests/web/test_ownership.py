@@ -36,7 +36,8 @@ ADMIN_ONLY = {"/admin/users/{user_id}", "/admin", "/admin/users", "/api/users",
               "/admin/quotas/{user_id}", "/admin/usage.csv"}
 #: Form URLs whose GET only sends the caller to the form's page (POST-redirect-GET); ``/runs``
 #: (where the run form posts) to the runs list, the dashboard.
-FORM_PAGES = {"/account/keys": "/account", "/account/password": "/account", "/runs": "/"}
+FORM_PAGES = {"/account/keys": "/account", "/account/password": "/account", "/runs": "/",
+              "/account/sessions/sign-out-others": "/account#sessions"}
 #: A playground session (an integer job id) is A's too.
 PARAMS["session_id"] = "session"
 PARAMS["request_id"] = "request"  # a prompt of A's session

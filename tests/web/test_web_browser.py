@@ -226,7 +226,7 @@ def test_back_shows_whole_pages_never_a_fragment_or_a_signed_out_key(page, clien
     key = page.locator("#new-key").inner_text()
     assert key.startswith("wk-") and page.url == f"{page.base}/account"
     sign_out = page.locator("header button:has-text('Sign out')")
-    expect(page.get_by_role("button", name="Sign out")).to_have_count(1)
+    expect(page.get_by_role("button", name="Sign out", exact=True)).to_have_count(1)
     assert sign_out.evaluate("b => getComputedStyle(b).backgroundColor") == "rgba(0, 0, 0, 0)"
     sign_out.click()
     page.wait_for_url(f"{page.base}/login")
