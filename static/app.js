@@ -159,7 +159,7 @@
       const box = document.createElement("div");
       box.innerHTML = html || "";
       const fresh = box.querySelector("#training-time-box"), old = $("training-time-box");
-      if (fresh && old) old.replaceWith(fresh);
+      if (fresh && old) { old.replaceWith(fresh); stampTicks(); }
       if (timeDirty) refreshTrainingTime();
     }, 1000);
   }
@@ -167,14 +167,20 @@
   // rendered as "so far" (data-tick, seconds) runs on from the moment it arrived; a step's
   // refresh (above) brings the server's figure again, the run's end stops the clock.
   const tickedSince = new WeakMap();
-  setInterval(() => {
-    if (ended) return;
+  function stampTicks() {  // the moment each figure arrived (page load, or a refresh's swap)
     for (const el of document.querySelectorAll("#training-time-box [data-tick]")) {
       if (!tickedSince.has(el)) tickedSince.set(el, performance.now());
+    }
+  }
+  stampTicks();
+  setInterval(() => {
+    if (ended) return;
+    stampTicks();
+    for (const el of document.querySelectorAll("#training-time-box [data-tick]")) {
       const base = Number(el.dataset.tick);
       if (Number.isFinite(base)) el.textContent = duration(base + (performance.now() - tickedSince.get(el)) / 1000);
     }
-  }, 1000);
+  }, 500);
   es.addEventListener("metric", (e) => {
     const d = JSON.parse(e.data);
     refreshTrainingTime();
