@@ -4,9 +4,9 @@ A GRPO dataset needs no answers to train on, only prompts (and whatever columns 
 read), so it is not one of the SFT formats: GSM8K's ``question`` + ``answer`` rows are a prompt
 dataset. A row's prompt is its ``prompt_column`` (default: the first of
 :data:`app.store.specs.PROMPT_COLUMNS` present) or, in the OpenAI reinforcement fine-tuning
-layout, its ``messages`` (a conversation that ends on a user turn: the model writes the next
-assistant turn; a row that ends on another turn is an invalid row). Used by the web upload check
-and by the worker (:mod:`worker.engine.grpo`), so both agree.
+layout, its ``messages`` (the conversation up to its last user turn, which the model answers;
+the report warns about rows that go on after it). Used by the web upload check and by the worker
+(:mod:`worker.engine.grpo`), so both agree.
 """
 from __future__ import annotations
 
@@ -64,8 +64,8 @@ def prompt_messages(value: Any, column: str, system_prompt: str | None = None) -
 
     A string becomes ``[system?, user]``. A ``messages`` list (roles made canonical) is cut
     after its last user turn: the model writes the reply to it, so a chat dataset whose rows end
-    on the assistant's answer serves as prompts too (:func:`after_last_user` says how many turns
-    are left out; the upload report warns). None when :func:`message_problem` finds a problem:
+    on the assistant's answer serves as prompts too (the upload report warns how many rows go
+    on after their last user turn). None when :func:`message_problem` finds a problem:
     the row is left out, as the upload report lists it. A system prompt is added only when the
     messages have none. Raises DatasetError on other shapes.
     """
@@ -79,8 +79,8 @@ def prompt_messages(value: Any, column: str, system_prompt: str | None = None) -
         if not value or message_problem(value, column) is not None:
             return None
         msgs = [{"role": message_role(m, column), "content": str(m.get("content") or "")}
-                for m in value]
-        msgs = msgs[:len(msgs) - after_last_user(value, column)]
+                for m in value]  # a user turn is there: message_problem checked
+        msgs = msgs[:max(i for i, m in enumerate(msgs) if m["role"] == "user") + 1]
     elif value is None:
         return None
     else:
@@ -89,22 +89,6 @@ def prompt_messages(value: Any, column: str, system_prompt: str | None = None) -
     if system_prompt and not any(m["role"] == "system" for m in msgs):
         msgs = [{"role": "system", "content": system_prompt}, *msgs]
     return msgs
-
-
-def after_last_user(value: Any, column: str) -> int:
-    """How many turns of a ``messages`` prompt cell come after its last user turn (they are
-    left out of the prompt: :func:`prompt_messages`); 0 for a text cell or messages that end on
-    a user turn or have none."""
-    from app.data.formats import message_role
-
-    if not isinstance(value, list):
-        return 0
-    try:
-        roles = [message_role(m, f"{column}[{i}]") for i, m in enumerate(value)]
-    except DatasetError:
-        return 0
-    last = max((i for i, r in enumerate(roles) if r == "user"), default=None)
-    return 0 if last is None else len(roles) - 1 - last
 
 
 def message_problem(value: Any, column: str) -> tuple[str, str] | None:
@@ -167,14 +151,15 @@ def inspect_prompts(path: str | os.PathLike, prompt_column: str | None = None,
         problem = message_problem(rec.data.get(pcol), pcol)
         if problem is not None:
             invalid.append({"row": rec.row, "field": problem[0], "message": problem[1]})
+        cell = rec.data.get(pcol)
         try:
-            ok = problem is None and prompt_messages(rec.data.get(pcol), pcol) is not None
+            prompt = prompt_messages(cell, pcol) if problem is None else None
         except DatasetError:
-            ok = False
+            prompt = None
+        ok = prompt is not None
         usable += ok
-        left_out = after_last_user(rec.data.get(pcol), pcol) if ok else 0
-        if left_out:
-            cut.append((rec.row, f"{pcol}[{len(rec.data[pcol]) - left_out}]"))
+        if ok and isinstance(cell, list) and len(prompt) < len(cell):  # turns left out
+            cut.append((rec.row, f"{pcol}[{len(prompt)}]"))
         if ok and len(previews) < preview:
             previews.append({k: v[:500] if isinstance(v, str) else v
                              for k, v in rec.data.items()})
