@@ -238,10 +238,10 @@
   const RESUMABLE = ["failed", "cancelled"], FOLLOW_MS = 5000;
   let following = null;
   function followResumes(state) {
-    if (following || !RESUMABLE.includes(state) || !root.dataset.runUrl) return;
+    if (following || !RESUMABLE.includes(state) || !root.dataset.jobUrl) return;
     following = setInterval(async () => {
       if (document.hidden) return;
-      const r = await fetch(root.dataset.runUrl, {credentials: "same-origin"}).catch(() => null);
+      const r = await fetch(root.dataset.jobUrl, {credentials: "same-origin"}).catch(() => null);
       if (!r || !r.ok) return;
       const run = await r.json().catch(() => null);
       if (run && run.job_id !== null && String(run.job_id) !== root.dataset.jobId) {

@@ -200,6 +200,15 @@ def run_page(request: Request, run_id: str, engine: EngineDep, settings: Setting
                   block="artifacts")
 
 
+@router.get("/runs/{run_id}/job")
+def current_job(run_id: str, engine: EngineDep, user: CurrentUser) -> dict:
+    """``{"job_id", "state"}`` of the run's current training job (a resume makes a new one): what
+    an open run page of a cancelled or failed run polls to notice a resume made elsewhere
+    (static/app.js), without the whole run read. Another user's run: 404."""
+    _, job = access.run_with_job(engine, user, run_id)
+    return {"job_id": job.id if job else None, "state": job.state if job else None}
+
+
 @router.get("/runs/{run_id}/training-time")
 def training_time_fragment(run_id: str, engine: EngineDep, user: CurrentUser):
     """The run page's training-time line as of now (an HTML fragment, ``#training-time-box``;
