@@ -150,7 +150,8 @@ def check_numeric_references(spec: GrpoSpec, ds: Dataset) -> None:
             continue
         label, row, example = r.label or r.name, c["first_without"], c.get("example")
         seen = (f"no row of column {col!r} holds one" if not c["with_number"] else
-                f"{c['with_number']:,} of {c['rows']:,} rows of column {col!r} hold one")
+                f"{c['with_number']:,} of {c['rows']:,} rows of column {col!r} "
+                f"{'holds' if c['with_number'] == 1 else 'hold'} one")
         raise invalid(f"rewards[{i}]",
                       f"reward {label!r} compares the number in a completion with the number "
                       f"in the reference, but {seen}: row {row} has none ({example!r}); for "

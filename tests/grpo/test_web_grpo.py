@@ -480,7 +480,7 @@ def test_numeric_match_only_where_every_reference_holds_a_number(env, tmp_path):
     assert r.status_code == 422, r.text
     err = r.json()["error"]
     assert err["param"] == "rewards[1]" and "row 1 has none" in err["message"] \
-        and "of 91 rows of column 'output' hold one" in err["message"] \
+        and "1 of 91 rows of column 'output' holds one" in err["message"] \
         and "exact_match or text_similarity" in err["message"], err
     r = c.post("/runs/grpo", data=_form(text["id"], max_steps="2"))
     assert r.status_code == 422 and "row 1 has none" in r.text
