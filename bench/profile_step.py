@@ -3,6 +3,7 @@
     python3 bench/profile_step.py train qlora 2048 2     # one SFT step (after 3 warm-up steps)
     python3 bench/profile_step.py gen qlora 256 8 64     # generate: 8 rows, 256-token prompt, 64 new
                                                          # (engine decoder; FAST=0: HF's generate)
+    python3 bench/profile_step.py time qlora 1024 16 256  # wall ms per decoded token, no profiler
 
 Prints, per profiled step (or per generated token for ``gen``): wall ms, summed GPU kernel ms, the
 GPU busy fraction (kernel time / wall: far below 1 means the CPU or copies bound the step), a table
@@ -166,6 +167,40 @@ def gen(config: str, prompt: int, rows: int, new: int) -> None:
               "(per token)")
 
 
+def decode_time(config: str, prompt: int, rows: int, new: int) -> None:
+    """Wall ms per decoded token (the engine's CUDA-graph decoder, sampling, ``rows`` rows after a
+    ``prompt``-token prefill), without the profiler: the median over 3 calls of
+    (generate ``new`` tokens - generate 8 tokens) / (new - 8), which cancels the prefill, the
+    graph capture and the set-up of a call. No ``min_new_tokens`` (as GRPO: its EOS mask syncs the
+    host each token); 16 rows of random-weight sampling all ending early is improbable. Prints
+    ``DECODE {json}``."""
+    import json
+
+    import torch
+
+    from train_step import build
+    from worker.engine import decode
+    from worker.engine.gencache import dense_generation
+
+    pm = build(config, None, True)
+    pm.eval()
+    ids = torch.randint(0, 4000, (rows, prompt), device="cuda")
+
+    def run(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        pm.generate(input_ids=ids, max_new_tokens=n, do_sample=True, temperature=1.0, pad_token_id=0)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    with torch.no_grad(), dense_generation(pm, limit=0), decode.fast_generate(pm, on_log=print):
+        run(8)
+        per = sorted((run(new) - run(8)) / (new - 8) * 1e3 for _ in range(3))
+    print("DECODE " + json.dumps(dict(config=config, prompt=prompt, rows=rows, new=new,
+                                      ms_per_token=round(per[1], 3), runs=[round(p, 3) for p in per],
+                                      commit=os.environ.get("WHETSTONE_COMMIT", ""))), flush=True)
+
+
 if __name__ == "__main__":
     mode, config, *nums = sys.argv[1:]
-    {"train": train, "gen": gen}[mode](config, *map(int, nums))
+    {"train": train, "gen": gen, "time": decode_time}[mode](config, *map(int, nums))
