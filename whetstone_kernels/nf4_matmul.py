@@ -23,13 +23,10 @@ code[lo_i] x[2i+1] on CUDA-core FMAs in fp32, times the block's absmax, into a
 [BLOCK_N, min(blocksize, BLOCK_K)/2] accumulator reduced once at the end: the same W values,
 unrounded (the dequantised path rounds them to x's dtype first).
 
-The LoRA term of an adapted projection, scale * (x A^T) B^T, is computed in the same kernel when the
-caller passes A [r, K] and B [N, r]: each program accumulates x A^T over its own K range in fp32
-(one [R, piece] x [piece, BLOCK_M] dot per x tile it already loaded, r masked to R: the next power
-of two, at least 16; one row: FMAs) and adds scale * B (x A^T) for that range in its epilogue (the
-term is linear in x, so split-K partials sum to the whole). Decoding thus needs no x A^T GEMM, no
-B GEMM and no add per projection (the x A^T GEMMs were 128 cuBLAS calls with split-K reductions
-per Llama-3.1-8B token, ~1.0 ms at GRPO's 16 rows, call s21-c4).
+The LoRA term of an adapted projection, scale * (x A^T) B^T, is added in the epilogue when the
+caller passes xa = x A^T and B (one [BLOCK_N, R] x [R, BLOCK_M] dot per tile, r masked to R: the next
+power of two, at least 16; one row: a [BLOCK_N, R] product summed over R),
+so decoding needs no separate B GEMM and add per projection.
 
 Grid: (ceil(N / BLOCK_N), SPLIT_K, ceil(M / BLOCK_M)), SPLIT_K a runtime argument; M is padded to
 BLOCK_M = 1/16/32/64 (masked).
@@ -56,6 +53,8 @@ quantisation); bitsandbytes' ``quantize_4bit`` format (see whetstone_kernels/nf4
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -70,22 +69,26 @@ _LOCKS: dict = {}  # device -> int32 counters, all zero between calls
 
 
 @triton.jit
-def _lora_term(xa, LB, offs_n, n_ok, r, R: tl.constexpr, BLOCK_M: tl.constexpr):
-    """(x A^T) B^T for this tile from xa = x A^T over this program's K range, fp32 [R, BLOCK_M]
-    (rows r..R zero); LB = B [N, r] contiguous. fp32 [BLOCK_N, BLOCK_M], B taken in fp32 (IEEE)."""
+def _lora_term(XA, LB, offs_n, offs_m, n_ok, m_ok, r, stride_xa,
+               R: tl.constexpr, BLOCK_M: tl.constexpr, IEEE: tl.constexpr):
+    """(x A^T) B^T for this tile: XA [M, r] (row stride ``stride_xa``), LB = B [N, r] contiguous;
+    r <= R (a power of two >= 16, masked). fp32 [BLOCK_N, BLOCK_M]."""
     rr = tl.arange(0, R)
-    lb = tl.load(LB + offs_n[:, None] * r + rr[None, :], mask=n_ok[:, None] & (rr < r)[None, :],
-                 other=0.0).to(tl.float32)
+    r_ok = rr < r
+    lb = tl.load(LB + offs_n[:, None] * r + rr[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0)
+    xat = tl.load(XA + offs_m[None, :] * stride_xa + rr[:, None], mask=r_ok[:, None] & m_ok[None, :], other=0.0)
     if BLOCK_M == 1:
-        out = tl.sum(lb * tl.trans(xa), axis=1)[:, None]
+        out = tl.sum(lb.to(tl.float32) * tl.trans(xat).to(tl.float32), axis=1)[:, None]
+    elif IEEE:
+        out = tl.dot(lb, xat, input_precision="ieee")
     else:
-        out = tl.dot(lb, xa, input_precision="ieee")
+        out = tl.dot(lb, xat)
     return out
 
 
 @triton.jit
-def _nf4_matmul_kernel(X, Q, ABSMAX, ABSMAX2, CODE2, OFFSET, CODE, CODE16, BIAS, Y, PART, LOCKS, LA, LB,
-                       M, N, K, KH, k_per_split, split_k, stride_xm, stride_ym, r, lora_scale,
+def _nf4_matmul_kernel(X, Q, ABSMAX, ABSMAX2, CODE2, OFFSET, CODE, CODE16, BIAS, Y, PART, LOCKS, XA, LB,
+                       M, N, K, KH, k_per_split, split_k, stride_xm, stride_ym, r, stride_xa, lora_scale,
                        BLOCKSIZE: tl.constexpr, BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr,
                        HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NB: tl.constexpr, IEEE: tl.constexpr,
@@ -101,8 +104,6 @@ def _nf4_matmul_kernel(X, Q, ABSMAX, ABSMAX2, CODE2, OFFSET, CODE, CODE16, BIAS,
     n_ok = offs_n < N
     m_ok = offs_m < M
     nb = tl.arange(0, NB)
-    rr = tl.arange(0, R)  # LoRA rank, padded (rows >= r of A read as 0)
-    r_ok = rr < r
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     if BLOCK_M == 1:
@@ -111,9 +112,7 @@ def _nf4_matmul_kernel(X, Q, ABSMAX, ABSMAX2, CODE2, OFFSET, CODE, CODE16, BIAS,
         jj = tl.arange(0, SUB)
         q_tile = Q + offs_n[:, None] * KH + jj[None, :]
         x_even = X + pid_m * stride_xm + 2 * jj
-        a_even = LA + rr[:, None] * K + 2 * jj[None, :]
         acc1 = tl.zeros([BLOCK_N, SUB], dtype=tl.float32)
-        xa1 = tl.zeros([R, SUB], dtype=tl.float32)
         for k0 in range(k_start, k_end, BLOCK_K):
             k0 = tl.multiple_of(k0, BLOCK_K)
             for p in tl.static_range(NB):
@@ -125,12 +124,7 @@ def _nf4_matmul_kernel(X, Q, ABSMAX, ABSMAX2, CODE2, OFFSET, CODE, CODE16, BIAS,
                 xo = tl.load(x_even + kp + 1).to(tl.float32)
                 acc1 += (tl.load(CODE + (b >> 4)) * xe[None, :] + tl.load(CODE + (b & 15)) * xo[None, :]) \
                     * amax[:, None]
-                if HAS_LORA:
-                    ae = tl.load(a_even + kp, mask=r_ok[:, None], other=0.0).to(tl.float32)
-                    ao = tl.load(a_even + kp + 1, mask=r_ok[:, None], other=0.0).to(tl.float32)
-                    xa1 += ae * xe[None, :] + ao * xo[None, :]
         acc = tl.sum(acc1, axis=1)[:, None]
-        xa = tl.sum(xa1, axis=1)[:, None]  # x A^T over this K range [R, 1]
     elif LUT:
         # several rows, x fp16/bf16: per absmax block (or BLOCK_K piece of one), the high nibbles'
         # code values (elements 2j) dot x's even columns and the low nibbles' (2j+1) x's odd columns on
@@ -138,18 +132,14 @@ def _nf4_matmul_kernel(X, Q, ABSMAX, ABSMAX2, CODE2, OFFSET, CODE, CODE16, BIAS,
         # lookup per nibble in registers (nf4_lut), no per-weight multiply
         q_lut = Q + offs_n[:, None] * KH + tl.arange(0, SUB)[None, :]
         x_rows = X + offs_m[:, None] * stride_xm + tl.arange(0, 2 * SUB)[None, :]
-        a_rows = LA + rr[:, None] * K + tl.arange(0, 2 * SUB)[None, :]
         blk_n = offs_n * (K // BLOCKSIZE)
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        xa = tl.zeros([R, BLOCK_M], dtype=tl.float32)
         for k0 in range(k_start, k_end, BLOCK_K):
             k0 = tl.multiple_of(k0, BLOCK_K)
             for p in tl.static_range(NB):
                 kp = k0 + p * 2 * SUB
                 hi, lo = nf4_lookup(tl.load(q_lut + kp // 2, mask=n_ok[:, None], other=0), CODE16, ASM)
                 xt = tl.load(x_rows + kp, mask=m_ok[:, None], other=0.0)  # x[m, kp:kp + 2 SUB]
-                if HAS_LORA:  # x A^T on the same x tile: A[:, kp:kp + 2 SUB] . x^T
-                    xa = tl.dot(tl.load(a_rows + kp, mask=r_ok[:, None], other=0.0), tl.trans(xt), xa)
                 xe, xo = tl.split(tl.reshape(xt, [BLOCK_M, SUB, 2]))
                 d = tl.dot(hi, tl.trans(xe))
                 d = tl.dot(lo, tl.trans(xo), d)
@@ -163,10 +153,8 @@ def _nf4_matmul_kernel(X, Q, ABSMAX, ABSMAX2, CODE2, OFFSET, CODE, CODE16, BIAS,
         kk = tl.arange(0, BLOCK_K)
         q_rows = Q + offs_n[:, None, None] * KH  # [BLOCK_N, 1, 1]
         x_col = X + offs_m[None, :] * stride_xm
-        a_rows = LA + rr[:, None] * K + kk[None, :]
         blk_row = offs_n[:, None] * (K // BLOCKSIZE)
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        xa = tl.zeros([R, BLOCK_M], dtype=tl.float32)
         for k0 in range(k_start, k_end, BLOCK_K):
             k0 = tl.multiple_of(k0, BLOCK_K)
             b = tl.load(q_rows + (k0 // 2 + jb)[None, :, :], mask=n_ok[:, None, None], other=0).to(tl.int32)
@@ -180,19 +168,13 @@ def _nf4_matmul_kernel(X, Q, ABSMAX, ABSMAX2, CODE2, OFFSET, CODE, CODE16, BIAS,
                 acc = tl.dot(w, xt, acc, input_precision="ieee")
             else:
                 acc = tl.dot(w, xt, acc)
-            if HAS_LORA:
-                at = tl.load(a_rows + k0, mask=r_ok[:, None], other=0.0)
-                if IEEE:
-                    xa = tl.dot(at, xt, xa, input_precision="ieee")
-                else:
-                    xa = tl.dot(at, xt, xa)
-    if HAS_LORA:  # linear in x, so each split adds the term of its own K range
-        acc += lora_scale * _lora_term(xa, LB, offs_n, n_ok, r, R, BLOCK_M)
     y_ptr = Y + offs_m[None, :] * stride_ym + offs_n[:, None]
     y_ok = n_ok[:, None] & m_ok[None, :]
     if not SPLIT:
         if HAS_BIAS:
             acc += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        if HAS_LORA:
+            acc += lora_scale * _lora_term(XA, LB, offs_n, offs_m, n_ok, m_ok, r, stride_xa, R, BLOCK_M, IEEE)
         tl.store(y_ptr, acc.to(Y.dtype.element_ty), mask=y_ok)
     else:
         part = PART + offs_m[None, :] * N + offs_n[:, None]
@@ -205,6 +187,8 @@ def _nf4_matmul_kernel(X, Q, ABSMAX, ABSMAX2, CODE2, OFFSET, CODE, CODE16, BIAS,
                 tot += tl.load(part + s * M * N, mask=y_ok, other=0.0, cache_modifier=".cg")
             if HAS_BIAS:
                 tot += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+            if HAS_LORA:
+                tot += lora_scale * _lora_term(XA, LB, offs_n, offs_m, n_ok, m_ok, r, stride_xa, R, BLOCK_M, IEEE)
             tl.store(y_ptr, tot.to(Y.dtype.element_ty), mask=y_ok)
             tl.atomic_xchg(lock, 0)
 
@@ -255,7 +239,7 @@ def pick_config(M: int, N: int, K: int, blocksize: int, device, dtype: torch.dty
 def nf4_matmul_fwd(x: torch.Tensor, packed: torch.Tensor, state, bias: torch.Tensor | None = None,
                    config: dict | None = None, lora: tuple | None = None) -> torch.Tensor:
     """The Triton launcher: x [M, K] (rows contiguous) -> y [M, N]; ``config`` overrides pick_config;
-    ``lora`` = (A [r, K], B [N, r], both contiguous, scale) adds scale * (x A^T) B^T."""
+    ``lora`` = (xa [M, r] with unit column stride, B [N, r] contiguous, scale) adds scale * xa B^T."""
     st = _as_state(state)
     N, K = int(st.shape[0]), int(st.shape[1])
     M = x.shape[0]
@@ -265,7 +249,9 @@ def nf4_matmul_fwd(x: torch.Tensor, packed: torch.Tensor, state, bias: torch.Ten
         return y
     if K == 0:
         y.zero_() if bias is None else y.copy_(bias.expand(M, N))
-        return y  # x A^T is zero too
+        if lora is not None:
+            y.addmm_(lora[0], lora[1].t(), alpha=lora[2])
+        return y
     cfg = dict(config or pick_config(M, N, K, bs, x.device, x.dtype))
     block_k, split = cfg.pop("BLOCK_K"), cfg.pop("SPLIT_K")
     block_m, block_n = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
@@ -283,8 +269,8 @@ def nf4_matmul_fwd(x: torch.Tensor, packed: torch.Tensor, state, bias: torch.Ten
     offset = (st.offset if st.offset.dtype == torch.float32 else st.offset.float()) if nested else absmax
     part = torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1 else y
     locks = _locks(x.device, grid[0] * grid[2]) if split > 1 else y
-    la, lb, scale = lora if lora is not None else (y, y, 0.0)
-    r = la.shape[0] if lora is not None else 0
+    xa, lb, scale = lora if lora is not None else (y, y, 0.0)
+    r = xa.shape[1] if lora is not None else 0
     lut = block_m > 1 and x.dtype != torch.float32
     if not INTERPRET:
         # the fp32 tensor-core path dequantises exactly as bitsandbytes (absmax rounded twice: no FMA);
@@ -292,8 +278,8 @@ def nf4_matmul_fwd(x: torch.Tensor, packed: torch.Tensor, state, bias: torch.Ten
         cfg["enable_fp_fusion"] = block_m == 1 or lut
     launch(_nf4_matmul_kernel, grid,
            x, packed, absmax, st.absmax2 if nested else absmax, st.code2 if nested else absmax, offset,
-           _code(x.device), code16(x.device, x.dtype) if lut else y, bias if bias is not None else y, y, part, locks, la, lb,
-           M, N, K, K // 2, k_per_split, split, x.stride(0), y.stride(0), r, float(scale),
+           _code(x.device), code16(x.device, x.dtype) if lut else y, bias if bias is not None else y, y, part, locks, xa, lb,
+           M, N, K, K // 2, k_per_split, split, x.stride(0), y.stride(0), r, xa.stride(0), float(scale),
            BLOCKSIZE=bs, BLOCKSIZE2=st.blocksize2 if nested else 1, NESTED=nested, HAS_BIAS=bias is not None,
            SPLIT=split > 1, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NB=max(block_k // bs, 1),
            IEEE=x.dtype == torch.float32, HAS_LORA=lora is not None, R=max(16, triton.next_power_of_2(max(r, 1))),
@@ -306,10 +292,9 @@ def nf4_matmul(x: torch.Tensor, packed: torch.Tensor, state, bias: torch.Tensor 
     """y = x @ dequant(W)^T (+ bias) (+ scale * xa @ B^T) for decoding, W [N, K] NF4 (bitsandbytes);
     x [..., K] -> y [..., N].
 
-    ``lora`` = (A, B, scale): a LoRA adapter's term scale * (x A^T) B^T, A [r, K] and B [N, r] in x's
-    dtype (any strides), scale a float; x A^T is accumulated in fp32 beside the NF4 dot, over the same
-    x tiles, and its B product added in the epilogue (no GEMM of its own); raises ValueError on other
-    shapes or dtypes.
+    ``lora`` = (xa, B, scale): a LoRA adapter's term added in the kernel's epilogue, xa = x A^T
+    [rows, r] (rows = x's leading dims flattened; a column slice of a wider product is fine), B [N, r],
+    both in x's dtype, scale a float; raises ValueError on other shapes or dtypes.
     impl "triton": the fused kernel (never materialises W); "reference": x @ nf4_dequantize_ref(W)^T
     (+ bias) (+ scale * xa @ B^T). Forward only (no autograd)."""
     check_impl(impl)
@@ -330,16 +315,17 @@ def nf4_matmul(x: torch.Tensor, packed: torch.Tensor, state, bias: torch.Tensor 
     if bias is not None and tuple(bias.shape) != (N,):
         raise ValueError(f"bias must have shape ({N},), got {tuple(bias.shape)}")
     if lora is not None:
-        la, lb, _ = lora
-        if la.dim() != 2 or lb.dim() != 2 or la.shape[1] != K or lb.shape[0] != N or la.shape[0] != lb.shape[1]:
-            raise ValueError(f"lora needs A [r, {K}] and B [{N}, r], got {tuple(la.shape)} and {tuple(lb.shape)}")
-        if la.dtype != x.dtype or lb.dtype != x.dtype:
-            raise ValueError(f"lora A and B must be in x's dtype {x.dtype}, got {la.dtype} and {lb.dtype}")
+        xa, lb, scale = lora
+        rows = math.prod(x.shape[:-1])
+        if xa.dim() != 2 or lb.dim() != 2 or xa.shape[0] != rows or lb.shape[0] != N or xa.shape[1] != lb.shape[1]:
+            raise ValueError(f"lora needs xa [{rows}, r] and B [{N}, r], got {tuple(xa.shape)} and {tuple(lb.shape)}")
+        if xa.dtype != x.dtype or lb.dtype != x.dtype:
+            raise ValueError(f"lora xa and B must be in x's dtype {x.dtype}, got {xa.dtype} and {lb.dtype}")
     if impl == "reference":
         y = x @ nf4_dequantize_ref(packed, st, x.dtype).t()
         y = y + bias if bias is not None else y
         if lora is not None:
-            y = y + lora[2] * ((x @ lora[0].t()) @ lora[1].t())
+            y = y + lora[2] * (lora[0] @ lora[1].t()).view(y.shape)
         return y
     bs = st.blocksize
     if bs < 32 or bs & (bs - 1):
@@ -351,7 +337,7 @@ def nf4_matmul(x: torch.Tensor, packed: torch.Tensor, state, bias: torch.Tensor 
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     if lora is not None:
-        la, lb, scale = lora
-        lora = (la.contiguous(), lb.contiguous(), float(scale))
+        xa, lb, scale = lora
+        lora = (xa if xa.stride(1) == 1 else xa.contiguous(), lb.contiguous(), float(scale))
     y = nf4_matmul_fwd(x2, packed, st, bias.contiguous() if bias is not None else None, config, lora)
     return y.view(*lead, N)

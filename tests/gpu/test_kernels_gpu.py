@@ -254,18 +254,18 @@ def test_nf4_matmul_decode(shape, m, nested):
 @pytest.mark.parametrize("m", [1, 16])
 @pytest.mark.parametrize("shape", [(4096, 4096), (1024, 4096), (14336, 4096)])
 def test_nf4_matmul_lora_epilogue(shape, m):
-    """The LoRA term s (x A^T) B^T computed in the kernel (x A^T beside the NF4 dot, per split; bf16,
-    r=16, split-K on the small shapes), vs dequantise + GEMM + the term, against fp64."""
+    """The LoRA term (x A^T) B^T * s added in the kernel's epilogue (bf16, r=16, split-K on the
+    small shapes), vs dequantise + GEMM + the term, against fp64."""
     packed, st = nf4_quantize_ref(torch.randn(shape, device=DEV) * 0.02, double_quant=True)
     x = torch.randn(m, shape[1], device=DEV, dtype=torch.bfloat16)
     A = torch.randn(16, shape[1], device=DEV, dtype=torch.bfloat16) * 0.02
     B = torch.randn(shape[0], 16, device=DEV, dtype=torch.bfloat16) * 0.5
     with torch.no_grad():
         poison()
-        got = nf4_matmul(x, packed, st, lora=(A, B, 2.0))
-        low = x @ nf4_fwd(packed, st, torch.bfloat16).t() + 2.0 * ((x @ A.t()) @ B.t())
-        hi = x.double() @ nf4_dequantize_ref(packed, st, torch.float64).t() + 2.0 * (
-            (x.double() @ A.double().t()) @ B.double().t())
+        xa = x @ A.t()
+        got = nf4_matmul(x, packed, st, lora=(xa, B, 2.0))
+        low = x @ nf4_fwd(packed, st, torch.bfloat16).t() + 2.0 * (xa @ B.t())
+        hi = x.double() @ nf4_dequantize_ref(packed, st, torch.float64).t() + 2.0 * (xa.double() @ B.double().t())
     check(got, low, hi, torch.bfloat16, f"nf4_matmul + lora {m}x{shape}")
 
 

@@ -139,49 +139,45 @@ def test_bf16_on_device():
     (1, 40, 256, 16, None), (3, 72, 320, 8, None),
     (5, 40, 512, 16, dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, SPLIT_K=2)),
     (1, 24, 256, 4, dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=64, SPLIT_K=3)),
-    (2, 24, 512, 8, dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=256, SPLIT_K=1)),
     (1, 40, 128, 24, None), (4, 24, 128, 20, None)])
-def test_lora_term_in_the_kernel(dtype, m, n, k, r, cfg):
-    """y = x W^T + b + s (x A^T) B^T with A, B handed to the kernel (x A^T accumulated beside the NF4
-    dot, per split), A a column slice of a wider matrix (strided), with and without split-K, r below
-    the padded 16 and above it (24, 20: masked to 32), one row and several, a K chunk of several
-    absmax blocks."""
+def test_lora_term_in_the_epilogue(dtype, m, n, k, r, cfg):
+    """y = x W^T + b + s (x A^T) B^T with xa a column slice of a wider product (as the decoder's
+    shared q/k/v A GEMM gives it), with and without split-K, r below the padded 16 and above it
+    (24, 20: masked to 32), one row and several."""
     packed, st = _weight(n, k)
     x = torch.randn(m, k, device=DEV, dtype=dtype)
     b = torch.randn(n, device=DEV, dtype=dtype)
-    A = torch.randn(r, k + 7, device=DEV, dtype=dtype)[:, 5:5 + k]
-    B = torch.randn(n, r, device=DEV, dtype=dtype)
+    wide = torch.randn(m, r + 5, device=DEV, dtype=dtype)
+    xa, B = wide[:, 3:3 + r], torch.randn(n, r, device=DEV, dtype=dtype)
     cfg = cfg and dict(cfg, num_warps=4, num_stages=1)
     with torch.no_grad():
-        got = nf4_matmul(x, packed, st, b, config=cfg, lora=(A, B, 0.5))
-        want = nf4_matmul(x, packed, st, b, impl="reference") + 0.5 * ((x @ A.t()) @ B.t())
+        got = nf4_matmul(x, packed, st, b, config=cfg, lora=(xa, B, 0.5))
+        want = nf4_matmul(x, packed, st, b, impl="reference") + 0.5 * (xa @ B.t())
         without = nf4_matmul(x, packed, st, b, config=cfg)
-        ref = nf4_matmul(x, packed, st, b, impl="reference", lora=(A, B, 0.5))
+        ref = nf4_matmul(x, packed, st, b, impl="reference", lora=(xa, B, 0.5))
     assert torch.equal(ref, want)  # the reference adds the same term
     assert_close_lowp(got, want, dtype)
     assert not torch.allclose(got, without)  # the term is there
 
 
 def test_lora_with_leading_dims():
-    """x [2, 3, K] (a batch of sequences): y [2, 3, N] with the term of every row."""
+    """x [2, 3, K] (a batch of sequences): xa holds the flattened rows, [6, r]; y [2, 3, N]."""
     packed, st = _weight(24, 128)
     x = torch.randn(2, 3, 128, device=DEV)
-    A, B = torch.randn(8, 128, device=DEV), torch.randn(24, 8, device=DEV)
+    xa, B = torch.randn(6, 8, device=DEV), torch.randn(24, 8, device=DEV)
     with torch.no_grad():
-        got = nf4_matmul(x, packed, st, lora=(A, B, 2.0))
-        want = nf4_matmul(x, packed, st, impl="reference") + 2.0 * ((x @ A.t()) @ B.t())
+        got = nf4_matmul(x, packed, st, lora=(xa, B, 2.0))
+        want = nf4_matmul(x, packed, st, impl="reference") + 2.0 * (xa @ B.t()).view(2, 3, 24)
     assert got.shape == (2, 3, 24)
     assert_close_lowp(got, want, torch.float32)
-    with pytest.raises(ValueError, match=r"lora needs A \[r, 128\] and B \[24, r\]"):
-        nf4_matmul(x, packed, st, lora=(A[:, :64], B, 2.0))
+    with pytest.raises(ValueError, match=r"lora needs xa \[6, r\]"):
+        nf4_matmul(x, packed, st, lora=(xa[:3], B, 2.0))
 
 
 def test_lora_shapes_are_checked():
     packed, st = _weight(24, 128)
     x = torch.randn(2, 128, device=DEV)
-    with pytest.raises(ValueError, match="lora needs A"):  # r of A and B differ
-        nf4_matmul(x, packed, st, lora=(torch.randn(4, 128, device=DEV), torch.randn(24, 8, device=DEV), 1.0))
-    with pytest.raises(ValueError, match="lora needs A"):  # B's N is not the weight's
-        nf4_matmul(x, packed, st, lora=(torch.randn(8, 128, device=DEV), torch.randn(16, 8, device=DEV), 1.0))
+    with pytest.raises(ValueError, match="lora needs xa"):
+        nf4_matmul(x, packed, st, lora=(torch.randn(3, 8, device=DEV), torch.randn(24, 8, device=DEV), 1.0))
     with pytest.raises(ValueError, match="dtype"):
-        nf4_matmul(x, packed, st, lora=(torch.randn(8, 128, device=DEV).half(), torch.randn(24, 8, device=DEV), 1.0))
+        nf4_matmul(x, packed, st, lora=(torch.randn(2, 8, device=DEV).half(), torch.randn(24, 8, device=DEV), 1.0))

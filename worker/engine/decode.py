@@ -17,9 +17,7 @@ patched Llama-like model (Llama, Mistral, Qwen2/2.5, Qwen3) that runs the decode
   dense) when it is available on CUDA and is right and faster than dequantise + GEMM on that
   weight shape and GPU (``fused_ok``, decided once per shape); otherwise the base weight is dequantised (or read dense,
   cached by gencache) and multiplied. LoRA: ``y += s (x A^T) B^T`` with the active adapter (A, B
-  cast to the compute dtype once per call): inside the NF4 matmul when a projection takes it (x A^T
-  beside the NF4 dot, the B product in its epilogue); otherwise x A^T of q, k, v, and of gate, up,
-  as one GEMM each, and the B product added.
+  cast to the compute dtype once per call; x A^T of q, k, v, and of gate, up, as one GEMM each).
 * **CUDA graph**: the decode step (embedding, every layer, the logits) is captured once per call
   and replayed for each later token (:class:`_Stepper`), so a token costs its GPU time, not ~1,600
   Python-level kernel launches; ``WHETSTONE_DECODE_GRAPHS=0`` runs it eagerly.
@@ -43,7 +41,8 @@ import types
 import torch
 import torch.nn.functional as F
 
-from worker.engine.decode_proj import decode_proj, fused_ok, nf4_matmul_kernel, shared_lora_a, shared_xa
+from worker.engine.decode_proj import (decode_proj, fused_ok, nf4_matmul_kernel, shared_lora_a,
+                                      split_lora_a)
 from worker.engine.sampling import NEUTRAL, _eos_ids, resolve_config, sample, warp  # noqa: F401
 
 log = logging.getLogger("worker.engine.decode")
@@ -151,7 +150,7 @@ class _Model:
         B, S, _ = h.shape
         D = a.head_dim
         x = self.norm(L.mod.input_layernorm, h)
-        xa = shared_xa(x, L.qkv_A, (L.q, L.k, L.v), self.fused)
+        xa = split_lora_a(self._xa(x, L.qkv_A), (L.q, L.k, L.v))
         q = L.q(x, self.fused, xa[0]).view(B, S, -1, D)
         k = L.k(x, self.fused, xa[1]).view(B, S, -1, D)
         v = L.v(x, self.fused, xa[2]).view(B, S, -1, D).transpose(1, 2)
@@ -180,9 +179,14 @@ class _Model:
         h = h + L.o(o, self.fused)
         x = self.norm(L.mod.post_attention_layernorm, h)
         glu = _glu(self.impl)[0]
-        xa = shared_xa(x, L.gu_A, (L.gate, L.up), self.fused)
+        xa = split_lora_a(self._xa(x, L.gu_A), (L.gate, L.up))
         act = glu(L.gate(x, self.fused, xa[0]), L.up(x, self.fused, xa[1]), self.st.arch.activation)
         return h + L.down(act, self.fused)
+
+    @staticmethod
+    def _xa(x, A):
+        """x [..., in] @ A^T as [rows, sum r] (None when A is None)."""
+        return None if A is None else x.reshape(-1, x.shape[-1]) @ A.to(x.dtype).t()
 
     def logits(self, h_last):
         """fp32 logits [B, V] of the last position's hidden state h_last [B, H]."""

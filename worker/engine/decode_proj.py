@@ -40,22 +40,18 @@ class DecodeProj:
     scale: float
     state: object = None  # NF4State for the fused NF4 matmul
 
-    def fused_for(self, rows: int, fused) -> bool:
-        """Whether x of ``rows`` rows goes through the NF4 matmul ``fused`` (else dequantise + GEMM)."""
-        return self.state is not None and fused is not None and rows < SMALL_M \
-            and getattr(self.base, "_dense", None) is None
-
     def __call__(self, x: torch.Tensor, fused, xa: torch.Tensor | None = None) -> torch.Tensor:
         """y [..., out] for x [..., in]; ``xa`` [rows, r]: x A^T when the caller computed it
-        (one GEMM for the projections that share x, see :func:`shared_lora_a`); the NF4 matmul
-        does not need it (it computes x A^T itself, beside its NF4 dot)."""
+        (one GEMM for the projections that share x, see :func:`shared_lora_a`)."""
         from worker.engine.quant import dense_weight
 
         x2 = x.reshape(-1, x.shape[-1])
-        if self.fused_for(x2.shape[0], fused):
+        if self.state is not None and fused is not None and x2.shape[0] < SMALL_M \
+                and getattr(self.base, "_dense", None) is None:
             lora = None
-            if self.A is not None:  # the whole LoRA term goes into the kernel: no GEMM + add of its own
-                lora = (self.A.to(x2.dtype), self.B.to(x2.dtype), self.scale)
+            if self.A is not None:  # the B term goes into the kernel's epilogue: no GEMM + add of its own
+                xa = x2 @ self.A.to(x2.dtype).t() if xa is None else xa
+                lora = (xa, self.B.to(x2.dtype), self.scale)
             bias = self.bias.to(x2.dtype) if self.bias is not None else None
             try:
                 y = fused(x2, self.base.packed, self.state, bias, lora=lora)
@@ -149,16 +145,6 @@ def decode_proj(module, impl: str, on_cuda: bool, dtype: torch.dtype | None = No
         bias = bias.detach().to(dtype) if bias is not None else None
     state = base.state() if isinstance(base, NF4Linear) and impl == "triton" and on_cuda else None
     return DecodeProj(base, bias, A, B, s, state)
-
-
-def shared_xa(x: torch.Tensor, A: torch.Tensor | None, projs, fused) -> list:
-    """x A^T of the projections ``projs`` that share x, split per projection (a list of [rows, r]
-    or None): one GEMM with ``A`` = :func:`shared_lora_a` (None: no sharing), skipped when every
-    projection takes the NF4 matmul (which computes its own x A^T)."""
-    rows = x.numel() // x.shape[-1]
-    if A is None or all(p.fused_for(rows, fused) for p in projs):
-        return [None] * len(projs)
-    return split_lora_a(x.reshape(rows, x.shape[-1]) @ A.to(x.dtype).t(), projs)
 
 
 def shared_lora_a(projs) -> torch.Tensor | None:
