@@ -238,6 +238,44 @@ def test_fused_projection_adds_bias_and_lora_in_the_kernel():
     assert not torch.allclose(got, no_lora, atol=1e-3)  # the LoRA term (randomised B) is in it
 
 
+def test_lora_xa_by_the_skinny_kernel_and_its_fallback(caplog):
+    """x A^T of a projection by whetstone_kernels.skinny_matmul (interpreter on CPU) equals the GEMM,
+    inside DecodeProj too; 64 rows and more take the GEMM; a kernel that raises is logged once and
+    the GEMM answers from then on."""
+    from whetstone_kernels.skinny_matmul import skinny_matmul
+    from worker.engine import decode_proj as dp
+
+    pm = _prepared("llama", True)
+    q = decode_proj(pm.base_model.model.model.layers[0].self_attn.q_proj, "triton", False, torch.float32)
+    x = torch.randn(5, q.base.in_features)
+    calls = []
+
+    def counted(a, b):
+        calls.append(a.shape[0])
+        return skinny_matmul(a, b)
+
+    with torch.no_grad():
+        want = q(x, None)
+        q.skinny = counted
+        got = q(x, None)
+        torch.testing.assert_close(dp.lora_xa(x, q.A, counted), x @ q.A.t(), rtol=1e-5, atol=1e-5)
+        dp.lora_xa(torch.randn(dp.SMALL_M, q.base.in_features), q.A, counted)  # too many rows: GEMM
+
+        def broken(a, b):
+            raise RuntimeError("no such kernel")
+        try:
+            with caplog.at_level("WARNING", logger="worker.engine.decode"):
+                first = dp.lora_xa(x, q.A, broken)
+                dp.lora_xa(x, q.A, counted)  # disabled after the failure: GEMM
+        finally:
+            dp._SKINNY_FAILED.clear()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert calls == [5, 5]
+    torch.testing.assert_close(first, x @ q.A.t())
+    assert [r.getMessage() for r in caplog.records] == [
+        "decode: skinny_matmul failed (no such kernel); x A^T by GEMM from now on"]
+
+
 def test_sliding_window_and_lora_dropout_fall_back_to_hf():
     pm = _prepared("mistral", True)  # tiny Mistral: sliding_window 8
     ids, mask = _prompts()

@@ -22,6 +22,7 @@ from whetstone_kernels.cross_entropy_ref import linear_cross_entropy_ref  # noqa
 from whetstone_kernels.nf4 import nf4_fwd, nf4_linear  # noqa: E402
 from whetstone_kernels.nf4_matmul import nf4_matmul  # noqa: E402
 from whetstone_kernels.nf4_ref import nf4_dequantize_ref, nf4_quantize_ref, nf4_state_from_bnb  # noqa: E402
+from whetstone_kernels.skinny_matmul import skinny_matmul  # noqa: E402
 from whetstone_kernels.rms_norm import rms_norm, rms_norm_residual  # noqa: E402
 from whetstone_kernels.rms_norm_ref import rms_norm_ref  # noqa: E402
 from whetstone_kernels.rope import rope  # noqa: E402
@@ -267,6 +268,24 @@ def test_nf4_matmul_lora_epilogue(shape, m):
         low = x @ nf4_fwd(packed, st, torch.bfloat16).t() + 2.0 * (xa @ B.t())
         hi = x.double() @ nf4_dequantize_ref(packed, st, torch.float64).t() + 2.0 * (xa.double() @ B.double().t())
     check(got, low, hi, torch.bfloat16, f"nf4_matmul + lora {m}x{shape}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("m,r,k", [(1, 48, 4096), (16, 48, 4096), (16, 32, 4096), (16, 16, 14336),
+                                   (33, 16, 4096), (64, 128, 4096)])
+def test_skinny_matmul(dtype, m, r, k):
+    """x A^T of the decoder's LoRA A matrices (q/k/v stacked: 48, gate/up: 32, down: K 14,336) at
+    Llama-3.1-8B shapes, split-K with the last program reducing, against fp64; the same bits twice."""
+    x = torch.randn(m, k, device=DEV, dtype=dtype)
+    A = (torch.randn(r, k, device=DEV) * 0.02).to(dtype)
+    with torch.no_grad():
+        poison()
+        got = skinny_matmul(x, A)
+        again = skinny_matmul(x, A)
+        low = x @ A.t()
+        hi = x.double() @ A.double().t()
+    check(got, low, hi, dtype, f"skinny_matmul {m}x{k}->{r}")
+    assert torch.equal(got, again)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

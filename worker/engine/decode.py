@@ -17,7 +17,8 @@ patched Llama-like model (Llama, Mistral, Qwen2/2.5, Qwen3) that runs the decode
   dense) when it is available on CUDA and is right and faster than dequantise + GEMM on that
   weight shape and GPU (``fused_ok``, decided once per shape); otherwise the base weight is dequantised (or read dense,
   cached by gencache) and multiplied. LoRA: ``y += s (x A^T) B^T`` with the active adapter (A, B
-  cast to the compute dtype once per call; x A^T of q, k, v, and of gate, up, as one GEMM each).
+  cast to the compute dtype once per call; x A^T of q, k, v, and of gate, up, as one product each,
+  a ``skinny_matmul`` launch on CUDA; the B term in the NF4 matmul's epilogue when it runs).
 * **CUDA graph**: the decode step (embedding, every layer, the logits) is captured once per call
   and replayed for each later token (:class:`_Stepper`), so a token costs its GPU time, not ~1,600
   Python-level kernel launches; ``WHETSTONE_DECODE_GRAPHS=0`` runs it eagerly.
@@ -41,7 +42,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from worker.engine.decode_proj import (decode_proj, fused_ok, nf4_matmul_kernel, shared_lora_a,
+from worker.engine.decode_proj import (decode_proj, fused_ok, lora_xa, nf4_matmul_kernel, shared_lora_a,
                                       split_lora_a)
 from worker.engine.sampling import NEUTRAL, _eos_ids, resolve_config, sample, warp  # noqa: F401
 
@@ -150,7 +151,7 @@ class _Model:
         B, S, _ = h.shape
         D = a.head_dim
         x = self.norm(L.mod.input_layernorm, h)
-        xa = split_lora_a(self._xa(x, L.qkv_A), (L.q, L.k, L.v))
+        xa = split_lora_a(self._xa(x, L.qkv_A, L.q), (L.q, L.k, L.v))
         q = L.q(x, self.fused, xa[0]).view(B, S, -1, D)
         k = L.k(x, self.fused, xa[1]).view(B, S, -1, D)
         v = L.v(x, self.fused, xa[2]).view(B, S, -1, D).transpose(1, 2)
@@ -179,14 +180,14 @@ class _Model:
         h = h + L.o(o, self.fused)
         x = self.norm(L.mod.post_attention_layernorm, h)
         glu = _glu(self.impl)[0]
-        xa = split_lora_a(self._xa(x, L.gu_A), (L.gate, L.up))
+        xa = split_lora_a(self._xa(x, L.gu_A, L.gate), (L.gate, L.up))
         act = glu(L.gate(x, self.fused, xa[0]), L.up(x, self.fused, xa[1]), self.st.arch.activation)
         return h + L.down(act, self.fused)
 
     @staticmethod
-    def _xa(x, A):
-        """x [..., in] @ A^T as [rows, sum r] (None when A is None)."""
-        return None if A is None else x.reshape(-1, x.shape[-1]) @ A.to(x.dtype).t()
+    def _xa(x, A, proj):
+        """x [..., in] @ A^T as [rows, sum r] (None when A is None), by ``proj``'s skinny kernel."""
+        return None if A is None else lora_xa(x.reshape(-1, x.shape[-1]), A, proj.skinny)
 
     def logits(self, h_last):
         """fp32 logits [B, V] of the last position's hidden state h_last [B, H]."""

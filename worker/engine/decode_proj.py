@@ -6,7 +6,8 @@ A base held as NF4 is multiplied by ``whetstone_kernels.nf4_matmul`` (W dequanti
 fewer than :data:`SMALL_M` rows, the kernel is available on CUDA and :func:`fused_ok` found it
 right and faster for that weight shape on this GPU (the bias and the LoRA term, s (x A^T) B^T, are
 then added in the kernel's epilogue); otherwise W is dequantised (or read dense from gencache's copy) and
-multiplied by a GEMM. A kernel that raises on a shape falls back for that weight and logs it.
+multiplied by a GEMM. x A^T of a few rows is one ``whetstone_kernels.skinny_matmul`` launch on CUDA
+(:func:`lora_xa`). A kernel that raises on a shape falls back (to dequantise + GEMM, or a GEMM) and logs it.
 """
 from __future__ import annotations
 
@@ -29,6 +30,32 @@ def nf4_matmul_kernel():
     return nf4_matmul
 
 
+def skinny_matmul_kernel():
+    """``whetstone_kernels.skinny_matmul`` (x A^T in one launch for few rows), or None without it."""
+    try:
+        from whetstone_kernels.skinny_matmul import skinny_matmul
+    except ImportError:
+        return None
+    return skinny_matmul
+
+
+_SKINNY_FAILED: list = []  # a skinny_matmul that raised once is not tried again in this process
+
+
+def lora_xa(x2: torch.Tensor, A: torch.Tensor, skinny) -> torch.Tensor:
+    """x2 [rows, in] @ A^T for A [r, in] (one adapter's A, or several stacked): ``skinny``
+    (:func:`skinny_matmul_kernel`, one launch; None: not on CUDA or not the Triton engine) when
+    rows < :data:`SMALL_M`, else a GEMM (cuBLAS runs these as a split-K GEMM plus a reduction)."""
+    A = A.to(x2.dtype)
+    if skinny is not None and x2.shape[0] < SMALL_M and not _SKINNY_FAILED:
+        try:
+            return skinny(x2, A)
+        except Exception as e:  # noqa: BLE001 (a kernel that cannot run here: the GEMM is right too)
+            log.warning("decode: skinny_matmul failed (%s); x A^T by GEMM from now on", e)
+            _SKINNY_FAILED.append(str(e))
+    return x2 @ A.t()
+
+
 @dataclass
 class DecodeProj:
     """One projection resolved for a generate call: base (NF4Linear or Linear), bias, LoRA."""
@@ -39,6 +66,7 @@ class DecodeProj:
     B: torch.Tensor | None
     scale: float
     state: object = None  # NF4State for the fused NF4 matmul
+    skinny: object = None  # skinny_matmul for x A^T (None: a GEMM)
 
     def __call__(self, x: torch.Tensor, fused, xa: torch.Tensor | None = None) -> torch.Tensor:
         """y [..., out] for x [..., in]; ``xa`` [rows, r]: x A^T when the caller computed it
@@ -50,7 +78,7 @@ class DecodeProj:
                 and getattr(self.base, "_dense", None) is None:
             lora = None
             if self.A is not None:  # the B term goes into the kernel's epilogue: no GEMM + add of its own
-                xa = x2 @ self.A.to(x2.dtype).t() if xa is None else xa
+                xa = lora_xa(x2, self.A, self.skinny) if xa is None else xa
                 lora = (xa, self.B.to(x2.dtype), self.scale)
             bias = self.bias.to(x2.dtype) if self.bias is not None else None
             try:
@@ -64,7 +92,7 @@ class DecodeProj:
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         if self.A is not None:
-            xa = x2 @ self.A.to(x2.dtype).t() if xa is None else xa
+            xa = lora_xa(x2, self.A, self.skinny) if xa is None else xa
             y.addmm_(xa, self.B.to(x2.dtype).t(), alpha=self.scale)
         return y.view(*x.shape[:-1], y.shape[-1])
 
@@ -144,7 +172,8 @@ def decode_proj(module, impl: str, on_cuda: bool, dtype: torch.dtype | None = No
         A, B = (t.detach().to(dtype) if t is not None else None for t in (A, B))
         bias = bias.detach().to(dtype) if bias is not None else None
     state = base.state() if isinstance(base, NF4Linear) and impl == "triton" and on_cuda else None
-    return DecodeProj(base, bias, A, B, s, state)
+    skinny = skinny_matmul_kernel() if A is not None and impl == "triton" and on_cuda else None
+    return DecodeProj(base, bias, A, B, s, state, skinny)
 
 
 def shared_lora_a(projs) -> torch.Tensor | None:
