@@ -7,9 +7,13 @@
   const runs = JSON.parse(data.textContent);
   const pts = (pairs) => pairs.map(([x, y]) => ({ x, y }));
   const colors = { a: "#2f6fdf", b: "#d9822b" };
+  // A is drawn wider, with round points, under B's narrower line and triangles: where the two runs'
+  // curves coincide (a clone with the same seed) both stay visible
+  const widths = { a: 4, b: 2 }, points = { a: "circle", b: "triangle" };
   const line = (label, pairs, key, extra) => Object.assign({ label, data: pts(pairs),
-    borderColor: colors[key], backgroundColor: colors[key], borderWidth: 2, tension: 0.2,
-    pointRadius: (c) => (c.dataset.data.length <= 40 ? 2 : 0) }, extra || {});
+    borderColor: colors[key], backgroundColor: colors[key], borderWidth: widths[key], tension: 0.2,
+    pointStyle: points[key], pointRadius: (c) => (c.dataset.data.length <= 40 ? (key === "a" ? 3 : 2) : 0)
+  }, extra || {});
   const chart = (id, datasets, yTitle) => {
     const canvas = document.getElementById(id);
     if (!canvas) return null;
@@ -27,7 +31,7 @@
       reward.push(line(`${name}: mean reward`, r.curves.reward, key));
       const dashes = [[6, 4], [2, 3], [10, 3, 2, 3], [4, 4, 1, 4]];
       Object.keys(r.curves.rewards).forEach((fn, i) => reward.push(line(`${name}: ${fn}`,
-        r.curves.rewards[fn], key, { borderDash: dashes[i % dashes.length], borderWidth: 1.5 })));
+        r.curves.rewards[fn], key, { borderDash: dashes[i % dashes.length], borderWidth: widths[key] - 0.5 })));
       if (r.curves.kl.length) kl.push(line(`${name}: KL`, r.curves.kl, key));
       continue;
     }

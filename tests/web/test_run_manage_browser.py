@@ -42,6 +42,10 @@ def test_clone_and_compare_in_the_browser(page, client, engine):  # noqa: F811
     labels = page.evaluate("window.compareChart.data.datasets.map(d => [d.label, d.data.length])")
     assert labels == [["A first: training loss", 4], ["A first: eval loss", 3],
                       ["B first (copy): training loss", 0]]
+    # A wider with round points under B's narrower line and triangles: identical curves (a clone
+    # with the same seed) stay visible both (re-trial s22)
+    styles = page.evaluate("window.compareChart.data.datasets.map(d => [d.borderWidth, d.pointStyle])")
+    assert styles == [[4, "circle"], [4, "circle"], [2, "triangle"]]
 
 
 def test_compare_draws_grpo_rewards_in_the_browser(page, client, engine):  # noqa: F811
