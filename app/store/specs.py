@@ -99,7 +99,7 @@ class LoraTrainingFields(NumbersNotBooleans):
     weight_decay: float = Field(default=0.0, ge=0.0, le=1.0)
     max_grad_norm: float = Field(default=1.0, ge=0.0)
     optim: str = "adamw_torch"
-    seed: int = Field(default=3407, ge=0)
+    seed: int = Field(default=3407, ge=0, le=2**32 - 1)  # numpy/torch seed a run with a 32-bit seed
     chat_template: str | None = None
     chat_template_name: str | None = Field(
         default=None, description="set when the run is created: the resolved template's name "
