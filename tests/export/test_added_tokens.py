@@ -94,7 +94,8 @@ def test_gguf_and_ollama_carry_the_new_tokens(run, tmp_path):
     res = export_run(run_dir, {"run_id": "r", "format": "ollama", "quantization": ["F32"]},
                      tmp_path, name="m")
     assert res["verification"]["passed"], res["verification"]
-    assert res["verification"]["checks"]["gguf_F32"]["max_logit_error"] < 1e-3
+    # llama.cpp with an F32 KV cache computes what PEFT does (0.0 here; 1.1e-4 with its default F16 cache)
+    assert res["verification"]["checks"]["gguf_F32"]["max_logit_error"] < 1e-5
     path = tmp_path / "m-F32.gguf"
     kv = {k: f.contents() for k, f in gguf.GGUFReader(str(path)).fields.items()
           if not k.startswith("GGUF.")}

@@ -103,6 +103,9 @@ def test_every_gguf_type_from_one_job(run_dir, tmp_path):
     for q in ("F16", "BF16", "Q8_0"):
         assert v["checks"][f"gguf_{q}"]["exact_greedy_required"]
     assert 0.0 <= v["checks"]["gguf_Q4_K_M"]["top1_agreement"] <= 1.0
+    # a type without a logit tolerance is named as itself (trial s23: Q4_0 was called "K-quant")
+    assert v["checks"]["gguf_Q6_K"]["rounding"] == "Q6_K: not compared"
+    assert v["checks"]["gguf_Q8_0"]["rounding"].startswith("Q8_0: logits expected within 0.06")
 
 
 @needs_llama
