@@ -119,8 +119,10 @@ def create_user(engine: Engine, name: str, password: str, role: str = "member", 
     name = check_new_account(name, password, role=role)
     user = User(name=name, password_hash=_hasher.hash(password), role=role)
     with session_scope(engine, immediate=True) as s:
-        if s.exec(select(User.id).where(func.lower(User.name) == name.lower())).first():
-            raise StudioError("conflict", f"a user named {name!r} already exists", "name")
+        taken = s.exec(select(User.name).where(func.lower(User.name) == name.lower())).first()
+        if taken is not None:  # names are unique regardless of case: say which one holds it
+            same = "" if taken == name else f" (names ignore case: {name!r} is {taken!r})"
+            raise StudioError("conflict", f"a user named {taken!r} already exists{same}", "name")
         s.add(user)
     audit.record(engine, actor.id if actor else None, "user.created", "user", user.id,
                  name=name, role=role)

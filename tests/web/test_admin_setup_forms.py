@@ -115,6 +115,10 @@ def test_refused_add_user_redirects_and_keeps_the_typed_values_once(client):
     assert "hunter2-secret" not in page
     assert re.findall(r'<span class="field-error">([^<]*)</span>', form) == [
         "a user named 'ada' already exists"]
+    # another spelling of a taken name names the account that holds it (trial s23 L-10)
+    r = client.post("/api/users", json={"name": "ADA", "password": "ada-password-2"})
+    assert r.status_code == 409 and r.json()["error"]["message"] == (
+        "a user named 'ada' already exists (names ignore case: 'ADA' is 'ada')"), r.text
     r = client.post("/admin/users", data={"name": "no spaces allowed", "password": "short",
                                           "role": "member"},
                     follow_redirects=False)
