@@ -226,16 +226,22 @@ def queue_export(engine: Engine, actor: User, run_id: str, body: dict[str, Any])
     return job
 
 
-def slug(text: str, limit: int = 60, keep: str = "") -> str:
+def slug(text: str, limit: int = 60, keep: str = "", unicode: bool = False) -> str:
     """A file-name-safe slug of a run name: lower-case ASCII letters, digits, ``-`` and the
     characters of ``keep`` (``"My run: v2 (final)"`` → ``my-run-v2-final``), starting and
-    ending with a letter or digit, at most ``limit`` characters; empty when nothing is left."""
+    ending with a letter or digit, at most ``limit`` characters; empty when nothing is left.
+    ``unicode``: letters and digits of any script stay (NFC; ``"Ünïcødé 名前"`` →
+    ``ünïcødé-名前``), for a download's name (sent as RFC 6266 ``filename*``); without it
+    accents are dropped and other scripts removed (Ollama model names, paths on disk)."""
     import unicodedata
 
     ends = "-" + keep
-    ascii_text = unicodedata.normalize("NFKD", text).encode("ascii", "ignore").decode()
-    out = re.sub(f"[^a-z0-9{re.escape(keep)}]+", "-", ascii_text.lower()).strip(ends)
-    return out[:limit].strip(ends)
+    if unicode:
+        text = unicodedata.normalize("NFC", text).lower()
+    else:
+        text = unicodedata.normalize("NFKD", text).encode("ascii", "ignore").decode().lower()
+    out = re.sub("-+", "-", "".join(c if c.isalnum() or c in keep else "-" for c in text))
+    return out.strip(ends)[:limit].strip(ends)
 
 
 #: Characters of an Ollama model name besides letters, digits and ``-`` (Ollama allows at most
@@ -261,14 +267,14 @@ def ollama_model_name(run: Run) -> str:
 
 
 def download_name(engine: Engine, run_id: str | None, filename: str) -> str:
-    """The name a run's file downloads under: a run with a name is named by the slug of it
-    (``ftjob-…-Q8_0.gguf`` → ``my-run-Q8_0.gguf``, ``adapter.zip`` → ``my-run-adapter.zip``);
-    otherwise ``filename`` unchanged."""
+    """The name a run's file downloads under: a run with a name is named by the slug of it,
+    in any script (``ftjob-…-Q8_0.gguf`` → ``my-run-Q8_0.gguf``, ``adapter.zip`` →
+    ``my-run-adapter.zip``, ``名前-adapter.zip``); otherwise ``filename`` unchanged."""
     try:
         run = repo.get_run(engine, run_id) if run_id else None
     except repo.NotFound:
         run = None
-    name = slug(run.name) if run is not None and run.name else ""
+    name = slug(run.name, unicode=True) if run is not None and run.name else ""
     if not name:
         return filename
     return filename.replace(run.id, name) if run.id in filename else f"{name}-{filename}"

@@ -98,6 +98,7 @@ def test_downloads_are_named_by_the_run_name(client, engine, settings):
     """Issue 19 (Low): files of a named run download under a slug of its name, not its id."""
     import io
     import zipfile
+    from urllib.parse import quote
 
     run_id, job_id = _running_run(client, engine)
     _rename(engine, run_id, "My run: v2 (final)")
@@ -124,6 +125,15 @@ def test_downloads_are_named_by_the_run_name(client, engine, settings):
     assert r.status_code == 200
     assert f'filename="my-run-v2-final-gguf-{exp.id}.zip"' in r.headers["content-disposition"]
     assert zipfile.ZipFile(io.BytesIO(r.content)).namelist() == ["my-run-v2-final-Q8_0.gguf"]
+
+    # a name in other scripts keeps its letters (trial s23 L-9: "ünïcødé 名前" downloaded as
+    # "unicde"), sent as RFC 6266 filename* in UTF-8; markup characters still go
+    _rename(engine, run_id, "🔥 Ünïcødé 名前 <b>x</b>")
+    r = client.get(f"/artifacts/{art.id}/download")
+    want = "ünïcødé-名前-b-x-b-adapter.zip"
+    assert r.headers["content-disposition"] == f"attachment; filename*=utf-8''{quote(want)}"
+    r = client.get(f"/exports/{exp.id}/download.zip")
+    assert zipfile.ZipFile(io.BytesIO(r.content)).namelist() == ["ünïcødé-名前-b-x-b-Q8_0.gguf"]
 
 
 def _rename(engine, run_id: str, name: str) -> None:
