@@ -48,12 +48,28 @@ POLL_SECONDS = 0.05
 DISCONNECT_CHECK_SECONDS = 0.25
 
 
+#: OpenAI chat parameters the playground's models do not honour: a request that sets one is a
+#: 400 naming it (a false, empty or "none"/"auto" value is the default and is taken).
+UNSUPPORTED = {"logprobs": "returning log probabilities", "top_logprobs": "returning log probabilities",
+               "tools": "tool calling", "tool_choice": "tool calling", "functions": "function calling",
+               "function_call": "function calling", "logit_bias": "logit_bias",
+               "audio": "audio output", "prediction": "predicted outputs"}
+
+
 def _prompt_body(body: dict[str, Any], side: str) -> dict[str, Any]:
     """The playground prompt of an OpenAI request body, checked (StudioError naming the
     field, with the OpenAI parameter names)."""
     n = body.get("n")
     if n not in (None, 1):
         raise invalid("n", "only n=1 is supported")
+    for name, what in UNSUPPORTED.items():  # refused, not ignored: the caller relies on them
+        value = body.get(name)
+        if value not in (None, False, [], {}, "none", "auto"):
+            raise invalid(name, f"{what} is not supported here; leave {name} out")
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise invalid("response_format", "JSON mode and schemas are not supported here; leave "
+                      "response_format out (or send {\"type\": \"text\"})")
     mt_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
         else "max_tokens"
     try:

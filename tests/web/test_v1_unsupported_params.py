@@ -1,0 +1,39 @@
+"""/v1/chat/completions refuses the OpenAI parameters its models do not honour (trial s23 L-6:
+``logprobs: true`` answered 200 with ``logprobs: null`` and ``tools`` were ignored), naming the
+parameter, before any playground session is queued; their default values are taken."""
+from __future__ import annotations
+
+from sqlmodel import func, select
+
+from app.store import repo
+from app.store.db import session_scope
+from app.store.schema import Job
+
+MSGS = [{"role": "user", "content": "Hi"}]
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+def _sessions(engine) -> int:
+    with session_scope(engine) as s:
+        return s.exec(select(func.count()).select_from(Job).where(Job.kind == "playground")).one()
+
+
+def test_unsupported_parameters_are_a_400_naming_them(client, engine):
+    repo.update_model(engine, "model-stories260K", status="ready")
+    for extra, param in (({"logprobs": True}, "logprobs"), ({"top_logprobs": 3}, "top_logprobs"),
+                         ({"tools": [TOOL]}, "tools"), ({"tool_choice": "required"}, "tool_choice"),
+                         ({"functions": [TOOL["function"]]}, "functions"),
+                         ({"logit_bias": {"50256": -100}}, "logit_bias"),
+                         ({"response_format": {"type": "json_object"}}, "response_format"),
+                         ({"response_format": "text"}, "response_format")):
+        r = client.post("/v1/chat/completions", json={"model": "stories260K", "messages": MSGS,
+                                                      **extra})
+        assert r.status_code == 400, (extra, r.text)
+        err = r.json()["error"]
+        assert err["param"] == param and "not supported" in err["message"], err
+    assert _sessions(engine) == 0
+    # the defaults a client may send are no refusal: the request goes on to open a session
+    r = client.post("/v1/chat/completions", json={
+        "model": "stories260K", "messages": MSGS, "logprobs": False, "tools": [],
+        "tool_choice": "none", "response_format": {"type": "text"}, "max_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
