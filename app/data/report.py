@@ -97,13 +97,24 @@ class RowResult:
     warnings: list[RowIssue] = field(default_factory=list)
 
 
+#: How :func:`untrained_reason` starts for a row cut before its answer.
+PAST_LENGTH = "the answer starts past max_seq_length"
+_PAST_ADVICE = ", so nothing of it is trained: raise max_seq_length or shorten the prompt"
+_EMPTY_ADVICE = "; the row is dropped"
+
+
 def untrained_reason(enc: Encoded, max_seq_length: int | None) -> str:
     """Why an encoded row has no trained token (training drops such a row)."""
     if enc.truncated and max_seq_length is not None:
-        return (f"the answer starts past max_seq_length ({max_seq_length} tokens; the row has "
-                f"{enc.num_tokens}), so nothing of it is trained: raise max_seq_length or "
-                "shorten the prompt")
-    return "no token of the row is trained (the answer renders to nothing); the row is dropped"
+        return (f"{PAST_LENGTH} ({max_seq_length} tokens; the row has "
+                f"{enc.num_tokens}){_PAST_ADVICE}")
+    return f"no token of the row is trained (the answer renders to nothing){_EMPTY_ADVICE}"
+
+
+def untrained_cause(reason: str) -> str:
+    """An :func:`untrained_reason` (as a stored report lists it) without its advice: the
+    cause alone, e.g. "the answer starts past max_seq_length (512 tokens; the row has 1300)"."""
+    return reason.removesuffix(_PAST_ADVICE).removesuffix(_EMPTY_ADVICE)
 
 
 def _bundle(tokenizer: TokenizerBundle | str | os.PathLike) -> TokenizerBundle:

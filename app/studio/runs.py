@@ -20,7 +20,7 @@ from app.store import queue, repo
 from app.store import workers as workers_store
 from app.store.schema import Dataset, Job, JobState, Model, Run
 from app.store.specs import TrainSpec, field_bound
-from app.studio import access, audit, calibration, evaluation, validation
+from app.studio import access, audit, calibration, evaluation, untrained, validation
 from app.studio.errors import FieldErrors, StudioError, invalid
 from app.studio.seqlen import fit_max_seq_length
 
@@ -356,7 +356,8 @@ def create_sft_run(engine: Engine, settings: Settings, actor: User, spec: TrainS
     Raises:
         StudioError: not_found for an unknown (or another user's) model or dataset; invalid for
             a failed model, LoRA targets the model does not have, an unusable or GRPO-prompt
-            dataset, a chat template that does not parse or render a sample conversation, a
+            dataset, a dataset whose report finds no trained token with the run's settings
+            (:func:`app.studio.untrained.check_trainable`), a chat template that does not parse or render a sample conversation, a
             max_seq_length past the model's context or too short for its template,
             held-out evaluation settings that cannot work (:mod:`app.studio.evaluation`),
             QLoRA when every live worker runs without CUDA, more GPUs than a live host has
@@ -378,6 +379,7 @@ def create_sft_run(engine: Engine, settings: Settings, actor: User, spec: TrainS
     mapping = (ds.report or {}).get("column_mapping")
     if mapping and not spec.column_mapping:  # preview == training: the dataset's own mapping
         spec = spec.model_copy(update={"column_mapping": mapping})
+    untrained.check_trainable(ds, model, spec)
     check_qlora_device(engine, settings, spec)
     check_num_gpus(engine, settings, spec)
     estimate_gib = calibration.for_new_run(engine, settings, model, spec, "sft", actor)

@@ -13,7 +13,7 @@ from app.data.chat_template import DEFAULT_TEMPLATES, FALLBACK_TEMPLATE
 from app.store import repo
 from app.store.schema import JobState
 from app.studio import (access, accounts, calibration, checkpoint_eval, checkpoint_files,
-                        evaluation, playground_targets, resume, train_time)
+                        evaluation, playground_targets, resume, train_time, untrained)
 from app.studio import exports as exports_uc
 from app.studio.compare import RESULT_LABELS
 from app.studio import verification
@@ -179,14 +179,17 @@ def dataset_label(ds, owners: dict[str, str] | None = None, me: str | None = Non
     """A dataset as a picker lists it, so that two files of one name can be told apart:
     ``train.jsonl — GRPO prompts, 7,473 rows, 2026-12-01 14:03 · …9a3f1c``; another user's
     (an admin's pickers, ``owners`` from :func:`owner_names`, ``me`` the admin's id) ends with
-    `` · bob's``."""
+    `` · bob's``; an SFT dataset whose report finds no trained token ends with that
+    (:func:`app.studio.untrained.report_note`)."""
     import datetime as dt
 
     kind = "GRPO prompts" if ds.format == "prompts" else f"SFT {ds.format or '?'}"
     rows = f"{ds.rows:,} rows" if isinstance(ds.rows, int) else "? rows"
     when = dt.datetime.fromtimestamp(ds.created_at).strftime("%Y-%m-%d %H:%M")
     whose = f" · {owners.get(ds.owner, 'another user')}'s" if owners and ds.owner != me else ""
-    return f"{ds.filename} — {kind}, {rows}, {when} · …{ds.id[-6:]}{whose}"
+    note = untrained.report_note(ds)
+    return f"{ds.filename} — {kind}, {rows}, {when} · …{ds.id[-6:]}{whose}" + \
+        (f" · {note}" if note else "")
 
 
 def dataset_labeller(engine, user):
