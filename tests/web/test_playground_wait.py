@@ -77,3 +77,23 @@ def test_a_waiting_sessions_status_says_its_place_reason_and_start(client, engin
     stopped = client.post(f"/api/playground/sessions/{sid}/stop").json()
     assert (stopped["status"], stopped["queue"]) == ("ended", None)
     assert queue.get_job(engine, sid).state in (JobState.RUNNING, JobState.CANCELLED)
+
+
+@pytest.mark.browser
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed")
+def test_the_page_shows_the_place_and_keeps_it_up_to_date(server, client, engine):
+    from playwright.sync_api import expect
+
+    held = _busy_cpu_slot(client, engine, 600.0)
+    with browser_page(server) as page:
+        page.goto(f"{page.base}/playground?model=stories260K")
+        page.fill("#pg-prompt", "Once upon a time")
+        page.click("#pg-send")
+        status = page.locator("#pg-status")
+        expect(status).to_contain_text(
+            f"Waiting for a free slot: 1st in the queue: {REASON}; estimated start in 9 min")
+        assert 590 <= _starts_in(status.text_content()) <= 600
+        # the training job reports a new ETA: the waiting message follows it (polled)
+        events.append_many(engine, held, [("metric", {"step": 2, "eta_seconds": 180.0})])
+        expect(status).to_contain_text(f"{REASON}; estimated start in 2 min", timeout=15_000)
+        assert 170 <= _starts_in(status.text_content()) <= 180
