@@ -80,6 +80,27 @@
     catch (e) { if (!(e instanceof SignedOut)) showError(e.message); }
   }
   stopBtn.addEventListener("click", stop);
+  // While the session waits for a slot: its place in the queue (position, why it waits, the
+  // estimated start: the Queue page's words, the "queue" of GET /api/playground/sessions/{id}),
+  // asked again every 5 s (the run page's pace) until it loads, ends or is left.
+  let waitTimer = null;
+  function showWait(s) {
+    const q = s && s.queue;
+    statusEl.textContent = "Waiting for a free slot" + (q && q.text ? ": " + q.text : "…");
+  }
+  function followWait() {
+    clearTimeout(waitTimer);
+    const id = session;
+    waitTimer = setTimeout(async () => {
+      if (!waiting || session !== id) return;
+      const r = await fetch(`/api/playground/sessions/${id}`, {credentials: "same-origin"})
+        .catch(() => null);
+      const s = r && r.ok ? await r.json().catch(() => null) : null;
+      if (!waiting || session !== id) return;
+      if (s && s.status === "queued") showWait(s);
+      followWait();
+    }, 5000);
+  }
   function listen() {
     if (source) source.close();
     source = new EventSource(`/api/playground/sessions/${session}/events?after=${lastId}`);
@@ -109,7 +130,7 @@
     source.addEventListener("state", (ev) => {
       const d = data(ev);
       if (d.state === "failed") showError("The session failed: " + (d.error || d.reason || "see the queue page"));
-      else if (d.state === "queued" && d.reason) { waiting = true; statusEl.textContent = "Waiting in the queue again: " + d.reason; }
+      else if (d.state === "queued" && d.reason) { waiting = true; statusEl.textContent = "Waiting in the queue again: " + d.reason; followWait(); }
       else if (d.state === "running") waiting = false;
     });
     source.addEventListener("end", () => {
@@ -154,7 +175,8 @@
       if (pending !== mine) return;
       if (s.id !== session) { session = s.id; lastId = 0; listen(); }
       waiting = s.status === "queued";
-      statusEl.textContent = s.status === "ready" ? "Answering…" : (waiting ? "Waiting in the queue for a free slot…" : "Loading the model…");
+      if (waiting) { showWait(s); followWait(); }
+      else statusEl.textContent = s.status === "ready" ? "Answering…" : "Loading the model…";
       const r = await api(`/api/playground/sessions/${session}/prompts`, body);
       if (pending !== mine) return;
       pending.id = r.request_id; pending.body = body; pending.retry = !!retry;

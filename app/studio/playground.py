@@ -40,6 +40,7 @@ from app.studio.datasets import context_window
 from app.studio.errors import StudioError, invalid
 from app.studio.job_states import state_words
 from app.studio.jobs import visible_jobs
+from app.studio.run_place import run_place
 from app.studio.estimate import GIB, lora_params, model_shape, weight_bytes
 from app.studio.playground_params import (  # noqa: F401 - part of the playground's API
     DEFAULT_MAX_TOKENS, DEFAULTS, LIMITS, MAX_TOKENS, ROLES, messages, params, prompt_params)
@@ -262,10 +263,12 @@ def session(engine: Engine, actor: User, session_id: int | str) -> Job:
         raise gone from None
 
 
-def list_sessions(engine: Engine, actor: User, limit: int) -> list[dict[str, Any]]:
+def list_sessions(engine: Engine, settings: Settings, actor: User,
+                  limit: int) -> list[dict[str, Any]]:
     """The ``limit`` newest Playground sessions ``actor`` may open with :func:`session` (an
     admin: every user's, as every list), newest first, each as :func:`session_info`."""
-    return [session_info(engine, j) for j in visible_jobs(engine, actor, KIND, limit)]
+    return [session_info(engine, settings, actor, j)
+            for j in visible_jobs(engine, actor, KIND, limit)]
 
 
 def status_of(engine: Engine, job: Job) -> str:
@@ -281,13 +284,23 @@ def status_of(engine: Engine, job: Job) -> str:
     return "ended" if (latest.data or {}).get("status") == "ended" else "ready"
 
 
-def session_info(engine: Engine, job: Job) -> dict[str, Any]:
-    """A session as the API shows it: ``id``, ``object`` (``playground.session``), ``model``,
-    ``status`` (:func:`status_of`), ``state`` (the job's), ``sides``, ``template_name``,
-    ``template``, ``idle_seconds``, ``loads``, ``load_seconds``, ``device``, ``estimate_gib``,
-    ``error``, ``ended`` (None, ``idle``, ``yielded``: it freed its slot for a queued job),
-    ``message`` (what the chat says about its end), ``events_url``."""
+def session_info(engine: Engine, settings: Settings, actor: User, job: Job) -> dict[str, Any]:
+    """A session (``actor`` may see it: the caller checked) as the API shows it: ``id``,
+    ``object`` (``playground.session``), ``model``, ``status`` (:func:`status_of`), ``state``
+    (the job's), ``sides``, ``template_name``, ``template``, ``idle_seconds``, ``loads``,
+    ``load_seconds``, ``device``, ``estimate_gib``, ``error``, ``ended`` (None, ``idle``,
+    ``yielded``: it freed its slot for a queued job), ``message`` (what the chat says about its
+    end), ``events_url``, and ``queue``: while the status is ``queued``, where it waits as the
+    Queue page says it (:func:`app.studio.run_place.run_place`): ``position`` (1 = next; None
+    when the queue does not list it), ``reason``, ``start_in_seconds`` (estimated start; None:
+    unknown) and ``text`` (all of it in one sentence); else None."""
     p = job.payload or {}
+    status = status_of(engine, job)
+    wait = None
+    if status == "queued":
+        place = run_place(engine, settings, actor, job)
+        wait = {"position": place.position, "reason": place.reason,
+                "start_in_seconds": place.start_in_seconds, "text": place.text}
     r = {}
     for ev in events.since(engine, job.id, 0, 100, types=["session"]):
         r = {**r, **(ev.data or {})}
@@ -295,12 +308,12 @@ def session_info(engine: Engine, job: Job) -> dict[str, Any]:
                                                  else None)
     return {"id": job.id, "object": "playground.session", "model": p.get("model"),
             "run_id": p.get("run_id"), "checkpoint_step": p.get("checkpoint_step"),
-            "status": status_of(engine, job), "state": job.state, "sides": p.get("sides"),
+            "status": status, "state": job.state, "sides": p.get("sides"),
             "template_name": p.get("template_name"), "template": p.get("template"),
             "idle_seconds": p.get("idle_seconds"), "loads": r.get("loads", 0),
             "load_seconds": r.get("load_seconds"), "device": r.get("device"),
             "estimate_gib": job.estimate_gib, "error": job.error, "created_at": job.created_at,
-            "ended": ended, "message": r.get("message"),
+            "ended": ended, "message": r.get("message"), "queue": wait,
             "events_url": f"/api/playground/sessions/{job.id}/events"}
 
 

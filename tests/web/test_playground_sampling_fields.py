@@ -136,7 +136,7 @@ def test_the_page_names_an_unreadable_field_and_sends_nothing(server, client, en
             page.click("#pg-send")
         assert answer.value.status == 202, answer.value.text()
         page.wait_for_function("document.querySelector('#pg-status').textContent"
-                               ".includes('Waiting in the queue')")
+                               ".includes('Waiting for a free slot')")
         want = {"top_k": 40, "min_p": 0.05, "repetition_penalty": 1.3}
         assert len(bodies) == 2 and all(
             {k: b[k] for k in want} == want for b in bodies), bodies

@@ -374,7 +374,8 @@ def test_signing_out_in_another_tab_ends_the_waiting_reply(box):
         pg.goto(f"{box['base']}/playground?model={MODEL}")
         pg.fill("#pg-prompt", PROMPT[0]["content"])
         pg.click("#pg-send")
-        expect(pg.locator("#pg-status")).to_have_text("Waiting in the queue for a free slot…")
+        expect(pg.locator("#pg-status")).to_contain_text(
+            "Waiting for a free slot: 1st in the queue")
         sign_out_elsewhere(pg)
         alert = pg.locator("#session-alert #signed-out")
         expect(alert).to_contain_text("You were signed out", timeout=15_000)
@@ -407,7 +408,11 @@ def test_stop_while_waiting_for_the_slot_leaves_the_queue(box):
         pg.goto(f"{box['base']}/playground?model={MODEL}")
         pg.fill("#pg-prompt", PROMPT[0]["content"])
         pg.click("#pg-send")
-        expect(pg.locator("#pg-status")).to_have_text("Waiting in the queue for a free slot…")
+        # where it waits, in the Queue page's words (its estimated start:
+        # test_playground_wait.py, with a job that reports an ETA)
+        expect(pg.locator("#pg-status")).to_contain_text(
+            "Waiting for a free slot: 1st in the queue: behind 1 job: the CPU slot (no GPU) "
+            "runs one job at a time")
         sid = max(j.id for j in _sessions(box["engine"]))
         pg.click("#pg-stop")
         reply = pg.locator("#pg-log-base .pg-msg.assistant")

@@ -54,21 +54,24 @@ async def open_session(request: Request, engine: EngineDep, settings: SettingsDe
     body = await json_object(request)
     job, reused = await run_in_threadpool(pg.open_session, engine, settings, user,
                                           body.get("model"), body)
-    info = await run_in_threadpool(pg.session_info, engine, job)
+    info = await run_in_threadpool(pg.session_info, engine, settings, user, job)
     return JSONResponse({**info, "reused": reused}, status_code=200 if reused else 201)
 
 
 @router.get("/api/playground/sessions")
-def list_sessions(engine: EngineDep, user: CurrentUser, limit: str | None = None):
+def list_sessions(engine: EngineDep, settings: SettingsDep, user: CurrentUser,
+                  limit: str | None = None):
     """The caller's sessions (an admin's: everyone's), newest first, each as
     ``GET /api/playground/sessions/{id}`` answers it; ``limit``: 1 to 100 (default 20)."""
-    return {"object": "list", "data": pg.list_sessions(engine, user, page_limit(limit, 20, 100))}
+    return {"object": "list", "data": pg.list_sessions(engine, settings, user,
+                                                      page_limit(limit, 20, 100))}
 
 
 @router.get("/api/playground/sessions/{session_id}")
-def get_session(session_id: str, engine: EngineDep, user: CurrentUser):
-    """One of the caller's sessions (status queued, loading, ready or ended)."""
-    return pg.session_info(engine, pg.session(engine, user, session_id))
+def get_session(session_id: str, engine: EngineDep, settings: SettingsDep, user: CurrentUser):
+    """One of the caller's sessions (status queued, loading, ready or ended; while queued its
+    ``queue``: position, reason and estimated start, the Queue page's words)."""
+    return pg.session_info(engine, settings, user, pg.session(engine, user, session_id))
 
 
 @router.post("/api/playground/sessions/{session_id}/prompts", status_code=202)
@@ -89,9 +92,9 @@ def stop_prompt(session_id: str, request_id: str, engine: EngineDep, user: Curre
 
 
 @router.post("/api/playground/sessions/{session_id}/stop")
-def stop_session(session_id: str, engine: EngineDep, user: CurrentUser):
+def stop_session(session_id: str, engine: EngineDep, settings: SettingsDep, user: CurrentUser):
     """End the session now: its model is unloaded and its GPU slot freed."""
-    return pg.session_info(engine, pg.stop_session(engine, user, session_id))
+    return pg.session_info(engine, settings, user, pg.stop_session(engine, user, session_id))
 
 
 @router.get("/api/playground/sessions/{session_id}/events")
