@@ -114,7 +114,8 @@ def test_number_fields_are_refused_in_the_studios_words(env):
                                            "digits, not '1e6'"),
             ("r", "1e999", "must be a whole number from 1 to 1,024, written in digits, "
                            "not '1e999'"),
-            ("seed", "1.5", "must be a whole number, at least 0, written in digits, not '1.5'"),
+            ("seed", "1.5", "must be a whole number from 0 to 4,294,967,295, written in digits, "
+                              "not '1.5'"),
             ("beta", "1e999", "must be a finite number from 0 to 100, not '1e999'"),
             ("temperature", "x", "must be a number greater than 0 and at most 10, not 'x'"),
             ("num_generations", "1", "must be from 2 to 256, not '1'")):
