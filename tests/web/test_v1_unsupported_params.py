@@ -25,7 +25,9 @@ def test_unsupported_parameters_are_a_400_naming_them(client, engine):
                          ({"functions": [TOOL["function"]]}, "functions"),
                          ({"logit_bias": {"50256": -100}}, "logit_bias"),
                          ({"response_format": {"type": "json_object"}}, "response_format"),
-                         ({"response_format": "text"}, "response_format")):
+                         ({"response_format": "text"}, "response_format"),
+                         ({"stop": ["\n\n"]}, "stop"), ({"presence_penalty": 0.5}, "presence_penalty"),
+                         ({"frequency_penalty": -1}, "frequency_penalty")):
         r = client.post("/v1/chat/completions", json={"model": "stories260K", "messages": MSGS,
                                                       **extra})
         assert r.status_code == 400, (extra, r.text)
@@ -35,5 +37,6 @@ def test_unsupported_parameters_are_a_400_naming_them(client, engine):
     # the defaults a client may send are no refusal: the request goes on to open a session
     r = client.post("/v1/chat/completions", json={
         "model": "stories260K", "messages": MSGS, "logprobs": False, "tools": [],
-        "tool_choice": "none", "response_format": {"type": "text"}, "max_tokens": 0})
+        "tool_choice": "none", "response_format": {"type": "text"}, "stop": None,
+        "presence_penalty": 0, "frequency_penalty": 0.0, "max_tokens": 0})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text

@@ -53,7 +53,9 @@ DISCONNECT_CHECK_SECONDS = 0.25
 UNSUPPORTED = {"logprobs": "returning log probabilities", "top_logprobs": "returning log probabilities",
                "tools": "tool calling", "tool_choice": "tool calling", "functions": "function calling",
                "function_call": "function calling", "logit_bias": "logit_bias",
-               "audio": "audio output", "prediction": "predicted outputs"}
+               "audio": "audio output", "prediction": "predicted outputs", "stop": "stop sequences",
+               "presence_penalty": "presence_penalty (repetition_penalty is)",
+               "frequency_penalty": "frequency_penalty (repetition_penalty is)"}
 
 
 def _prompt_body(body: dict[str, Any], side: str) -> dict[str, Any]:
