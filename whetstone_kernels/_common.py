@@ -21,6 +21,18 @@ def num_sms(device: torch.device) -> int:
     return _SMS[idx]
 
 
+def tile_counters(store: dict, device, n: int, least: int) -> torch.Tensor:
+    """An int32 buffer of at least ``n`` (and ``least``) zeros on ``device``, kept in ``store``
+    (one per kernel module and device): the per-tile counters of a split-K "last program
+    reduces" kernel, which sets each back to 0 when it is done, so they are zero between calls
+    (calls on one device ordered on one stream). Grown, never shrunk."""
+    buf = store.get(device)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, least), dtype=torch.int32, device=device)
+        store[device] = buf
+    return buf
+
+
 def warps_for(block: int) -> int:
     """num_warps for a row kernel that holds `block` elements per program."""
     if block >= 16384:

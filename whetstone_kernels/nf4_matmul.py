@@ -59,7 +59,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, check_impl, num_sms
+from ._common import INTERPRET, check_impl, num_sms, tile_counters
 from .launch import launch
 from .nf4 import _as_state, _code, block_absmax
 from .nf4_lut import code16, nf4_lookup
@@ -193,14 +193,6 @@ def _nf4_matmul_kernel(X, Q, ABSMAX, ABSMAX2, CODE2, OFFSET, CODE, CODE16, BIAS,
             tl.atomic_xchg(lock, 0)
 
 
-def _locks(device, n: int) -> torch.Tensor:
-    buf = _LOCKS.get(device)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-        _LOCKS[device] = buf
-    return buf
-
-
 def pick_config(M: int, N: int, K: int, blocksize: int, device, dtype: torch.dtype | None = None) -> dict:
     """Tile sizes and split-K by shape (no autotuning: the first call compiles one kernel per shape class).
 
@@ -268,7 +260,7 @@ def nf4_matmul_fwd(x: torch.Tensor, packed: torch.Tensor, state, bias: torch.Ten
     absmax = st.absmax
     offset = (st.offset if st.offset.dtype == torch.float32 else st.offset.float()) if nested else absmax
     part = torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1 else y
-    locks = _locks(x.device, grid[0] * grid[2]) if split > 1 else y
+    locks = tile_counters(_LOCKS, x.device, grid[0] * grid[2], 4096) if split > 1 else y
     xa, lb, scale = lora if lora is not None else (y, y, 0.0)
     r = xa.shape[1] if lora is not None else 0
     lut = block_m > 1 and x.dtype != torch.float32

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, check_impl, next_pow2, num_sms
+from ._common import INTERPRET, check_impl, next_pow2, num_sms, tile_counters
 from .launch import launch
 
 _LOCKS: dict = {}  # device -> int32 counters, all zero between calls
@@ -72,14 +72,6 @@ def _skinny_kernel(X, A, Y, PART, LOCKS, M, R, K, k_per_split, split_k, stride_x
             tl.atomic_xchg(lock, 0)
 
 
-def _locks(device, n: int) -> torch.Tensor:
-    buf = _LOCKS.get(device)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-        _LOCKS[device] = buf
-    return buf
-
-
 def pick_config(M: int, R: int, K: int, device) -> dict:
     """Tiles and split: BLOCK_M = M padded to 16/32/64, BLOCK_R = R padded to a power of two in
     [16, 64], BLOCK_K 128 (64 off the GPU); SPLIT_K doubled while the grid has fewer programs than
@@ -123,7 +115,7 @@ def skinny_matmul(x: torch.Tensor, A: torch.Tensor, impl: str = "triton", config
     split = -(-K // k_per_split)  # no empty splits
     grid = (-(-R // block_r), split, -(-M // block_m))
     part = torch.empty(split, M, R, dtype=torch.float32, device=x.device) if split > 1 else y
-    locks = _locks(x.device, grid[0] * grid[2]) if split > 1 else y
+    locks = tile_counters(_LOCKS, x.device, grid[0] * grid[2], 1024) if split > 1 else y
     launch(_skinny_kernel, grid, x, A, y, part, locks, M, R, K, k_per_split, split,
            x.stride(0), A.stride(0), y.stride(0), SPLIT=split > 1, BLOCK_M=block_m, BLOCK_R=block_r,
            BLOCK_K=block_k, IEEE=x.dtype == torch.float32, **cfg)
