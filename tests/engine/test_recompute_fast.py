@@ -32,10 +32,10 @@ def fetches(monkeypatch):
     seen = Counter()
     orig = quant.dense_weights
 
-    def counted(bases, dtype):
+    def counted(bases, dtype, loras=None):
         for b in bases:
             seen[id(b)] += 1
-        return orig(bases, dtype)
+        return orig(bases, dtype, loras)
 
     monkeypatch.setattr(quant, "dense_weights", counted)
     return seen
