@@ -179,9 +179,6 @@ def main(argv=None):
     ap.add_argument("--no-offload", action="store_true")
     a = ap.parse_args(argv)
     res = run(a.config, a.seq, a.bs, a.steps, a.budget, not a.no_offload)
-    from worker.engine import quant
-
-    res["lora_merge"] = a.config == "qlora" and quant.LORA_MERGE  # WHETSTONE_NF4_LORA_MERGE
     print("RESULT", json.dumps(res), flush=True)
     out = os.environ.get("OUT", "/tmp")
     with open(os.path.join(out, "train_step.jsonl"), "a") as fh:

@@ -62,10 +62,10 @@ def counters(monkeypatch):
     seen, fwd = Counter(), [0]
     orig_w, orig_f = quant.dense_weights, attn_mod._fwd
 
-    def counted_w(bases, dtype, loras=None):
+    def counted_w(bases, dtype):
         for b in bases:
             seen[id(b)] += 1
-        return orig_w(bases, dtype, loras)
+        return orig_w(bases, dtype)
 
     def counted_f(*a, **kw):
         fwd[0] += 1

@@ -32,10 +32,10 @@ def fetches(monkeypatch):
     seen = Counter()
     orig = quant.dense_weights
 
-    def counted(bases, dtype, loras=None):
+    def counted(bases, dtype):
         for b in bases:
             seen[id(b)] += 1
-        return orig(bases, dtype, loras)
+        return orig(bases, dtype)
 
     monkeypatch.setattr(quant, "dense_weights", counted)
     return seen

@@ -21,7 +21,6 @@ from whetstone_kernels.cross_entropy import linear_cross_entropy  # noqa: E402
 from whetstone_kernels.cross_entropy_ref import linear_cross_entropy_ref  # noqa: E402
 from whetstone_kernels.nf4 import nf4_fwd, nf4_linear  # noqa: E402
 from whetstone_kernels.nf4_matmul import nf4_matmul  # noqa: E402
-from whetstone_kernels.nf4_merge import nf4_merged  # noqa: E402
 from whetstone_kernels.nf4_ref import nf4_dequantize_ref, nf4_quantize_ref, nf4_state_from_bnb  # noqa: E402
 from whetstone_kernels.skinny_matmul import skinny_matmul  # noqa: E402
 from whetstone_kernels.rms_norm import rms_norm, rms_norm_residual  # noqa: E402
@@ -298,23 +297,3 @@ def test_nf4_matmul_dtypes(dtype):
         low = nf4_matmul(x, packed, st, impl="reference")
         hi = x.double() @ nf4_dequantize_ref(packed, st, torch.float64).t()
     check(got, low, hi, dtype, f"nf4_matmul {dtype}")
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("r", [16, 64])
-@pytest.mark.parametrize("shape", [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336)])
-def test_nf4_merged_at_8b_shapes(dtype, shape, r):
-    """W + s B A merged in the dequantisation (Llama-3.1-8B weights): within one ulp of the output
-    dtype of the fp64 sum (one rounding), every element written, the plain dequant when B = 0."""
-    packed, st = nf4_quantize_ref(torch.randn(shape, device=DEV) * 0.02)
-    A = (torch.randn(r, shape[1], device=DEV) * 0.02).to(dtype)
-    Bs = (torch.randn(shape[0], r, device=DEV) * 0.01).to(dtype)
-    with torch.no_grad():
-        poison()
-        got = nf4_merged(packed, st, A, Bs, dtype)
-        exact = nf4_dequantize_ref(packed, st, torch.float32).double() + Bs.double() @ A.double()
-        fresh = nf4_merged(packed, st, A, torch.zeros_like(Bs), dtype)
-    assert torch.isfinite(got).all()
-    err = (got.double() - exact).abs()
-    assert (err <= torch.finfo(dtype).eps * exact.abs() + 1e-7).all(), err.max().item()
-    assert torch.equal(fresh, nf4_fwd(packed, st, dtype))

@@ -64,28 +64,11 @@ class Proj:
     has_lora: bool
 
 
-def _weights(projs, dtype, casts=None) -> list:
-    """The group's base weights [W_p] (quant.dense_weights); with ``casts`` (a group that
-    :func:`_merges`) each LoRA projection's W_p + s_p B_p A_p instead."""
-    from worker.engine import quant
+def _weights(projs, dtype) -> list:
+    """The group's base weights [W_p] (quant.dense_weights)."""
+    from worker.engine.quant import dense_weights
 
-    if casts is None:
-        return quant.dense_weights([p.base for p in projs], dtype)
-    rows = iter(casts.A.split(casts.ranks)) if casts.A is not None else iter(())
-    loras = [(next(rows), Bs) if p.has_lora else None for p, Bs in zip(projs, casts.Bs)]
-    return quant.dense_weights([p.base for p in projs], dtype, loras)
-
-
-def _merges(projs, casts) -> bool:
-    """Whether the group's LoRA terms are merged into its dequantised weights (quant.can_merge for
-    every LoRA projection): then Y = X (W + sBA)^T and dX = dY (W + sBA), and the rank-r GEMMs over
-    the whole output ([T, out] forward, [T, in] backward) are not run."""
-    from worker.engine.quant import can_merge
-
-    if casts.A is None:
-        return False
-    ranks = iter(casts.ranks)
-    return all(can_merge(p.base, next(ranks)) for p in projs if p.has_lora)
+    return dense_weights([p.base for p in projs], dtype)
 
 
 def _flat(x):
@@ -168,25 +151,21 @@ def _casts(cache, projs, pairs, dtype) -> Casts:
     return cache.get(projs, pairs, dtype) if cache is not None else make_casts(projs, pairs, dtype)
 
 
-def _group_fwd(X, projs, casts: Casts, need_y=True, R=None, keep_xa=True):
+def _group_fwd(X, projs, casts: Casts, need_y=True, R=None):
     """Y_p = [R +] X W_p^T + b_p + XA_p (s_p B_p)^T for the projections of one input X [T, in].
 
     XA = X [A_1; A_2; ...]^T [T, sum r] is one GEMM for the group (unscaled; backward keeps it).
-    A group that :func:`_merges` runs Y_p = [R +] X (W_p + s_p B_p A_p)^T, one GEMM a projection
-    (the merge happens in the dequantisation), and computes XA only when ``keep_xa`` (backward's).
-    Otherwise each LoRA term is written first (a small-K GEMM, onto the residual R [T, out] when
-    given: one projection only) and the base GEMM adds onto it in its epilogue (addmm_, beta 1),
-    so Y is written once and never re-read for the LoRA add. ``need_y`` False skips the base (no
-    dequant, no GEMM) and R: Y uninitialised. Returns ([Y_p], XA or None).
+    Each LoRA term is written first (a small-K GEMM, onto the residual R [T, out] when given: one
+    projection only) and the base GEMM adds onto it in its epilogue (addmm_, beta 1), so Y is
+    written once and never re-read for the LoRA add. ``need_y`` False skips the base (no dequant,
+    no GEMM) and R: Y uninitialised. Returns ([Y_p], XA or None).
     """
-    merge = need_y and _merges(projs, casts)
-    want_xa = casts.A is not None and (keep_xa or not merge)
-    XA = X @ casts.A.t() if want_xa else None
-    xas = iter(XA.split(casts.ranks, dim=1)) if XA is not None and not merge else iter(())
+    XA = X @ casts.A.t() if casts.A is not None else None
+    xas = iter(XA.split(casts.ranks, dim=1)) if XA is not None else iter(())
     outs = []
-    Ws = _weights(projs, X.dtype, casts if merge else None) if need_y else None
+    Ws = _weights(projs, X.dtype) if need_y else None
     for i, (p, Bs) in enumerate(zip(projs, casts.Bs)):
-        xa = next(xas) if p.has_lora and not merge else None
+        xa = next(xas) if p.has_lora else None
         if not need_y:
             outs.append(X.new_empty(X.shape[0], p.base.out_features))
             continue
@@ -240,10 +219,10 @@ def _lora_da(dyb_all, X, projs, casts: Casts, pairs):
     return [next(it).to(A.dtype) if p.has_lora else None for p, (A, _) in zip(projs, pairs)]
 
 
-def _base_dx(dX, dys, projs, casts=None):
-    """dX (+)= sum_p dY_p W_p (the group's W from :func:`_weights`, merged with the LoRA terms
-    when ``casts`` is given; epilogue adds onto dX when it exists)."""
-    Ws = _weights(projs, dys[0].dtype, casts)
+def _base_dx(dX, dys, projs):
+    """dX (+)= sum_p dY_p W_p (the group's W from :func:`_weights`; epilogue adds onto dX when it
+    exists)."""
+    Ws = _weights(projs, dys[0].dtype)
     for i, dy in enumerate(dys):
         W, Ws[i] = Ws[i], None
         if dX is None:
@@ -259,23 +238,21 @@ def _group_bwd(dys, X, XA, projs, casts: Casts, pairs):
 
     The dY_p s_p B_p [T, r_p] are written side by side, so the LoRA part of dX is one GEMM
     [T, sum r] x [sum r, in] that writes dX, and dA for the whole group is one pass over X; every
-    base dY_p W_p then adds onto dX in the GEMM epilogue. A group that :func:`_merges` has no
-    separate LoRA part: dX = sum_p dY_p (W_p + s_p B_p A_p).
+    base dY_p W_p then adds onto dX in the GEMM epilogue.
     """
     dyb_all, dBs = _lora_dy(dys, XA, projs, casts, pairs)
-    merge = _merges(projs, casts)
-    dX = dyb_all @ casts.A if dyb_all is not None and not merge else None
+    dX = dyb_all @ casts.A if dyb_all is not None else None
     dAs = _lora_da(dyb_all, X, projs, casts, pairs)
-    return _base_dx(dX, dys, projs, casts if merge else None), list(zip(dAs, dBs))
+    return _base_dx(dX, dys, projs), list(zip(dAs, dBs))
 
 
-def proj_forward(X, projs, need_y, cache, R, ab, keep_xa=True):
-    """LoRAProjFunction's forward without autograd (also the no-grad path: no ctx, nothing saved,
-    ``keep_xa`` False): (outputs [..., out_p] with X's leading dims, XA [T, sum r] or None, Casts)."""
+def proj_forward(X, projs, need_y, cache, R, ab):
+    """LoRAProjFunction's forward without autograd (also the no-grad path: no ctx, nothing saved):
+    (outputs [..., out_p] with X's leading dims, XA [T, sum r] or None, Casts)."""
     X2 = _flat(X)
     pairs = _split_ab(projs, ab)
     casts = _casts(cache, projs, pairs, X.dtype)
-    outs, XA = _group_fwd(X2, projs, casts, need_y, None if R is None else _flat(R), keep_xa)
+    outs, XA = _group_fwd(X2, projs, casts, need_y, None if R is None else _flat(R))
     return tuple(Y.view(*X.shape[:-1], Y.shape[-1]) for Y in outs), XA, casts
 
 
@@ -326,20 +303,19 @@ def _glu(impl):
     return glu_ref, lambda dh, g, u, act: glu_ref_bwd(dh, g, u, act, emit_h=True)
 
 
-def mlp_forward(X, projs, activation, impl, need_y, cache, R, ab, keep_xa=True):
-    """LoRAMLPFunction's forward without autograd (also the no-grad path, ``keep_xa`` False: XA
-    and HA are computed only where the output needs them): (Y [..., H] with X's leading dims,
-    (G, U [T, I], XA, HA, (Casts of gate/up, Casts of down)))."""
+def mlp_forward(X, projs, activation, impl, need_y, cache, R, ab):
+    """LoRAMLPFunction's forward without autograd (also the no-grad path): (Y [..., H] with X's
+    leading dims, (G, U [T, I], XA, HA, (Casts of gate/up, Casts of down)))."""
     X2 = _flat(X)
     pg, pu, pd = projs
     pairs = _split_ab(projs, ab)
     cgu = _casts(cache, (pg, pu), pairs[:2], X.dtype)
     cd = _casts(cache, (pd,), pairs[2:], X.dtype)
-    (G, U), XA = _group_fwd(X2, (pg, pu), cgu, keep_xa=keep_xa)
+    (G, U), XA = _group_fwd(X2, (pg, pu), cgu)
     fwd, _ = _glu(impl)
     H = fwd(G, U, activation) if (need_y or pd.has_lora) else None
     if need_y:
-        (Y,), HA = _group_fwd(H, (pd,), cd, R=None if R is None else _flat(R), keep_xa=keep_xa)
+        (Y,), HA = _group_fwd(H, (pd,), cd, R=None if R is None else _flat(R))
     else:  # recompute: Y's value is never read; only HA (for dBd) is
         HA = _group_fwd(H, (pd,), cd, need_y=False)[1] if pd.has_lora else None
         Y = X2.new_empty(X2.shape[0], pd.base.out_features)
@@ -377,10 +353,7 @@ class LoRAMLPFunction(torch.autograd.Function):
         dY2 = _flat(dY).to(X2.dtype)
         # down: dH = dY Wd + s dY Bd Ad (H is not needed yet), dBd
         dyb, (dBd,) = _lora_dy([dY2], HA, (pd,), cd, pairs[2:])
-        if _merges((pd,), cd):
-            dH = _base_dx(None, [dY2], (pd,), cd)
-        else:
-            dH = _base_dx(dyb @ cd.A if dyb is not None else None, [dY2], (pd,))
+        dH = _base_dx(dyb @ cd.A if dyb is not None else None, [dY2], (pd,))
         dG, dU, H = bwd(dH, G, U, ctx.activation)  # H = act(G) U, for dAd, in dH's memory
         del dH
         (dAd,) = _lora_da(dyb, H, (pd,), cd, pairs[2:])

@@ -147,7 +147,7 @@ def _group(x, modules, step=None, need_y=True, residual=None):
         return out if residual is None else (residual + out[0],)
     casts = step.casts if step is not None else None
     if not torch.is_grad_enabled():
-        return proj_forward(x, got[0], need_y, casts, residual, got[1], keep_xa=False)[0]
+        return proj_forward(x, got[0], need_y, casts, residual, got[1])[0]
     return LoRAProjFunction.apply(x, got[0], need_y, casts, residual, *got[1])
 
 
@@ -162,8 +162,7 @@ def _mlp(x, mlp, activation, impl, step=None, need_y=True, residual=None):
         return m if residual is None else residual + m
     casts = step.casts if step is not None else None
     if not torch.is_grad_enabled():
-        return mlp_forward(x, got[0], activation, impl, need_y, casts, residual, got[1],
-                           keep_xa=False)[0]
+        return mlp_forward(x, got[0], activation, impl, need_y, casts, residual, got[1])[0]
     return LoRAMLPFunction.apply(x, got[0], activation, impl, need_y, casts, residual, *got[1])
 
 

@@ -23,7 +23,6 @@ this module ran (tests assert decode does not re-dequantise per token).
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 from torch import nn
@@ -169,37 +168,7 @@ def dense_weight(base: nn.Module, dtype) -> torch.Tensor:
     return w if w.dtype == dtype else w.to(dtype)
 
 
-def dense_weights(bases, dtype, loras=None) -> list:
+def dense_weights(bases, dtype) -> list:
     """[W_p [out_p, in] in ``dtype``] for the frozen bases of one projection group, each
-    :func:`dense_weight` (one place to count or intercept a group's weight fetches).
-
-    ``loras`` ([(A_p [r, in], Bs_p [out_p, r]) or None] per base, in ``dtype``; only for bases
-    where :func:`can_merge` holds): those W_p come back as W_p + Bs_p A_p, merged inside the NF4
-    dequantisation (:func:`whetstone_kernels.nf4_merge.nf4_merged`, one rounding)."""
-    if loras is None:
-        return [dense_weight(b, dtype) for b in bases]
-    return [dense_weight(b, dtype) if ab is None else merged_weight(b, ab[0], ab[1], dtype)
-            for b, ab in zip(bases, loras)]
-
-
-# The LoRA term of an NF4 projection is merged into its per-pass dequantised weight (W + s B A:
-# one GEMM per projection and pass instead of a base GEMM plus a rank-r GEMM over the whole
-# output). WHETSTONE_NF4_LORA_MERGE=0 keeps the LoRA term separate (A/B measurements).
-LORA_MERGE = os.environ.get("WHETSTONE_NF4_LORA_MERGE", "1") != "0"
-
-
-def can_merge(base: nn.Module, rank: int) -> bool:
-    """Whether the LoRA term of rank ``rank`` can be merged into ``base``'s dequantised weight:
-    an :class:`NF4Linear` without a held dense copy, in_features a multiple of its blocksize,
-    rank <= 128, and merging switched on (:data:`LORA_MERGE`)."""
-    return (LORA_MERGE and isinstance(base, NF4Linear) and base._dense is None
-            and base.in_features % base.blocksize == 0 and rank <= 128)
-
-
-def merged_weight(base: "NF4Linear", A: torch.Tensor, Bs: torch.Tensor, dtype) -> torch.Tensor:
-    """W + Bs A [out, in] in ``dtype`` for an NF4 ``base`` (a temporary; counts as a dequant).
-    A [r, in], Bs [out, r] in ``dtype`` (the LoRA scale folded into Bs)."""
-    from whetstone_kernels.nf4_merge import nf4_merged
-
-    base.dequants += 1
-    return nf4_merged(base.packed, base.state(), A, Bs, dtype, impl=base.impl)
+    :func:`dense_weight` (one place to count or intercept a group's weight fetches)."""
+    return [dense_weight(b, dtype) for b in bases]
