@@ -151,6 +151,14 @@ class Settings(BaseSettings):
             return self.database_url
         return f"sqlite:///{(self.data_dir / 'whetstone.db').resolve()}"
 
+    @property
+    def kernel_cache_dir(self) -> Path:
+        """Where job processes keep compiled Triton kernels (``TRITON_CACHE_DIR``, unless the
+        environment sets one): ``<data_dir>/cache/triton``, absolute. Under the data dir so the
+        compiled kernels survive a container restart (the Docker volume); a job on a fresh cache
+        compiles them in its first step (1.7 s of a 4.8 s first step on an H200, call s24-c2)."""
+        return (self.data_dir / "cache" / "triton").resolve()
+
     def ensure_dirs(self) -> None:
         """Create the data dir and its ``uploads``, ``models``, ``runs``, ``exports`` children."""
         for sub in ("", "uploads", "models", "runs", "exports"):

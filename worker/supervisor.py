@@ -193,7 +193,8 @@ class Supervisor:
 
         ids = slot_ids(job) or [slot.id]
         held = [next((s for s in self.slots if s.id == i), slot) for i in ids]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
+        env = {"TRITON_CACHE_DIR": str(self.settings.kernel_cache_dir), **os.environ,
+               "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
                "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
                "CUDA_VISIBLE_DEVICES": "" if self.settings.simulated_gpus or slot.index is None
                else ",".join(str(s.index) for s in held)}

@@ -31,6 +31,7 @@ class Studio:
         self.env = {**os.environ, "WHETSTONE_DATA_DIR": str(self.data_dir),
                     "WHETSTONE_DATABASE_URL": self.url, "WHETSTONE_SEED_DIR": str(root / "noseed"),
                     "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+        self.env.pop("TRITON_CACHE_DIR", None)  # the supervisor's default (under data_dir) applies
         defaults = {"lease_seconds": 3, "heartbeat_seconds": 0.3}
         for k, v in {**defaults, **settings}.items():
             self.env[f"WHETSTONE_{k.upper()}"] = str(v)

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import errno
+import os
 import time
 from pathlib import Path
 
@@ -33,7 +34,8 @@ def _ticks(ctx, seconds: float, step: float) -> dict:
 
 def tick(ctx) -> dict:
     p = ctx.payload
-    return _ticks(ctx, float(p.get("seconds", 1.0)), float(p.get("step", 0.05)))
+    out = _ticks(ctx, float(p.get("seconds", 1.0)), float(p.get("step", 0.05)))
+    return {**out, "triton_cache_dir": os.environ.get("TRITON_CACHE_DIR")}
 
 
 def fill(ctx) -> dict:

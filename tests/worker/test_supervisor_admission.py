@@ -72,6 +72,9 @@ def test_three_small_jobs_share_one_gpu_and_the_fourth_waits_with_its_reason(tmp
         assert all(r.eta_seconds is None for r in view.gpus[0].running)  # tick reports no ETA
         done = [wait_for(lambda j=j: ended(eng, j.id), 60, f"job {j.id} ended") for j in jobs]
         assert [j.state for j in done] == [JobState.SUCCEEDED] * 4
+        # compiled kernels are kept under the data dir (survive a container restart)
+        assert {j.result["triton_cache_dir"] for j in done} == {
+            str((Path(studio.data_dir) / "cache" / "triton").resolve())}
         spans = [span(studio, j) for j in jobs]
         assert max(s for s, _ in spans[:3]) < min(e for _, e in spans[:3])  # truly at once
         assert spans[3][0] >= min(e for _, e in spans[:3])  # the 4th only after one ended
