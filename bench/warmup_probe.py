@@ -66,7 +66,7 @@ def main(argv=None):
     from worker.engine import pinned
 
     pin = [0, 0.0]  # new pinned blocks, seconds in the takes that made them
-    take = pinned.PinnedPool.take
+    take = pinned.PinnedPool.take_pieces
 
     def timed_take(self, *args, **kw):
         n, t = self.allocs, time.perf_counter()
@@ -76,7 +76,7 @@ def main(argv=None):
             pin[1] += time.perf_counter() - t
         return out
 
-    pinned.PinnedPool.take = timed_take
+    pinned.PinnedPool.take_pieces = timed_take
     t0 = time.perf_counter()
     pm = build("qlora", None, True)
     pm.train()

@@ -169,6 +169,37 @@ def test_offload_prefetch_matches_no_checkpointing(impl, dtype, rel, nf4, padded
             assert err <= rel * scale + 1e-6, (step, k, err, scale)
 
 
+def test_offloader_round_trips_tensors_past_a_chunk_and_adds_only_missing_chunks():
+    """Saves of more than pinned.CHUNK bytes travel in CHUNK pieces (each way); what comes back
+    equals what was saved (a permuted fp32 tensor keeps its layout), and a second, longer chain
+    allocates only the chunks the first did not."""
+    from worker.engine import checkpointing as ckpt
+    from worker.engine.pinned import CHUNK
+
+    off = ckpt.Offloader(True)
+
+    def chain(rows):
+        ts = [torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16),
+              torch.randn(17, device="cuda"),
+              torch.randn(rows, 1024, 3, device="cuda").permute(2, 0, 1)]
+        want = [t.clone() for t in ts]
+        off.start_chain()
+        hs = [off.save(i, t) for i, t in enumerate(ts)]
+        del ts
+        torch.empty(1 << 28, dtype=torch.uint8, device="cuda").fill_(255)  # reuse freed memory
+        off.prefetch_last()
+        got = [off.load(h) for h in reversed(hs)][::-1]
+        torch.cuda.synchronize()
+        for w, g in zip(want, got):
+            assert g.shape == w.shape and g.stride() == w.stride() and torch.equal(g, w)
+
+    chain(3001)  # 24.6 MB -> 3 chunks; 36.9 MB fp32 -> 5 chunks; 68 bytes -> one 1 MiB block
+    assert off.pool.allocs == 3 + 5 + 1 and off.pool.pinned_bytes == 8 * CHUNK + (1 << 20)
+    chain(4097)  # 33.6 MB -> 5 chunks; 50.3 MB -> 7: 4 more chunks than the first chain held
+    assert off.pool.allocs == 9 + 4 and off.pool.pinned_bytes == 12 * CHUNK + (1 << 20)
+    assert off.loads == 6 and off.prefetches == 6
+
+
 @pytest.mark.parametrize("budget_mib, cap, loads_per_layer, on_device", [
     (None, "qkvo", 6, 0), (30, "o", 3, 0), (20, "off", 2, 0), (8, "off", None, 4)])
 def test_host_budget_lowers_the_stash_then_keeps_saves_on_the_gpu(

@@ -16,8 +16,9 @@ of computing. Stashed tensors are offloaded like the input.
 Offload (:class:`Offloader`, CUDA only; elsewhere tensors stay where they are and nothing changes):
 forward copies each saved tensor to a pinned host buffer on a D2H side stream (``non_blocking``; the
 GPU copy is released once the copy is done via ``record_stream``; a permuted dense tensor travels in
-its memory order). Buffers are views of blocks of a best-fit :class:`~worker.engine.pinned.PinnedPool`,
-reused across steps whatever their shapes.
+its memory order). Buffers are blocks of a best-fit :class:`~worker.engine.pinned.PinnedPool`, reused
+across steps whatever their shapes; a tensor of more than ``pinned.CHUNK`` bytes is copied in CHUNK
+pieces into as many blocks (one copy each way per piece).
 Backward copies them back on a separate H2D side stream and prefetches: the saves of one forward form
 a chain (:meth:`Offloader.start_chain`, then every ``save`` in order), and each load also starts the
 H2D copies of the saves before it (what backward reaches next) until ``window`` bytes are in flight,
@@ -52,7 +53,7 @@ import weakref
 
 import torch
 
-from worker.engine.pinned import PinnedPool, block_bytes
+from worker.engine.pinned import PinnedPool, block_bytes, pieces
 
 _local = threading.local()
 
@@ -89,18 +90,19 @@ def _recompute():
 
 
 class _Saved:
-    """One saved tensor: ``dev`` (kept as is), or a pinned ``buf`` with its D2H event, the H2D copy
-    once started (``copy``, ``h2d`` event), a weak link to the handle saved before it, its size and
-    the permutation that restores a non-contiguous tensor's layout (``perm``)."""
+    """One saved tensor: ``dev`` (kept as is), or pinned ``blocks`` (one per :func:`pieces` range
+    of its bytes) with their D2H event, its ``shape``/``dtype`` (in memory order), the H2D copy
+    once started (``copy``, ``h2d`` event), a weak link to the handle saved before it, its size
+    and the permutation that restores a non-contiguous tensor's layout (``perm``)."""
 
-    __slots__ = ("dev", "buf", "block", "d2h", "device", "prev", "copy", "h2d", "nbytes", "perm",
-                 "__weakref__")
+    __slots__ = ("dev", "blocks", "shape", "dtype", "d2h", "device", "prev", "copy", "h2d",
+                 "nbytes", "perm", "__weakref__")
 
-    def __init__(self, dev=None, buf=None, block=None, d2h=None, device=None, prev=None,
-                 perm=None):
-        self.dev, self.buf, self.block, self.d2h = dev, buf, block, d2h
+    def __init__(self, dev=None, blocks=None, shape=None, dtype=None, d2h=None, device=None,
+                 prev=None, perm=None):
+        self.dev, self.blocks, self.shape, self.dtype, self.d2h = dev, blocks, shape, dtype, d2h
         self.device, self.prev, self.copy, self.h2d = device, prev, None, None
-        self.nbytes = buf.numel() * buf.element_size() if buf is not None else 0
+        self.nbytes = shape.numel() * dtype.itemsize if blocks is not None else 0
         self.perm = perm
 
 
@@ -152,7 +154,7 @@ def stash_bytes(policy: str, tokens: int, hidden: int, q_dim: int, kv_dim: int,
                 dtype_bytes: int = 2) -> int:
     """Host bytes one checkpointed layer's offloaded saves take under a stash ``policy``: its two
     segment inputs [tokens, hidden], plus O [tokens, q_dim] ("o"), plus Q, K, V ("qkvo"), each in
-    its own pool block (:func:`~worker.engine.pinned.block_bytes`)."""
+    its own pool blocks (:func:`~worker.engine.pinned.block_bytes`)."""
     def blk(width):
         return block_bytes(tokens * width * dtype_bytes)
     n = 2 * blk(hidden)
@@ -247,16 +249,23 @@ class Offloader:
                             f"GPU (WHETSTONE_OFFLOAD_HOST_GIB sets the budget)")
             return _Saved(dev=h)
         h, perm = _dense_order(h)
-        buf, block, last_h2d = self.pool.take(h.dtype, h.shape)
+        n = h.numel() * h.element_size()
+        got = self.pool.take_pieces(n)
         self.stream.wait_stream(torch.cuda.current_stream())
-        if last_h2d is not None:  # the previous H2D out of this buffer must have read it
-            self.stream.wait_event(last_h2d)
+        waited = set()
+        for _, last_h2d in got:  # the previous H2D out of each block must have read it
+            if last_h2d is not None and id(last_h2d) not in waited:
+                waited.add(id(last_h2d))
+                self.stream.wait_event(last_h2d)
+        flat = h.reshape(-1).view(torch.uint8)
         with torch.cuda.stream(self.stream):
-            buf.copy_(h, non_blocking=True)
+            for (block, _), (a, b) in zip(got, pieces(n)):
+                block[:b - a].copy_(flat[a:b], non_blocking=True)
             ev = torch.cuda.Event()
             ev.record()
         h.record_stream(self.stream)
-        hd = _Saved(buf=buf, block=block, d2h=ev, device=h.device, prev=self._last, perm=perm)
+        hd = _Saved(blocks=[block for block, _ in got], shape=h.shape, dtype=h.dtype, d2h=ev,
+                    device=h.device, prev=self._last, perm=perm)
         self._last = weakref.ref(hd)
         self._chain_bytes += hd.nbytes
         return hd
@@ -279,16 +288,19 @@ class Offloader:
 
     def _start_h2d(self, hd: _Saved):
         """Queue hd's host->device copy on the H2D stream (once); the buffer returns to its pool."""
-        if hd.buf is None:
+        if hd.blocks is None:
             return
         self.ahead += hd.nbytes
         self.h2d.wait_event(hd.d2h)
         with torch.cuda.stream(self.h2d):
-            hd.copy = hd.buf.to(hd.device, non_blocking=True)
+            hd.copy = torch.empty(hd.shape, dtype=hd.dtype, device=hd.device)
+            flat = hd.copy.view(-1).view(torch.uint8)
+            for block, (a, b) in zip(hd.blocks, pieces(hd.nbytes)):
+                flat[a:b].copy_(block[:b - a], non_blocking=True)
             hd.h2d = torch.cuda.Event()
             hd.h2d.record()
-        self.pool.give(hd.block, hd.h2d)
-        hd.buf = hd.block = None
+        self.pool.give_all(hd.blocks, hd.h2d)
+        hd.blocks = None
 
     def load(self, hd: _Saved) -> torch.Tensor:
         """The saved tensor on its device, ready on the current stream, in its saved layout; starts
@@ -297,7 +309,7 @@ class Offloader:
         if hd.dev is not None:
             return hd.dev
         self.loads += 1
-        if hd.buf is None:
+        if hd.blocks is None:
             self.prefetches += 1
         self._start_h2d(hd)
         self.ahead -= hd.nbytes
