@@ -3,7 +3,7 @@
 checkpoints): absent or empty means the list's default; otherwise a whole number from 1 to the
 list's most, or the request is refused naming ``limit`` (422 under ``/api``, 400 under ``/v1``,
 as every ``invalid`` StudioError). Nothing is clamped silently: ``-1`` is not "1", and ``5000``
-is not "the most"."""
+is not "the most". ``order`` (``/v1/files``) is "asc" or "desc", else refused naming ``order``."""
 from __future__ import annotations
 
 from app.studio.errors import StudioError, whole
@@ -26,3 +26,18 @@ def page_limit(value: object, default: int, most: int) -> int:
     shown = shown if len(shown) <= 24 else shown[:21] + "..."
     raise StudioError("invalid", f"limit must be a whole number from 1 to {most} (default "
                                  f"{default}), not {shown!r}", "limit", "invalid_value")
+
+
+def page_order(value: str | None, default: str = "desc") -> str:
+    """A list's ``order`` query parameter: "asc" or "desc" (``default`` when absent or blank).
+
+    Raises:
+        StudioError: invalid (field ``order``, code ``invalid_value``) for any other value.
+    """
+    if value is None or not value.strip():
+        return default
+    if value in ("asc", "desc"):
+        return value
+    shown = value if len(value) <= 24 else value[:21] + "..."
+    raise StudioError("invalid", f"order must be 'asc' or 'desc', not {shown!r}", "order",
+                      "invalid_value")

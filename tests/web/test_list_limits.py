@@ -44,3 +44,16 @@ def test_every_list_refuses_a_bad_limit_naming_it(client, run_id) -> None:
     one = client.get(f"/v1/fine_tuning/jobs/{run_id}/events?limit=1").json()
     assert one["data"] == evs["data"][:1]
     assert len(client.get("/v1/files?limit=1").json()["data"]) == 1
+
+
+def test_files_order_is_asc_or_desc_and_anything_else_is_refused_naming_it(client) -> None:
+    first, second = _upload(client), _upload(client)
+    ids = lambda q: [f["id"] for f in client.get("/v1/files" + q).json()["data"]]  # noqa: E731
+    assert ids("")[:2] == [second, first] and ids("?order=desc")[:2] == [second, first]
+    assert ids("?order=asc")[-2:] == [first, second] and ids("?order=") == ids("")
+    for bad in ("ascending", "ASC", "1", "x" * 40):
+        r = client.get("/v1/files", params={"order": bad})
+        assert r.status_code == 400, (bad, r.text)
+        err = r.json()["error"]
+        assert err["param"] == "order" and err["code"] == "invalid_value", err
+        assert err["message"].startswith("order must be 'asc' or 'desc', not "), err

@@ -18,7 +18,7 @@ from app.store.schema import Artifact, Dataset
 from app.studio import access
 from app.studio import datasets as datasets_uc
 from app.studio.datasets import is_under
-from app.studio.paging import page_limit
+from app.studio.paging import page_limit, page_order
 from app.studio.errors import StudioError
 from app.web.deps import CurrentUser, EngineDep, SettingsDep
 from app.web.errors import ApiError
@@ -52,8 +52,9 @@ async def create_file(request: Request, engine: EngineDep, settings: SettingsDep
 
 @router.get("/files")
 def list_files(engine: EngineDep, user: CurrentUser, purpose: str | None = None,
-               limit: str | None = None, after: str | None = None, order: str = "desc"):
+               limit: str | None = None, after: str | None = None, order: str | None = None):
     limit = page_limit(limit, 10000, 10000)
+    order = page_order(order)
     items = datasets_uc.list_datasets(engine, user, limit=limit + 1000)
     if purpose:
         items = [d for d in items if d.purpose == purpose]
