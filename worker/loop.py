@@ -257,7 +257,9 @@ class Worker:
             except LeaseLost:
                 outcome = "lost"
             except (WorkerShutdown, KeyboardInterrupt):
-                reporter.log("worker shutting down; job returned to the queue", "warning")
+                # info, not warning: the job resumes from its checkpoint; a warning would stay in
+                # the run page's Warnings box after it resumed
+                reporter.log("worker shutting down; job returned to the queue", "info")
                 reporter.flush()
                 outcome = "queued" if self._end(ctx, queue.release, "worker shut down") else "lost"
             except Exception as exc:  # noqa: BLE001 - every failure ends the job, not the worker

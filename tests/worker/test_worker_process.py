@@ -263,6 +263,10 @@ def test_sigterm_requeues_running_job_and_next_worker_resumes(env) -> None:
     assert not workers.live(eng, 300)
     ckpts = list((env["dir"] / "runs" / run.id / "checkpoints").glob("checkpoint-*"))
     assert ckpts, "a checkpoint is saved on shutdown"
+    # said in the log, not as a warning (the run page keeps warnings after the run resumed)
+    said = [ev.data for ev in events.since(eng, job.id, types=["log"])
+            if ev.data.get("message") == "worker shutting down; job returned to the queue"]
+    assert [d.get("level") for d in said] == ["info"], said
 
     again = _start(env["env"], "--once", "--worker-id", "w-second")
     try:
