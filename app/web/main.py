@@ -132,17 +132,25 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     return app
 
 
+#: Seconds a stopping web process waits for open connections before it closes them.
+SHUTDOWN_GRACE_SECONDS = 5
+
+
 def server_config(app, settings: Settings, **overrides):
     """The ``uvicorn.Config`` that serves ``app``: ``settings.host:settings.port``; forwarded
     headers (``X-Forwarded-For``/``-Proto``) are trusted only from the proxies named by
     ``settings.forwarded_allow_ips`` (empty: from none, the client is the TCP peer).
     ``overrides`` go to ``uvicorn.Config`` as they are (e.g. ``port=0`` in tests). The access
-    log writes any ``csrf_token`` in a URL as ``[redacted]``."""
+    log writes any ``csrf_token`` in a URL as ``[redacted]``. On SIGTERM/SIGINT open connections
+    (a run page's live stream, a streaming answer, a stalled upload) get
+    :data:`SHUTDOWN_GRACE_SECONDS` to finish, then the process exits (uvicorn's default waits for
+    them without limit, serving nothing meanwhile)."""
     import uvicorn
 
     proxies = settings.forwarded_allow_ips.strip()
     kwargs = dict(host=settings.host, port=settings.port, log_level="info",
-                  proxy_headers=bool(proxies), forwarded_allow_ips=proxies or None)
+                  proxy_headers=bool(proxies), forwarded_allow_ips=proxies or None,
+                  timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS)
     config = uvicorn.Config(app, **{**kwargs, **overrides})  # configures uvicorn's loggers
     from app.web.csrf import redact_access_log
 
