@@ -40,6 +40,7 @@ from collections import Counter
 from typing import Any, Iterable
 
 from .errors import DatasetError, RowIssue
+from .text import find_surrogate
 
 FORMATS = ("alpaca", "sharegpt", "messages", "prompt_completion", "text", "oasst_tree")
 FORMAT_ALIASES = {"openai": "messages", "chatml": "messages", "conversations": "sharegpt",
@@ -391,6 +392,10 @@ def normalize_row(data: dict, fmt: str, row: int) -> tuple[dict, list[RowIssue]]
     Raises:
         DatasetError: the row is invalid (with ``row`` and ``field`` set).
     """
+    bad = find_surrogate(data)
+    if bad is not None:
+        raise DatasetError(f"{bad[1]}: not text; remove it or re-save the file", row=row,
+                           field=bad[0] or None)
     warnings: list[RowIssue] = []
     if fmt in ("sharegpt", "messages"):
         if not any(k in data for k in CONV_KEYS):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from app.data.text import describe, surrogate_at
 from app.studio.errors import invalid
 
 ROLES = ("system", "user", "assistant")
@@ -130,9 +131,13 @@ def messages(value: Any, name: str = "messages", system: str | None = None) -> l
             content = "".join(parts)
         if not isinstance(content, str):
             raise invalid(f"{where}.content", "must be a string")
+        if (at := surrogate_at(content)) is not None:
+            raise invalid(f"{where}.content", f"has {describe(content, at)}: not text")
         out.append({"role": m["role"], "content": content})
     if out[-1]["role"] != "user":
         raise invalid(name, "the last message must be the user's")
+    if system and (at := surrogate_at(system)) is not None:
+        raise invalid("system", f"has {describe(system, at)}: not text")
     if system and system.strip() and out[0]["role"] != "system":
         out.insert(0, {"role": "system", "content": system.strip()})
     return out

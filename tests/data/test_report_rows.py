@@ -91,3 +91,20 @@ def test_dropped_rows_warning_is_a_summary_with_every_row_as_details():
     assert dropped_note(rows[:1])[0].startswith("1 row with no trained token left out of "
                                                 "training (row 9); row 9: ")
     assert dropped_note([]) is None
+
+
+def test_a_row_with_a_lone_surrogate_is_one_invalid_row_naming_the_field(bundle, tmp_path):
+    """Trial s24 M-7: a ``\\ud800`` escape in one row failed the whole validation with the
+    tokenizer's TypeError; now that row is invalid, naming field and character, the rest train."""
+    rows = [{"prompt": f"question {i}", "completion": f"answer {i}"} for i in range(5)]
+    rows[2]["prompt"] = "bad \ud800 here"
+    rows[4]["completion"] = "ok \U0001f600"  # a real surrogate pair (an emoji) is text
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))  # ASCII: the escape stays
+    rep = inspect_dataset(path, bundle, "chatml", max_seq_length=256)
+    assert rep.total_rows == 5 and rep.valid_rows == 4 and rep.invalid_rows == 1
+    (err,) = rep.errors
+    assert (err.row, err.field) == (3, "prompt"), err
+    assert err.message.startswith("an unpaired UTF-16 surrogate (\\ud800) at character 5: not text")
+    kept = [row for row, _ in iter_encoded(path, bundle, "chatml", 256, True)]
+    assert kept == [1, 2, 4, 5]

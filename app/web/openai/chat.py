@@ -50,12 +50,15 @@ DISCONNECT_CHECK_SECONDS = 0.25
 
 #: OpenAI chat parameters the playground's models do not honour: a request that sets one is a
 #: 400 naming it (a false, empty or "none"/"auto" value is the default and is taken).
-UNSUPPORTED = {"logprobs": "returning log probabilities", "top_logprobs": "returning log probabilities",
-               "tools": "tool calling", "tool_choice": "tool calling", "functions": "function calling",
-               "function_call": "function calling", "logit_bias": "logit_bias",
-               "audio": "audio output", "prediction": "predicted outputs", "stop": "stop sequences",
-               "presence_penalty": "presence_penalty (repetition_penalty is)",
-               "frequency_penalty": "frequency_penalty (repetition_penalty is)"}
+UNSUPPORTED = {"logprobs": "returning log probabilities is", "top_logprobs": "returning log probabilities is",
+               "tools": "tool calling is", "tool_choice": "tool calling is",
+               "functions": "function calling is", "function_call": "function calling is",
+               "logit_bias": "logit_bias is", "audio": "audio output is",
+               "prediction": "predicted outputs are", "stop": "stop sequences are",
+               "presence_penalty": "presence_penalty is", "frequency_penalty": "frequency_penalty is"}
+#: What to send instead, where the playground has a near equivalent.
+INSTEAD = {"presence_penalty": " (repetition_penalty is supported)",
+           "frequency_penalty": " (repetition_penalty is supported)"}
 
 
 def _prompt_body(body: dict[str, Any], side: str) -> dict[str, Any]:
@@ -67,7 +70,8 @@ def _prompt_body(body: dict[str, Any], side: str) -> dict[str, Any]:
     for name, what in UNSUPPORTED.items():  # refused, not ignored: the caller relies on them
         value = body.get(name)
         if value not in (None, False, [], {}, "none", "auto"):
-            raise invalid(name, f"{what} is not supported here; leave {name} out")
+            raise invalid(name, f"{what} not supported here; leave {name} out"
+                                f"{INSTEAD.get(name, '')}")
     fmt = body.get("response_format")
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
         raise invalid("response_format", "JSON mode and schemas are not supported here; leave "
