@@ -130,7 +130,8 @@ def create_user(engine: Engine, name: str, password: str, role: str = "member", 
 
 
 def authenticate(engine: Engine, name: str, password: str) -> User:
-    """The user ``name`` if ``password`` is theirs; records ``login.succeeded``/``login.failed``.
+    """The user ``name`` (in any case: names are unique ignoring case) if ``password`` is
+    theirs; records ``login.succeeded``/``login.failed``.
 
     Raises:
         StudioError: unauthorized, with one message for an unknown user and a wrong password
@@ -138,7 +139,7 @@ def authenticate(engine: Engine, name: str, password: str) -> User:
     """
     name = (name or "").strip()
     with session_scope(engine) as s:
-        user = s.exec(select(User).where(User.name == name)).first()
+        user = s.exec(select(User).where(func.lower(User.name) == name.lower())).first()
     try:
         _hasher.verify(user.password_hash if user else _DUMMY_HASH, password or "")
         ok = user is not None

@@ -322,3 +322,18 @@ def test_expired_token_secure_cookie_and_no_open_redirect(client, make_client):
                                     "csrf_token": login_form_token(secure)},
                     follow_redirects=False)
     assert r.status_code == 303 and "Secure" in r.headers["set-cookie"]
+
+
+def test_sign_in_takes_the_name_in_any_case(client):
+    """Names are unique ignoring case ('ALICE' is refused as taken by 'alice'), so sign-in takes
+    any case too (trial s24 M-8: 'Alice' got 'wrong user name or password')."""
+    for name in ("ALICE", "Alice", " alice "):
+        r = client.post(LOGIN, data={"username": name, "password": "alice-password"})
+        assert r.status_code == 200, (name, r.text)
+        me = client.get("/api/me", headers={"Authorization": f"Bearer {r.json()['access_token']}"})
+        assert me.status_code == 200 and me.json()["name"] == "alice", me.text
+    assert client.post(LOGIN, data={"username": "ALICE", "password": "wrong-one-1"}).status_code == 401
+    page = client.post("/login", data={"username": "Alice", "password": "alice-password",
+                                       "csrf_token": login_form_token(client)},
+                       follow_redirects=False)
+    assert page.status_code == 303, page.text
