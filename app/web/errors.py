@@ -98,7 +98,6 @@ STATUS = {"not_found": 404, "invalid": 422, "unauthorized": 401, "forbidden": 40
 #: /v1 names of our spec fields, and the OpenAI error codes of what is missing.
 OPENAI_PARAMS = {"num_train_epochs": "hyperparameters.n_epochs",
                  "per_device_train_batch_size": "hyperparameters.batch_size",
-                 "learning_rate": "hyperparameters.learning_rate_multiplier",
                  "learning_rate_multiplier": "hyperparameters.learning_rate_multiplier",
                  "dataset": "training_file"}
 _OPENAI_CODES = {("not_found", "model"): "model_not_found",

@@ -51,3 +51,16 @@ def test_multiplier_out_of_range_is_a_400_naming_it(client, file_id, reinforceme
         assert err["param"] == "hyperparameters.learning_rate_multiplier", err
         assert err["message"] == ("learning_rate_multiplier must be a number above 0 and at most "
                                   f"100 (× the default learning rate {base}), not {m!r}"), err
+
+
+def test_a_bad_learning_rate_field_is_named_as_sent(client, file_id):
+    """Our TrainSpec's ``learning_rate``, sent as an extra body field or hyperparameter, is
+    refused naming ``learning_rate`` (trial s24 M-6: the error named
+    hyperparameters.learning_rate_multiplier, which the request did not have)."""
+    for body, param in (({"learning_rate": "fast"}, "learning_rate"), ({"learning_rate": 5}, "learning_rate"),
+                        ({"hyperparameters": {"learning_rate": "fast"}}, "learning_rate")):
+        r = client.post("/v1/fine_tuning/jobs", json={"model": "stories260K",
+                                                      "training_file": file_id, **body})
+        assert r.status_code == 400, (body, r.text)
+        err = r.json()["error"]
+        assert err["param"] == param and err["message"].startswith("learning_rate: "), err
