@@ -28,6 +28,22 @@ def page_limit(value: object, default: int, most: int) -> int:
                                  f"{default}), not {shown!r}", "limit", "invalid_value")
 
 
+def after_cursor(items: list, ids: list[str], after: str | None, what: str) -> list:
+    """``items`` (with their ``ids``, in list order) after the one whose id is ``after`` (an
+    OpenAI-style cursor); all of them when ``after`` is None or blank.
+
+    Raises:
+        StudioError: not_found (field ``after``) when no listed item has that id (a deleted or
+            another user's object): a client paging on must not silently start over.
+    """
+    if after is None or not after.strip():
+        return items
+    if after not in ids:
+        raise StudioError("not_found", f"after: no {what} with id {after!r} to list after",
+                          "after")
+    return items[ids.index(after) + 1:]
+
+
 def page_order(value: str | None, default: str = "desc") -> str:
     """A list's ``order`` query parameter: "asc" or "desc" (``default`` when absent or blank).
 

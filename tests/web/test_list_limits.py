@@ -57,3 +57,19 @@ def test_files_order_is_asc_or_desc_and_anything_else_is_refused_naming_it(clien
         err = r.json()["error"]
         assert err["param"] == "order" and err["code"] == "invalid_value", err
         assert err["message"].startswith("order must be 'asc' or 'desc', not "), err
+
+
+def test_files_after_an_unknown_or_deleted_id_is_a_404_naming_after(client) -> None:
+    """Trial s24 M-5: ``after=<deleted file>`` answered the first page again (a client paging on
+    loops); ``/v1/fine_tuning/jobs`` already answered 404 for an unknown ``after``."""
+    first, second = _upload(client), _upload(client)
+    assert [f["id"] for f in client.get("/v1/files", params={"after": second}).json()["data"]][:1] \
+        == [first]
+    assert client.delete(f"/v1/files/{second}").status_code == 200
+    for after in (second, "file-nope"):
+        r = client.get("/v1/files", params={"after": after})
+        assert r.status_code == 404, r.text
+        err = r.json()["error"]
+        assert err["param"] == "after", err
+        assert err["message"] == f"after: no file with id {after!r} to list after", err
+    assert client.get("/v1/files", params={"after": ""}).status_code == 200

@@ -154,6 +154,9 @@ def test_checkpoints_trained_tokens_epochs_and_limits(oai, engine, settings):
     assert listed.data[0].fine_tuned_model_checkpoint.endswith(":ckpt-step-20")
     page2 = oai.fine_tuning.jobs.checkpoints.list(job.id, after=listed.data[0].id, limit=1)
     assert [c.step_number for c in page2.data] == [10] and page2.has_more
+    with pytest.raises(openai.NotFoundError) as exc:  # a deleted checkpoint: no silent restart
+        oai.fine_tuning.jobs.checkpoints.list(job.id, after="ftckpt-nope")
+    assert exc.value.body["param"] == "after"
 
     claimed = queue.claim(engine, "w", 60, kinds=["train"])
     assert queue.finish(engine, claimed.id, "w", {"tokens": 1234, "final_loss": 1.0})

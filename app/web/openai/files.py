@@ -18,7 +18,7 @@ from app.store.schema import Artifact, Dataset
 from app.studio import access
 from app.studio import datasets as datasets_uc
 from app.studio.datasets import is_under
-from app.studio.paging import page_limit, page_order
+from app.studio.paging import after_cursor, page_limit, page_order
 from app.studio.errors import StudioError
 from app.web.deps import CurrentUser, EngineDep, SettingsDep
 from app.web.errors import ApiError
@@ -60,9 +60,7 @@ def list_files(engine: EngineDep, user: CurrentUser, purpose: str | None = None,
         items = [d for d in items if d.purpose == purpose]
     if order == "asc":
         items.reverse()
-    if after:
-        ids = [d.id for d in items]
-        items = items[ids.index(after) + 1:] if after in ids else items
+    items = after_cursor(items, [d.id for d in items], after, "file")
     page = items[:limit]
     return {"object": "list", "data": [file_object(d) for d in page],
             "has_more": len(items) > len(page),

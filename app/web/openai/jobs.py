@@ -24,7 +24,7 @@ from app.store.specs import TrainSpec
 from app.studio import access, epochs
 from app.studio import runs as runs_uc
 from app.studio.datasets import is_under
-from app.studio.paging import page_limit
+from app.studio.paging import after_cursor, page_limit
 from app.studio.errors import StudioError
 from app.web.deps import CurrentUser, EngineDep, SettingsDep
 from app.web.errors import ApiError, request_json
@@ -219,9 +219,7 @@ def list_checkpoints(job_id: str, engine: EngineDep, settings: SettingsDep, user
     limit = page_limit(limit, 10, 100)
     model_name = job_object(engine, run)["model"]
     items = run_checkpoints(settings, run)
-    if after:
-        ids = [c["id"] for c in items]
-        items = items[ids.index(after) + 1:] if after in ids else items
+    items = after_cursor(items, [c["id"] for c in items], after, "checkpoint")
     page = items[:limit]
     for c in page:
         c["fine_tuned_model_checkpoint"] = (fine_tuned_model_id(model_name, run.id)
