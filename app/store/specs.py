@@ -81,7 +81,7 @@ class LoraTrainingFields(NumbersNotBooleans):
     r: int = Field(default=16, ge=1, le=1024)
     lora_alpha: int = Field(default=16, ge=1, le=4096)
     lora_dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
-    target_modules: list[str] = Field(default_factory=lambda: list(ALL_LINEAR), min_length=1)
+    target_modules: list[str] = Field(default_factory=lambda: list(ALL_LINEAR))  # _targets: >= 1
     use_rslora: bool = False
     load_in_4bit: bool = False
     learning_rate: float = Field(default=2e-4, ge=MIN_LEARNING_RATE, le=1.0)

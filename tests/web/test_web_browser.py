@@ -85,7 +85,8 @@ def test_validation_errors_are_visible_in_the_browser(page, client, app):
     for box in page.locator("input[name=target_modules]").all():
         box.uncheck()
     page.click("#run_form button[type=submit]")
-    expect(page.locator("#run_form fieldset.invalid .field-error")).to_contain_text("at least 1 item")
+    expect(page.locator("#run_form fieldset.invalid .field-error")).to_contain_text(
+        "name at least one module, e.g. q_proj")
     expect(page.locator("#run_form button[type=submit]")).to_be_enabled()
     assert page.url.endswith("/runs/new")
 

@@ -41,7 +41,7 @@ def test_run_form_validation_errors_show_next_to_fields(client):
     assert "Please fix the fields marked below." in html and "Traceback" not in html
     for msg in ("must be from 1 to 1,024, not &#39;0&#39;",
                 "must be a number from 1e-08 to 1, not &#39;abc&#39;", "must be one of linear",
-                "at least 1 item"):
+                "name at least one module, e.g. q_proj"):
         assert msg in html, msg
     assert html.count('class="field-error"') >= 4
     r = client.post("/runs", data=_form(client, ds, max_steps="0"))
