@@ -407,6 +407,15 @@ def get_artifact(engine: Engine, artifact_id: str) -> Artifact:
 
 
 # ---- exports (jobs of kind "export" attached to a run) ----------------------------------
+def live_run_jobs(engine: Engine, run_id: str) -> list[Job]:
+    """The run's queued and running jobs of every kind (its training, exports, checkpoint
+    evals, Playground sessions), oldest first."""
+    with session_scope(engine) as s:
+        q = select(Job).where(Job.run_id == run_id,
+                              Job.state.in_([JobState.QUEUED, JobState.RUNNING])).order_by(Job.id)
+        return list(s.exec(q).all())
+
+
 def list_run_jobs(engine: Engine, run_id: str, kind: str) -> list[Job]:
     """Jobs of one kind attached to a run (e.g. its exports), newest first."""
     with session_scope(engine) as s:

@@ -222,12 +222,17 @@ def model_config_entry(model_row: Model) -> dict[str, Any]:
             "source": model_row.source, "info": model_row.info}
 
 
-def training_arguments(args) -> dict[str, Any]:
+def training_arguments(args, saved=None) -> dict[str, Any]:
     """The scalar entries of a TrainingArguments (for config.json, a downloadable record: the
-    folders on the server, such as ``output_dir``, are left out)."""
-    return {k: v for k, v in args.to_dict().items()
-            if isinstance(v, (int, float, str, bool, type(None)))
-            and not (isinstance(v, str) and os.path.isabs(v))}
+    folders on the server, such as ``output_dir``, are left out). ``saved``: the job's
+    :func:`worker.checkpoints.recorder`, whose ``save_total_limit`` it shows (the recorder
+    applies it in the trainer's place)."""
+    out = {k: v for k, v in args.to_dict().items()
+           if isinstance(v, (int, float, str, bool, type(None)))
+           and not (isinstance(v, str) and os.path.isabs(v))}
+    if saved is not None and saved.keep is not None:
+        out["save_total_limit"] = saved.keep
+    return out
 
 
 def write_config(ctx: JobContext, run_id: str, run_dir: Path, config: dict[str, Any]) -> None:

@@ -85,6 +85,7 @@ def run(ctx: JobContext) -> dict[str, Any]:
     functions = build(spec, prompts.answer_column)
     scorer = grpo.Scorer(functions, spec.num_generations, spec.scale_rewards)
     args = grpo.grpo_config(spec, str(ckpt_dir), cuda, optim)
+    saved = checkpoints.recorder(ctx, run_id, model_row, args)  # rotates, keeping those in use
     trainable = common.log_lora(ctx, spec, model, "; rewards: " + ", ".join(
         f"{f.name}×{f.weight:g}" for f in functions))
     holder: dict[str, Any] = {}
@@ -96,8 +97,7 @@ def run(ctx: JobContext) -> dict[str, Any]:
                                       warn=lambda m: ctx.log(m, "warning"))
     trainer = grpo.make_trainer(model, tokenizer, held.train, args, scorer,
                                 spec.max_prompt_length,
-                                [callback, *([checkpoints.recorder(ctx, run_id, model_row)]
-                                             if main else [])],
+                                [callback, *([saved] if main else [])],
                                 on_log=ctx.log,
                                 check=ctx.check)
     holder["trainer"] = trainer
@@ -121,7 +121,7 @@ def run(ctx: JobContext) -> dict[str, Any]:
             "rewards": [{"name": f.name, "weight": f.weight} for f in functions],
             "device": gpu.device_name(),
             "trainable_parameters": trainable,
-            "training_arguments": common.training_arguments(args),
+            "training_arguments": common.training_arguments(args, saved),
         })
 
     # ---- train --------------------------------------------------------------------------------

@@ -96,7 +96,7 @@ def run(ctx: JobContext) -> dict[str, Any]:
                                      on_stop=lambda r: ctx.log(f"stopping training ({r})"))
     reporter, eval_cbs = eval_callbacks(spec, ctx.metric) if held.eval_dataset is not None \
         else (None, [])
-    saved = checkpoints.recorder(ctx, run_id, model_row)
+    saved = checkpoints.recorder(ctx, run_id, model_row, args)  # rotates, keeping those in use
     trainer = sft.make_trainer(model, tokenizer, held.train_dataset, args,
                                [callback, *([saved] if main else []), *eval_cbs],
                                eval_dataset=held.eval_dataset)
@@ -114,7 +114,7 @@ def run(ctx: JobContext) -> dict[str, Any]:
             "chat_template": {"name": chosen.name, "template": chosen.source},
             "device": gpu.device_name(),
             "trainable_parameters": trainable,
-            "training_arguments": common.training_arguments(args),
+            "training_arguments": common.training_arguments(args, saved),
         })
 
     # ---- train (resume from the newest checkpoint of an earlier attempt) ------------------
