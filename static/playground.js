@@ -233,6 +233,16 @@
     send({messages_by_side: Object.fromEntries(sides.map((s) => [s, history[s].slice()])),
           system: String(f.get("system") || ""), ...sampling}, false);
   });
+  // Leaving the page (the tab closed, another page opened) before the answer ended: nobody
+  // will read it. The studio stops it, and a session still waiting in the queue leaves it, so
+  // it neither loads the model nor holds a slot for nobody; a keepalive request outlives the
+  // page. (The prompt's id is known once its POST has answered.)
+  window.addEventListener("pagehide", () => {
+    if (!pending || !pending.id || !session) return;
+    fetch(`/api/playground/sessions/${session}/prompts/${encodeURIComponent(pending.id)}/leave`,
+      {method: "POST", keepalive: true, credentials: "same-origin", headers: {"X-CSRF-Token": csrf}})
+      .catch(() => {});
+  });
   document.getElementById("pg-clear").addEventListener("click", () => {
     if (pending) return;
     for (const s of sides) { history[s].length = 0; document.getElementById("pg-log-" + s).textContent = ""; document.getElementById("pg-stats-" + s).textContent = ""; }

@@ -415,6 +415,18 @@ def stop_prompt(engine: Engine, actor: User, session_id: int | str, request_id: 
     return cancel_prompt(engine, job.id, request_id)
 
 
+def leave_prompt(engine: Engine, actor: User, session_id: int | str, request_id: str) -> dict:
+    """The page that sent prompt ``request_id`` was closed or left before its answer ended:
+    the answer stops as :func:`stop_prompt`'s does, and a session still waiting in the queue
+    leaves it when no other prompt waits on it (:func:`abandon_prompt`), so a closed tab
+    neither loads a model nor holds a slot for nobody (trial s24 M-3). Returns
+    ``{"request_id", "session", "left_queue"}``. Raises StudioError not_found (another user's
+    session too, or no such prompt in it)."""
+    job = session(engine, actor, session_id)
+    return {"request_id": request_id, "session": job.id,
+            "left_queue": abandon_prompt(engine, job.id, request_id)}
+
+
 def context_note(t: Target) -> str:
     """One line on what the panes compare, for the page."""
     if t.target == "gguf":

@@ -97,3 +97,69 @@ def test_the_page_shows_the_place_and_keeps_it_up_to_date(server, client, engine
         events.append_many(engine, held, [("metric", {"step": 2, "eta_seconds": 180.0})])
         expect(status).to_contain_text(f"{REASON}; estimated start in 2 min", timeout=15_000)
         assert 170 <= _starts_in(status.text_content()) <= 180
+
+
+def _prompt(client, sid: int) -> str:
+    r = client.post(f"/api/playground/sessions/{sid}/prompts",
+                    json={"messages": [{"role": "user", "content": "Once upon a time"}]})
+    assert r.status_code == 202, r.text
+    return r.json()["request_id"]
+
+
+def test_leaving_a_waiting_sessions_prompt_takes_it_out_of_the_queue(client, engine):
+    """What a closed tab sends (trial s24 M-3: sessions of closed tabs stayed queued, then
+    loaded the model and held the slot for nobody): its prompt stops, and the session leaves
+    the queue once no other prompt waits on it."""
+    _busy_cpu_slot(client, engine, 600.0)
+    sid = client.post("/api/playground/sessions", json={"model": "stories260K"}).json()["id"]
+    first, second = _prompt(client, sid), _prompt(client, sid)  # two tabs on one session
+
+    r = client.post("/api/users", json={"name": "carol", "password": "member-password-1"})
+    assert r.status_code == 201
+    from tests.web.conftest import signed_in
+    with signed_in(client.app, "carol", "member-password-1") as carol:
+        assert carol.post(f"/api/playground/sessions/{sid}/prompts/{first}/leave"
+                          ).status_code == 404
+    r = client.post(f"/api/playground/sessions/{sid}/prompts/no-such-prompt/leave")
+    assert r.status_code == 404 and "no-such-prompt" in r.json()["error"]["message"]
+
+    r = client.post(f"/api/playground/sessions/{sid}/prompts/{first}/leave")
+    assert r.status_code == 200, r.text
+    assert r.json() == {"request_id": first, "session": sid, "left_queue": False}
+    assert queue.get_job(engine, sid).state == JobState.QUEUED  # the other tab still waits
+    cancels = [e.data["request_id"] for e in events.since(engine, sid, 0, 100, types=["cancel"])]
+    assert cancels == [first]
+
+    r = client.post(f"/api/playground/sessions/{sid}/prompts/{second}/leave")
+    assert r.json() == {"request_id": second, "session": sid, "left_queue": True}
+    assert queue.get_job(engine, sid).state == JobState.CANCELLED
+
+
+@pytest.mark.browser
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed")
+def test_a_page_left_while_its_session_waits_takes_it_out_of_the_queue(server, client, engine):
+    import time
+
+    from playwright.sync_api import expect
+
+    _busy_cpu_slot(client, engine, 600.0)
+    with browser_page(server) as page:
+        for leave in ("another page", "closing the tab"):
+            page.goto(f"{page.base}/playground?model=stories260K")
+            page.fill("#pg-prompt", "Once upon a time")
+            page.click("#pg-send")
+            expect(page.locator("#pg-status")).to_contain_text("Waiting for a free slot: 1st")
+            (sid,) = [j.id for j in queue.list_jobs(engine, JobState.QUEUED)
+                      if j.kind == "playground"]
+            deadline = time.monotonic() + 10
+            while not events.since(engine, sid, 0, 100, types=["prompt"]):
+                assert time.monotonic() < deadline, "the prompt was not sent"
+                time.sleep(0.1)
+            if leave == "another page":
+                page.goto(f"{page.base}/runs")
+            else:
+                page.close()
+            deadline = time.monotonic() + 10
+            while queue.get_job(engine, sid).state != JobState.CANCELLED:
+                assert time.monotonic() < deadline, f"{leave}: the session stayed queued"
+                time.sleep(0.1)

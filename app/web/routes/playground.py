@@ -91,6 +91,14 @@ def stop_prompt(session_id: str, request_id: str, engine: EngineDep, user: Curre
     return pg.stop_prompt(engine, user, session_id, request_id)
 
 
+@router.post("/api/playground/sessions/{session_id}/prompts/{request_id}/leave")
+def leave_prompt(session_id: str, request_id: str, engine: EngineDep, user: CurrentUser):
+    """The page that sent the prompt is gone (closed, or left for another page) before the
+    answer ended: the answer stops, and a session still waiting in the queue leaves it when no
+    other prompt waits on it. The page sends it as it unloads (a keepalive request)."""
+    return pg.leave_prompt(engine, user, session_id, request_id)
+
+
 @router.post("/api/playground/sessions/{session_id}/stop")
 def stop_session(session_id: str, engine: EngineDep, settings: SettingsDep, user: CurrentUser):
     """End the session now: its model is unloaded and its GPU slot freed."""
