@@ -95,18 +95,26 @@ def _estimated(job: Job, evs, recorded, window) -> dict[str, Any] | None:
 
 
 def training_time(engine: Engine, job: Job | None) -> dict[str, Any] | None:
-    """The run's training time in seconds: ``this_attempt`` (the segments of ``job``, the
-    run's current job), ``all_attempts`` (the sum over every segment of the run: the run's
-    total) and ``attempts`` (how many segments), rounded to 0.001 s; ``resumed`` when an
-    earlier attempt trained too; ``running`` while ``job`` runs (the figures are "so far").
-    Each of ``job``'s own attempts (claims) that recorded no segment (the one running now, or
-    one whose process was killed) counts as its step events show (:func:`_estimated`). A job
-    trained before segments were recorded counts its ``result.train_runtime`` as its one
-    segment. None when nothing was trained yet."""
+    """The run's training time in seconds: ``all_attempts`` (the sum over every segment of the
+    run: its total), ``attempts`` (how many segments: each stretch one process trained, a
+    resume's job or a claim of one after a restart) and ``this_attempt`` (the newest segment:
+    the one training now, else the last; what the run log's last "trained steps ..." line
+    says), rounded to 0.001 s; ``resumed`` when an earlier attempt trained too; ``running``
+    while ``job`` (the run's current job) runs (the figures are "so far"). Each of ``job``'s
+    own attempts (claims) that recorded no segment (the one running now, or one whose process
+    was killed) counts as its step events show (:func:`_estimated`). A job trained before
+    segments were recorded counts its ``result.train_runtime`` as its one segment. None when
+    nothing was trained yet.
+
+    (Trial s24 M-4: ``this_attempt`` summed every claim of the current job, so after two
+    restarts the page read "43 s over all 3 attempts (this attempt 43 s)".)"""
     if job is None:
         return None
     recorded = _recorded(engine, job)
-    segs = [seg for _, seg in recorded]
+    # (when: a recorded segment's end, an estimated one's start, segment): ordered by when
+    # they ran, since a segment's record is written as it ends and a claim starts after the
+    # one before it ended
+    timed: list[tuple[float, dict[str, Any]]] = list(recorded)
     running = job.state == JobState.RUNNING
     legacy = (job.result or {}).get("train_runtime")
     evs = None  # the job's metric and log events, read once if an attempt needs an estimate
@@ -120,12 +128,13 @@ def training_time(engine: Engine, job: Job | None) -> dict[str, Any] | None:
             evs = events.since(engine, job.id, 0, limit=1_000_000, types=["metric", "log"])
         est = _estimated(job, evs, recorded, window)
         if est is not None:
-            segs.append(est)
-    if not any(seg.get("job_id") == job.id for seg in segs) and isinstance(legacy, (int, float)):
-        segs.append({"job_id": job.id, "train_runtime": legacy})
-    if not segs:
+            timed.append((t0, est))
+    if not any(seg.get("job_id") == job.id for _, seg in timed) and isinstance(legacy, (int, float)):
+        timed.append((float("inf"), {"job_id": job.id, "train_runtime": legacy}))
+    if not timed:
         return None
-    this = sum(s["train_runtime"] for s in segs if s.get("job_id") == job.id)
-    total = sum(s["train_runtime"] for s in segs)
-    return {"this_attempt": round(this, 3), "all_attempts": round(total, 3),
-            "attempts": len(segs), "resumed": len(segs) > 1, "running": running}
+    timed.sort(key=lambda x: x[0])
+    total = sum(seg["train_runtime"] for _, seg in timed)
+    return {"this_attempt": round(timed[-1][1]["train_runtime"], 3),
+            "all_attempts": round(total, 3), "attempts": len(timed),
+            "resumed": len(timed) > 1, "running": running}

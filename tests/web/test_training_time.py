@@ -108,7 +108,7 @@ def test_a_killed_attempt_counts_and_the_running_one_keeps_counting(client, engi
     segment), the job was requeued and resumed from checkpoint-20, then that attempt stopped at
     27 recording its segment (its supervisor was killed), and the third claim trains on: the
     training time counts the killed attempt from its step events (20 s), the recorded one (7 s)
-    and the running one (16 s so far), not 7 s frozen."""
+    and the running one (16 s so far), not 7 s frozen; this attempt is the running one."""
     run_id, job = _running_run(client, engine)
     t0 = 1_700_000_000.0
     _steps(engine, job, range(1, 21), t0 + 1, 1.0)           # steps 1..20, 1 s each
@@ -126,7 +126,10 @@ def test_a_killed_attempt_counts_and_the_running_one_keeps_counting(client, engi
     _steps(engine, job, range(28, 36), t0 + 52, 2.0)         # 7 intervals of 2 s for steps 28..35
     _date_claims(engine, job, [t0, t0 + 30, t0 + 50])
     tt = client.get(f"/api/runs/{run_id}").json()["training_time"]
-    # 19 s between steps 1 and 20 scaled to 20 steps; 7 s recorded; 14 s for 7 intervals -> 8 steps
-    assert tt == {"this_attempt": 43.0, "all_attempts": 43.0, "attempts": 3, "resumed": True, "running": True}
-    assert ('Training time: <strong data-tick="43.0">43 s</strong> over all 3 attempts'
+    # 19 s between steps 1 and 20 scaled to 20 steps; 7 s recorded; 14 s for 7 intervals -> 8
+    # steps. This attempt is the running one alone (trial s24 M-4: it summed the job's claims,
+    # "43 s over all 3 attempts (this attempt 43 s)")
+    assert tt == {"this_attempt": 16.0, "all_attempts": 43.0, "attempts": 3, "resumed": True, "running": True}
+    assert ('Training time: <strong data-tick="43.0">43 s</strong> over all 3 attempts (this '
+            'attempt <span data-tick="16.0">16 s</span>) so far</p>'
             in client.get(f"/runs/{run_id}").text)

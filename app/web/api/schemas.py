@@ -103,8 +103,9 @@ class RunOut(BaseModel):
     artifacts: list[dict[str, Any]] | None = None
     training_time: dict[str, Any] | None = Field(
         default=None, description="seconds in training (single-run reads): all_attempts (the "
-        "run's total over every attempt of a resumed run), this_attempt (its current job), "
-        "attempts (segments trained), resumed, running (the job is training: the figures are so "
+        "run's total over every attempt), this_attempt (the newest attempt: the stretch one "
+        "process trains now, else the last), attempts (how many: a resume's job, or a claim of "
+        "one after a restart, each trains one), resumed, running (the job is training: the figures are so "
         "far, its own stretch up to its newest logged step) (app.studio.train_time)")
     resume: dict[str, Any] | None = Field(
         default=None, description="single-run reads: whether the caller can resume the run now, "
