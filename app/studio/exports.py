@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 from sqlalchemy.engine import Engine
+from sqlmodel import Session, select
 
 from app.settings import Settings
 from app.store import events, queue, repo
@@ -181,11 +182,27 @@ def _checkpoint_step(engine: Engine, run: Run, job: Job | None, asked) -> int | 
     return steps[0]
 
 
-def queue_export(engine: Engine, actor: User, run_id: str, body: dict[str, Any]) -> Job:
+def _same_export(run_id: str, payload: dict[str, Any]):
+    """The finder :func:`app.store.queue.enqueue_unless` runs: the run's queued or running
+    export (not being cancelled) of exactly ``payload``, or None."""
+    def find(s: Session) -> Job | None:
+        live = s.exec(select(Job).where(
+            Job.kind == "export", Job.run_id == run_id, Job.cancel_requested == False,  # noqa: E712
+            Job.state.in_([JobState.QUEUED, JobState.RUNNING])).order_by(Job.id)).all()
+        return next((j for j in live if j.payload == payload), None)
+    return find
+
+
+def queue_export(engine: Engine, actor: User, run_id: str,
+                 body: dict[str, Any]) -> tuple[Job, bool]:
     """Validate an export request (``format``, ``quantization`` as a list or a comma/space
     separated string, ``dtype``, ``checkpoint_step``) and queue its job. A succeeded run exports
     its final adapter; a cancelled or failed one the newest checkpoint the trainer saved (or
     the ``checkpoint_step`` asked for, which a succeeded run may name too).
+
+    Returns ``(job, reused)``: an export of the same run with the same settings already queued
+    or running is that job, not a second one (a double click, a client's retry; trial s24), the
+    look and the insert one write transaction.
 
     Raises:
         StudioError: not_found (unknown or another user's run), conflict (still training, or
@@ -218,12 +235,14 @@ def queue_export(engine: Engine, actor: User, run_id: str, body: dict[str, Any])
     payload = spec.model_dump(mode="json")
     if spec.format == "ollama":
         payload["model_name"] = ollama_model_name(run)
-    job = queue.enqueue(engine, "export", payload, run_id=run.id, priority=5, max_attempts=2,
-                        owner=run.owner)
-    audit.record(engine, actor.id, "export.created", "export", job.id, run=run.id,
-                 format=spec.format, quantization=spec.quantization,
-                 **({"checkpoint_step": step} if step else {}))
-    return job
+    job, reused = queue.enqueue_unless(engine, "export", payload, _same_export(run.id, payload),
+                                       run_id=run.id, priority=5, max_attempts=2,
+                                       owner=run.owner)
+    if not reused:
+        audit.record(engine, actor.id, "export.created", "export", job.id, run=run.id,
+                     format=spec.format, quantization=spec.quantization,
+                     **({"checkpoint_step": step} if step else {}))
+    return job, reused
 
 
 def slug(text: str, limit: int = 60, keep: str = "", unicode: bool = False) -> str:

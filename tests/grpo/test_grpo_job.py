@@ -105,7 +105,7 @@ def test_grpo_adapter_exports(studio):
 
     if "toy_run" not in studio:
         pytest.skip("needs the toy run")
-    job = queue_export(studio["engine"], studio["admin"], studio["toy_run"], {"format": "adapter"})
+    job, _ = queue_export(studio["engine"], studio["admin"], studio["toy_run"], {"format": "adapter"})
     studio["worker"].serve(once=True)
     job = queue.get_job(studio["engine"], job.id)
     assert job.state == JobState.SUCCEEDED, job.error

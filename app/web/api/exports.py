@@ -2,14 +2,15 @@
 events.
 
 ``POST /api/runs/{run_id}/exports`` with ``{"format", "quantization": str | [str], "dtype"?}``
-queues an ``export`` job and answers ``{"id", "status"}`` (201); ``GET /api/exports/{id}``
+queues an ``export`` job and answers ``{"id", "status"}`` (201; 200 with the one already queued
+or running when the same export is asked again); ``GET /api/exports/{id}``
 returns ``status``, ``error``, ``progress``, ``verification`` and ``files``;
 ``POST /api/exports/{id}/cancel`` stops one being built (409 once it ended);
 ``DELETE /api/exports/{id}`` deletes an export that has ended, with its files.
 """
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 from sse_starlette.sse import EventSourceResponse
 
 from app.studio import exports as exports_uc
@@ -23,9 +24,14 @@ router = APIRouter(prefix="/api", tags=["exports"])
 
 
 @router.post("/runs/{run_id}/exports", status_code=201, response_model=ExportQueued)
-async def create_export(run_id: str, request: Request, engine: EngineDep, user: CurrentUser):
+async def create_export(run_id: str, request: Request, response: Response, engine: EngineDep,
+                        user: CurrentUser):
+    """Queue an export (201); the same export of the run already queued or running is
+    answered as it is (200), not queued twice."""
     body = await json_object(request, 'a JSON object: {"format": ..., "quantization": ...}')
-    job = exports_uc.queue_export(engine, user, run_id, body)
+    job, reused = exports_uc.queue_export(engine, user, run_id, body)
+    if reused:
+        response.status_code = 200
     return ExportQueued(id=job.id, status=job.state)
 
 

@@ -36,7 +36,7 @@ async def exports_submit(request: Request, run_id: str, engine: EngineDep, user:
         values["quantization"] = []  # the form always posts its checkboxes
     error, field_errors = None, {}
     try:
-        exports_uc.queue_export(engine, user, run_id, values)
+        exports_uc.queue_export(engine, user, run_id, values)  # the same one live: reused
     except StudioError as exc:
         if exc.kind == "not_found":
             raise
