@@ -300,6 +300,19 @@ def user_for_api_key(engine: Engine, key: str) -> User | None:
     return user
 
 
+def disabled_owner(engine: Engine, key: str) -> bool:
+    """Whether the API key ``key`` is unrevoked but its account is disabled: what a refused
+    Bearer call is told instead of "invalid or revoked" (trial s24: a disabled member's script
+    could not tell a revoked key from a disabled account). Access tokens need no such check:
+    disabling an account ends its sign-ins."""
+    if not key or not key.startswith(KEY_PREFIX):
+        return False
+    with session_scope(engine) as s:
+        row = s.exec(select(ApiKey).where(ApiKey.key_hash == _sha(key))).first()
+        user = s.get(User, row.user_id) if row is not None and row.revoked_at is None else None
+    return user is not None and bool(user.disabled)
+
+
 # ---- sessions and access tokens -------------------------------------------------------------
 def new_token(engine: Engine, user: User, kind: str, hours: float) -> tuple[str, AuthToken]:
     """Start a ``session`` (browser cookie) or ``access`` (Bearer) sign-in lasting ``hours``.

@@ -20,7 +20,8 @@ SSE and streaming responses, and never reads a multipart upload's body) that, pe
    after signing out never shows a signed-in page or a new API key from the browser's cache).
 
 A Bearer value that is sent but matches no live API key or access token gets a 401 saying so
-("invalid or revoked ..."), in the surface's error shape, not the "sign in first" answer.
+("invalid or revoked ..."), in the surface's error shape, not the "sign in first" answer; an
+unrevoked API key of a disabled account is told that instead (code ``account_disabled``).
 """
 from __future__ import annotations
 
@@ -60,6 +61,7 @@ UNSAFE = ("POST", "PUT", "PATCH", "DELETE")
 NO_STORE = ("/login", "/setup", "/account")  # never cached, signed in or not
 SECURITY_HEADERS = {"X-Frame-Options": "DENY", "Content-Security-Policy": "frame-ancestors 'none'"}
 INVALID_BEARER = "invalid or revoked API key or access token"
+DISABLED_BEARER = "this account is disabled; ask an admin"
 
 
 def is_public(path: str) -> bool:
@@ -288,8 +290,11 @@ class AuthMiddleware:
         if user is None and presession:
             state["csrf_token"] = presession  # the sign-in form's hidden field
         if user is None and method == "bearer" and not is_public(path):
-            await error_response(request, 401, INVALID_BEARER,
-                                 code="invalid_api_key")(scope, receive, send)
+            disabled = await run_in_threadpool(accounts.disabled_owner, self.engine,
+                                               request.headers["authorization"][7:].strip())
+            await (error_response(request, 401, DISABLED_BEARER, code="account_disabled")
+                   if disabled else error_response(request, 401, INVALID_BEARER,
+                                                   code="invalid_api_key"))(scope, receive, send)
             return
         if user is None and not is_public(path):
             await self._anonymous(request)(scope, receive, send)

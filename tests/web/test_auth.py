@@ -163,10 +163,19 @@ def test_admin_may_revoke_any_key_and_a_disabled_user_is_out_at_once(client):
     engine = client.app.state.engine
     actor = accounts.authenticate(engine, "admin", ADMIN_PW)
     alice_id = client.get("/api/me", headers=alice).json()["id"]
+    live = client.post("/api/keys", json={"name": "k2"}, headers=alice).json()["key"]
     accounts.set_disabled(engine, actor, alice_id, True)
-    assert client.get("/api/me", headers=alice).status_code == 401
+    assert client.get("/api/me", headers=alice).status_code == 401  # her sign-ins ended
+    # her unrevoked key says why it stops working (trial s24: "invalid or revoked")
+    for path in ("/api/me", "/v1/models"):
+        r = client.get(path, headers={"Authorization": f"Bearer {live}"})
+        assert r.status_code == 401, r.text
+        assert (r.json()["error"]["message"], r.json()["error"]["code"]) == (
+            "this account is disabled; ask an admin", "account_disabled")
     r = client.post(LOGIN, data={"username": "alice", "password": "alice-password"})
     assert r.status_code == 401 and "disabled" in r.json()["error"]["message"]
+    accounts.set_disabled(engine, actor, alice_id, False)
+    assert client.get("/api/me", headers={"Authorization": f"Bearer {live}"}).status_code == 200
 
 
 def test_users_api_is_for_admins(client):
