@@ -66,16 +66,43 @@ def check_trainable(ds: Dataset, model: Model, spec) -> None:
     reason = first.get("message") or ""
     count = "its only row" if valid == 1 else f"all {valid:,} valid rows"
     row = f"; row {first['row']}: {untrained_cause(reason)}" if first.get("row") else ""
-    context = context_window(model)
-    if not reason.startswith(PAST_LENGTH):
-        advice = ("check the format and the chat template on the dataset's page, or set "
-                  "train_on_responses_only false to train on every token")
-    elif context and n >= context:
-        advice = (f"shorten the prompts: max_seq_length {n} is already {model.name}'s context "
-                  "window")
-    else:
-        advice = (f"raise max_seq_length (up to {context}) or shorten the prompts" if context
-                  else "raise max_seq_length or shorten the prompts")
     raise invalid("dataset", f"no row of dataset {ds.filename!r} has a trained token at "
                   f"max_seq_length {n} (its validation report with {model.name}'s tokenizer "
-                  f"and the {spec.chat_template_name} chat template: {count}{row}); {advice}")
+                  f"and the {spec.chat_template_name} chat template: {count}{row}); "
+                  f"{_advice(reason, n, model)}")
+
+
+def _advice(reason: str, n: int, model: Model | None) -> str:
+    """What to change when no row has a trained token at ``max_seq_length`` ``n`` (``reason``:
+    the first such row's report message)."""
+    context = context_window(model) if model is not None else None
+    if not reason.startswith(PAST_LENGTH):
+        return ("check the format and the chat template on the dataset's page, or set "
+                "train_on_responses_only false to train on every token")
+    if context and n >= context:
+        return (f"shorten the prompts: max_seq_length {n} is already {model.name}'s context "
+                "window")
+    return (f"raise max_seq_length (up to {context}) or shorten the prompts" if context
+            else "raise max_seq_length or shorten the prompts")
+
+
+def report_banner(report: dict[str, Any] | None, model: Model | None) -> str | None:
+    """What the dataset page says above an SFT validation ``report`` (the stored one, or one
+    made for the page's model, template and length; ``model`` the one chosen) in which no
+    valid row has a trained token: a run with those settings would be refused, so the page
+    says why and what to change rather than only "processed" (trial s24). None otherwise."""
+    report = report or {}
+    valid, n = report.get("valid_rows"), report.get("max_seq_length")
+    if report.get("format") == "prompts" or not report.get("tokenized") \
+            or not isinstance(valid, int) or valid < 1 or report.get("no_trained_tokens") != valid:
+        return None
+    first = (report.get("untrained") or [{}])[0]
+    reason = first.get("message") or ""
+    count = "its only valid row has no" if valid == 1 else f"none of its {valid:,} valid rows has a"
+    row = f" (row {first['row']}: {untrained_cause(reason)})" if first.get("row") else ""
+    with_what = f" with {report['tokenizer']}'s tokenizer" if report.get("tokenizer") else ""
+    template = f" and the {report['template_name']} chat template" \
+        if report.get("template_name") else ""
+    return (f"Nothing to train on with these settings: {count} trained token at "
+            f"max_seq_length {n}{with_what}{template}{row}, so a run with them is refused. "
+            f"To train: {_advice(reason, n if isinstance(n, int) else 0, model)}.")

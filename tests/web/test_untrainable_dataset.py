@@ -12,6 +12,7 @@ import pytest
 
 from app.store import repo
 from app.store.schema import Model
+from tests.conftest import SHARED_DATA as SHARED
 from tests.web.conftest import run_validations
 
 LONG = json.dumps({"instruction": "tell me a story " * 2000, "input": "",
@@ -92,3 +93,25 @@ def test_the_form_picker_says_no_row_is_trained(client, untrainable):
     option = label.split(f'<option value="{ds}"', 1)[1].split("</option>", 1)[0]
     assert "long.jsonl — SFT alpaca, 1 rows" in option
     assert option.endswith(" · no row has a trained token at max_seq_length 512")
+
+
+def test_its_page_says_so_above_the_report(client, untrainable):
+    """Trial s24: the page said "processed" and showed the figures, with no word that a run on
+    it would be refused; it now says so, and what to change, above the report (and the report
+    for other settings, which may train, has no such banner)."""
+    model, ds, tokens = untrainable
+    page = html.unescape(client.get(f"/datasets/{ds}").text)
+    banner = page.split('id="untrained-banner">', 1)[1].split("</div>", 1)[0]
+    assert banner == (
+        "Nothing to train on with these settings: its only valid row has no trained token at "
+        "max_seq_length 512 with tiny-ready's tokenizer and the chatml chat template (row 1: "
+        f"the answer starts past max_seq_length (512 tokens; the row has {tokens})), so a run "
+        "with them is refused. To train: shorten the prompts: max_seq_length 512 is already "
+        "tiny-ready's context window.")
+    # a dataset that trains: no banner
+    path = SHARED / "sft" / "identity_alpaca.json"
+    r = client.post("/datasets", files={"file": (path.name, path.read_bytes())},
+                    follow_redirects=False)
+    run_validations(client.app)
+    page = client.get(r.headers["location"]).text
+    assert "Valid rows" in page and "untrained-banner" not in page

@@ -10,7 +10,7 @@ from starlette.concurrency import run_in_threadpool
 
 from app.data.chat_template import DEFAULT_TEMPLATES
 from app.data.errors import DatasetError
-from app.studio import access, seqlen, validation
+from app.studio import access, seqlen, untrained, validation
 from app.studio import dataset_columns
 from app.studio import datasets as datasets_uc
 from app.studio.errors import StudioError
@@ -103,6 +103,7 @@ async def _report_ctx(request: Request, ds, model: str | None, chat_template: st
     except DatasetError as exc:
         ctx["report_error"] = str(exc)
     ctx["train_url"] = train_url(ds, chosen, ctx["report"], length)
+    ctx["untrained_banner"] = untrained.report_banner(ctx["report"], chosen)
     return ctx, 200
 
 
@@ -156,6 +157,7 @@ def _stored_ctx(request: Request, ds, **extra) -> dict:
             "models": datasets_uc.usable_models(engine, user), "selected_model": selected,
             "template_names": list(DEFAULT_TEMPLATES), "max_seq_length": length,
             "length_bounds": seqlen.length_bounds(), "train_url": train_url(ds, selected, report, length),
+            "untrained_banner": untrained.report_banner(report, selected),
             "mapping_form": dataset_columns.mapping_form(ds), **extra}
 
 
