@@ -110,10 +110,15 @@ def save_base(model, tok, folder: Path) -> Path:
 
 
 def train_run(root: Path, template: str, stem: str, answer: str, steps: int, *, model=None,
-              tok=None, new_token_ids: list[int] | None = None) -> Path:
+              tok=None, new_token_ids: list[int] | None = None,
+              learning_rate: float = 1e-2) -> Path:
     """Train ``root/base`` through the worker's SFT path (app.data encoding, PEFT LoRA on every
-    linear layer, the CPU trainer; lr 3e-2 constant) on six chat rows answered ``answer``;
-    returns ``root/run`` (``adapter/``, ``config.json``) as the train job leaves it.
+    linear layer, the CPU trainer; ``learning_rate`` constant) on six chat rows answered
+    ``answer``; returns ``root/run`` (``adapter/``, ``config.json``) as the train job leaves it.
+
+    1e-2: at 3e-2 the tiny Llama-3-style model's loss rose again after step 7 on one host's
+    vector units (to 9, ending at 2.2 after 30 steps: it answered 'HelloTYTY') while it
+    converged on others; new tokens' rows (``new_token_ids``) need the faster rate.
 
     ``model``/``tok``: a loaded base and tokenizer to train instead of the folder's (e.g. with
     tokens added, :mod:`worker.engine.new_tokens`; ``tok`` is then saved with the adapter and
@@ -127,7 +132,7 @@ def train_run(root: Path, template: str, stem: str, answer: str, steps: int, *, 
     data = root / "chat.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     spec = TrainSpec.model_validate(dict(
-        model="tiny", dataset="chat", r=8, lora_alpha=16, lora_dropout=0.0, learning_rate=3e-2,
+        model="tiny", dataset="chat", r=8, lora_alpha=16, lora_dropout=0.0, learning_rate=learning_rate,
         max_steps=steps, per_device_train_batch_size=6, warmup_ratio=0.0,
         lr_scheduler_type="constant", max_seq_length=256, save_steps=1000,
         target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",

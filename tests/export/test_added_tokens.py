@@ -46,7 +46,7 @@ def run(tmp_path_factory):
     assert ids == [len(base_tok), len(base_tok) + 1] and len(tok) == len(base_tok) + 2
     assert model.get_input_embeddings().weight.shape[0] == len(tok)
     run = train_run(root, template, "qwen", ANSWER, STEPS, model=model, tok=tok,
-                    new_token_ids=ids)
+                    new_token_ids=ids, learning_rate=3e-2)
     enc = edata.build_dataset(root / "chat.jsonl", root / "tokenizer", template, 256, True)
     assert enc.dataset[0]["input_ids"][0] == ids[0]  # training saw <|im_start|> as one token
     return run, tok, ids
