@@ -26,6 +26,8 @@ from app.studio.errors import StudioError, collect, invalid, not_found
 ROLES = ("admin", "member")
 TOKEN_KINDS = ("session", "access")
 KEY_PREFIX = "wk-"
+#: What a disabled account's sign-in and API keys are told (code ``account_disabled``).
+DISABLED = "this account is disabled; ask an admin"
 MIN_PASSWORD = 8
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,63}$")
 _BAD_LOGIN = "wrong user name or password"
@@ -151,7 +153,7 @@ def authenticate(engine: Engine, name: str, password: str) -> User:
         raise StudioError("unauthorized", _BAD_LOGIN)
     if user.disabled:
         audit.record(engine, user.id, "login.failed", "user", user.id, reason="disabled")
-        raise StudioError("unauthorized", "this account is disabled; ask an admin")
+        raise StudioError("unauthorized", DISABLED, code="account_disabled")
     if _hasher.check_needs_rehash(user.password_hash):
         _update_user(engine, user.id, password_hash=_hasher.hash(password))
     audit.record(engine, user.id, "login.succeeded", "user", user.id)

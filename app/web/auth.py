@@ -61,7 +61,6 @@ UNSAFE = ("POST", "PUT", "PATCH", "DELETE")
 NO_STORE = ("/login", "/setup", "/account")  # never cached, signed in or not
 SECURITY_HEADERS = {"X-Frame-Options": "DENY", "Content-Security-Policy": "frame-ancestors 'none'"}
 INVALID_BEARER = "invalid or revoked API key or access token"
-DISABLED_BEARER = "this account is disabled; ask an admin"
 
 
 def is_public(path: str) -> bool:
@@ -292,7 +291,7 @@ class AuthMiddleware:
         if user is None and method == "bearer" and not is_public(path):
             disabled = await run_in_threadpool(accounts.disabled_owner, self.engine,
                                                request.headers["authorization"][7:].strip())
-            await (error_response(request, 401, DISABLED_BEARER, code="account_disabled")
+            await (error_response(request, 401, accounts.DISABLED, code="account_disabled")
                    if disabled else error_response(request, 401, INVALID_BEARER,
                                                    code="invalid_api_key"))(scope, receive, send)
             return

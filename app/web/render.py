@@ -15,6 +15,7 @@ from fastapi import Request
 from fastapi.responses import HTMLResponse
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 
+from app.data.report import untrained_cause
 from app.web.deps import is_htmx
 
 TEMPLATES_DIR = Path(__file__).resolve().parents[2] / "templates"
@@ -66,6 +67,9 @@ env.filters["time"] = _fmt_time
 env.filters["bytes"] = _fmt_bytes
 env.filters["duration"] = _fmt_duration
 env.filters["num"] = _fmt_num
+# a report's "no trained token" reason without its advice (the page's banner gives the advice
+# that fits the model: "raise max_seq_length" is wrong once it is the model's context window)
+env.filters["untrained_cause"] = untrained_cause
 env.filters["tojson_compact"] = lambda v: json.dumps(v, separators=(",", ":"))
 
 

@@ -173,7 +173,8 @@ def test_admin_may_revoke_any_key_and_a_disabled_user_is_out_at_once(client):
         assert (r.json()["error"]["message"], r.json()["error"]["code"]) == (
             "this account is disabled; ask an admin", "account_disabled")
     r = client.post(LOGIN, data={"username": "alice", "password": "alice-password"})
-    assert r.status_code == 401 and "disabled" in r.json()["error"]["message"]
+    assert r.status_code == 401 and (r.json()["error"]["message"], r.json()["error"]["code"]) \
+        == ("this account is disabled; ask an admin", "account_disabled")
     accounts.set_disabled(engine, actor, alice_id, False)
     assert client.get("/api/me", headers={"Authorization": f"Bearer {live}"}).status_code == 200
 

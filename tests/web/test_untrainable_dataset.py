@@ -108,6 +108,10 @@ def test_its_page_says_so_above_the_report(client, untrainable):
         f"the answer starts past max_seq_length (512 tokens; the row has {tokens})), so a run "
         "with them is refused. To train: shorten the prompts: max_seq_length 512 is already "
         "tiny-ready's context window.")
+    # the row's own line gives the cause, not advice that contradicts the banner's
+    why = page.split('id="untrained-rows">', 1)[1].split("</table>", 1)[0]
+    assert (f"<td>1</td><td>the answer starts past max_seq_length (512 tokens; the row has "
+            f"{tokens})</td>") in why and "raise max_seq_length" not in why
     # a dataset that trains: no banner
     path = SHARED / "sft" / "identity_alpaca.json"
     r = client.post("/datasets", files={"file": (path.name, path.read_bytes())},
