@@ -255,7 +255,7 @@ MEMORY_PURPOSE = {"train": "training", "grpo": "training", "evaluate": "evaluati
 
 def memory_words(allocated_gib: float | None, kind: str | None = "train",
                  admitted_gib: float | None = None,
-                 margin: float | None = None) -> dict[str, Any] | None:
+                 margin: float | None = None, on_gpu: bool = True) -> dict[str, Any] | None:
     """How every page (run form, run page, queue) says a job's estimated GPU memory, so that
     they agree: ``allocated_gib`` (torch's allocator peak, GiB, as stored on the job) plus the
     CUDA context (:data:`CUDA_CONTEXT_GIB`), which lives outside the allocator.
@@ -267,9 +267,22 @@ def memory_words(allocated_gib: float | None, kind: str | None = "train",
     part is for. ``admitted_gib`` (what admission holds of a slot for the job,
     :func:`app.store.admission.need_gib`, computed there and only there) with ``margin`` (the
     ``gpu_admit_margin`` it was computed with) gives ``admitted``, e.g. ``"admitted as 0.6 GiB
-    (0.07 GiB + 25% admission margin + 0.5 GiB CUDA context)"``; None without them."""
+    (0.07 GiB + 25% admission margin + 0.5 GiB CUDA context)"``; None without them.
+
+    ``on_gpu`` False: the job runs (or, on a box without a GPU, will run) on a CPU slot, one
+    job at a time in host memory, so no GPU, CUDA context or admission margin applies: the
+    words say what the estimate is, e.g. ``short`` "0.07 GiB estimated", ``parts`` "the GPU
+    estimate for training; a CPU slot runs it in host memory" (trial s25: a CPU box's queue
+    read "0.6 GiB on the GPU ... + 0.5 GiB CUDA context")."""
     if allocated_gib is None:
         return None
+    if not on_gpu:
+        what = MEMORY_PURPOSE.get(kind, "the job") if kind else "the job"
+        short = f"{allocated_gib:.2f} GiB estimated"
+        parts = f"the GPU estimate for {what}; a CPU slot runs it in host memory"
+        return {"total_gib": round(allocated_gib, 4), "allocated_gib": allocated_gib,
+                "context_gib": 0.0, "short": short, "parts": parts,
+                "text": f"{short} ({parts})", "admitted": None}
     total = allocated_gib + CUDA_CONTEXT_GIB
     what = MEMORY_PURPOSE.get(kind, "the job") if kind else "the job"
     short = f"{total:.1f} GiB on the GPU"

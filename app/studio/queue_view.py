@@ -250,15 +250,17 @@ def queue_view(engine: Engine, settings: Settings, actor: User,
             spans[job.id] = planned if planned is not None else typical.get(job.kind)
         return spans[job.id]
 
-    def slot_of(job: Job, need, **extra: Any) -> JobSlot:
+    def slot_of(job: Job, need, on_gpu: bool = True, **extra: Any) -> JobSlot:
+        """The job's row; ``on_gpu`` False: it runs (or will run) on a CPU slot."""
         owner = run_owner.get(job.run_id, job.owner) if job.run_id else job.owner
         if access.can_see(actor, owner):
             return JobSlot(True, job.id, job.run_id, job.kind, names.get(owner, owner), need,
                            run_name=run_name.get(job.run_id),
-                           memory=memory_words(job.estimate_gib, job.kind, need, snap.margin),
+                           memory=memory_words(job.estimate_gib, job.kind, need, snap.margin,
+                                               on_gpu),
                            **extra)
         return JobSlot(False, None, None, None, None, need, **extra,
-                       memory=memory_words(job.estimate_gib, None, need, snap.margin))
+                       memory=memory_words(job.estimate_gib, None, need, snap.margin, on_gpu))
 
     gpus, holds, sessions = [], {}, []
     for slot in slots:
@@ -270,7 +272,8 @@ def queue_view(engine: Engine, settings: Settings, actor: User,
             if job.kind != "playground":  # a session has no typical length: it yields
                 eta = seconds_left(job, eta, span_of(job), t)
             holds[slot.id].append((job.admitted_gib or 0.0, t + eta if eta is not None else None))
-            view.running.append(slot_of(job, job.admitted_gib, eta_seconds=eta))
+            view.running.append(slot_of(job, job.admitted_gib, slot.capacity_gib is not None,
+                                        eta_seconds=eta))
             if job.kind == "playground":
                 sessions.append((view, view.running[-1], job))
         gpus.append(view)
@@ -379,8 +382,9 @@ def queue_view(engine: Engine, settings: Settings, actor: User,
                     holds[when[0]].append((need, t + start + span if span else None))
                 if on_cpu_slot and cpu_free:
                     cpu_ahead += 1
-        row = slot_of(job, need, reason=reason, start_in_seconds=start, position=pos,
-                      front=job.front_at is not None)
+        # a box whose slots are all CPU slots runs it on one (no GPU words)
+        row = slot_of(job, need, not (slots and largest_cap is None), reason=reason,
+                      start_in_seconds=start, position=pos, front=job.front_at is not None)
         if not row.visible and quota:
             held = admission.hold_kind(owner)
             row.reason = admission.HELD_ANONYMOUS[held] if held else "over its owner's quota"

@@ -68,7 +68,15 @@ def test_cpu_only_queue_gives_true_reasons_and_estimates(app, client, engine) ->
     assert 230 <= cpu["waiting"][0]["start_in_seconds"] <= 240
     assert cpu["waiting"][1]["start_in_seconds"] is None  # no validation has finished yet
 
+    # memory in CPU words, running and waiting (trial s25: "0.6 GiB on the GPU (... + 0.5 GiB
+    # CUDA context)" beside "cpu slot (2 cores, one job at a time)")
+    (slot,) = data["gpus"]
+    for row in (slot["running"][0], wait):
+        assert (row["memory"]["short"], row["memory"]["parts"], row["memory"]["admitted"]) == (
+            "0.60 GiB estimated", "the GPU estimate for training; a CPU slot runs it in host "
+            "memory", None)
     page = client.get("/queue").text
+    assert "CUDA context" not in page and "on the GPU" not in page
     assert "behind 1 job: the CPU slot (no GPU) runs one job at a time" in page
     assert "no GPU has room" not in page and "unknown" in page
     assert 'id="cpu-lane"' in page and f"job {check.id}" in page and "in 9 min" in page
