@@ -90,11 +90,14 @@ def held_steps(engine, run_id: str) -> dict[int, Any]:
 
 
 def rotate(engine, run_id: str, ckpt_dir: Path, keep: int,
-           on_keep: Callable[[int, Any], None] | None = None) -> list[str]:
+           on_keep: Callable[[int, Any], None] | None = None,
+           best: str | None = None) -> list[str]:
     """Apply ``save_total_limit = keep`` to the ``checkpoint-<step>`` folders of ``ckpt_dir``:
-    remove all but the ``keep`` newest, except those :func:`held_steps` names, which stay (each
-    reported to ``on_keep(step, job)``) until a save after their job has ended. Returns the
-    names of the folders removed. ``keep`` < 1 keeps every checkpoint."""
+    remove all but the ``keep`` newest, except ``best`` (the trainer's best checkpoint folder,
+    which ``load_best_model_at_end`` loads; the trainer's own rotation keeps it too) and those
+    :func:`held_steps` names, which stay (each reported to ``on_keep(step, job)``) until a save
+    after their job has ended. Returns the names of the folders removed. ``keep`` < 1 keeps
+    every checkpoint."""
     if keep < 1 or not ckpt_dir.is_dir():
         return []
     found = sorted(((int(m.group(1)), p) for p in ckpt_dir.iterdir()
@@ -103,6 +106,8 @@ def rotate(engine, run_id: str, ckpt_dir: Path, keep: int,
     held = held_steps(engine, run_id) if older else {}
     removed = []
     for step, path in older:
+        if best is not None and Path(best).name == path.name:
+            continue
         if step in held:
             if on_keep is not None:
                 on_keep(step, held[step])
@@ -113,12 +118,14 @@ def rotate(engine, run_id: str, ckpt_dir: Path, keep: int,
 
 
 def record(engine, run_id: str, job_id: int, step: int, folder: Path, model=None,
-           keep: int | None = None, on_keep: Callable[[int, Any], None] | None = None) -> None:
+           keep: int | None = None, on_keep: Callable[[int, Any], None] | None = None,
+           best: str | None = None) -> None:
     """Record a checkpoint the trainer just saved as an ``Artifact(kind="checkpoint")`` of the
     run (``meta.step``; ``path`` the folder), so a cancelled or failed run can be exported from
     its newest one. With ``model`` (the base's row) the folder's ``adapter_config.json`` names
     the base as others load it (:func:`worker.jobs.card.make_portable`), not a server path.
-    With ``keep`` the run's checkpoints are then rotated (:func:`rotate`, ``on_keep`` its).
+    With ``keep`` the run's checkpoints are then rotated (:func:`rotate`, ``on_keep`` and
+    ``best`` its).
 
     The rows of the run's checkpoints whose folder is gone are deleted here: the run's
     listings show only checkpoints that can still be used."""
@@ -134,7 +141,7 @@ def record(engine, run_id: str, job_id: int, step: int, folder: Path, model=None
                                        name=folder.name, path=str(folder), bytes=size,
                                        meta={"step": step}))
     if keep is not None:
-        rotate(engine, run_id, folder.parent, keep, on_keep)
+        rotate(engine, run_id, folder.parent, keep, on_keep, best)
     gone = [a.id for a in repo.list_artifacts(engine, run_id, "checkpoint")
             if not Path(a.path).is_dir()]
     repo.delete_artifacts(engine, gone)
@@ -161,8 +168,8 @@ def recorder(ctx, run_id: str, model=None, args=None):
             ctx.log(f"checkpoint-{step} is kept past save_total_limit={keep}: {what} {job.id} "
                     "uses it (it is removed at the first save after that job ends)")
 
-    callback = checkpoint_callback(lambda step, folder: record(
-        ctx.engine, run_id, ctx.job.id, step, folder, model, keep, kept))
+    callback = checkpoint_callback(lambda step, folder, best: record(
+        ctx.engine, run_id, ctx.job.id, step, folder, model, keep, kept, best))
     callback.keep = keep  # the limit it applies (None: the trainer's own), for the run's record
     return callback
 

@@ -78,3 +78,36 @@ def test_make_portable_rewrites_the_card_peft_writes(tmp_path: Path) -> None:
     assert (d / "README.md").read_text() == ("---\nbase_model: stories260K\nlibrary_name: peft\n"
                                              "tags:\n- base_model:adapter:stories260K\n- lora\n"
                                              f"---\n{base}-v2 is another model\n")
+
+
+def test_rotation_keeps_the_best_checkpoint_and_those_live_jobs_use(tmp_path: Path) -> None:
+    """The job's rotation (worker.checkpoints.rotate, in the trainer's place) keeps the newest
+    2, the trainer's best checkpoint (``load_best_model_at_end`` loads it at the end, as the
+    trainer's own rotation keeps it) and the one a queued Playground session names; once the
+    session has ended, the next rotation removes that one."""
+    from app.store import queue
+    from app.store.db import make_engine
+    from app.store.migrate import upgrade
+    from worker.checkpoints import rotate
+
+    url = f"sqlite:///{tmp_path / 'w.db'}"
+    upgrade(url)
+    engine = make_engine(url)
+    root = tmp_path / "checkpoints"
+    for step in (1, 2, 3, 4, 5, 6):
+        _checkpoint(root, step)
+    session = queue.enqueue(engine, "playground", {"run_id": "r", "checkpoint_step": 3},
+                            run_id="r")
+    queue.enqueue(engine, "train", {"checkpoint_step": 1}, run_id="r")  # its own: no hold
+    queue.enqueue(engine, "export", {"checkpoint_step": 2}, run_id="other")  # another run's
+    kept = []
+    removed = rotate(engine, "r", root, 2, lambda step, job: kept.append((step, job.id)),
+                     best=str(root / "checkpoint-2"))
+    assert removed == ["checkpoint-4", "checkpoint-1"]
+    assert kept == [(3, session.id)]
+    assert sorted(p.name for p in root.iterdir()) == [
+        "checkpoint-2", "checkpoint-3", "checkpoint-5", "checkpoint-6"]
+    assert queue.cancel(engine, session.id).state == "cancelled"
+    assert rotate(engine, "r", root, 2) == ["checkpoint-3", "checkpoint-2"]
+    assert rotate(engine, "r", root, 0) == []  # no limit: nothing removed
+    engine.dispose()

@@ -9,16 +9,18 @@ from pathlib import Path
 from typing import Any
 
 
-def checkpoint_callback(on_save: Callable[[int, Path], None]):
-    """A TrainerCallback that calls ``on_save(step, folder)`` each time the trainer has written a
-    checkpoint (``<output_dir>/checkpoint-<step>``, at ``save_steps`` and on shutdown)."""
+def checkpoint_callback(on_save: Callable[[int, Path, str | None], None]):
+    """A TrainerCallback that calls ``on_save(step, folder, best)`` each time the trainer has
+    written a checkpoint (``<output_dir>/checkpoint-<step>``, at ``save_steps`` and on
+    shutdown); ``best`` is the trainer's ``state.best_model_checkpoint`` (the folder of the best
+    eval loss so far, which ``load_best_model_at_end`` loads at the end), or None."""
     from transformers import TrainerCallback
 
     class CheckpointCallback(TrainerCallback):
         def on_save(self, args, state, control, **kw):
             folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
             if folder.is_dir():
-                on_save(state.global_step, folder)
+                on_save(state.global_step, folder, state.best_model_checkpoint)
             return control
 
     return CheckpointCallback()
