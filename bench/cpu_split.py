@@ -1,11 +1,17 @@
 """Where the CPU's time goes in a training step, without a profiler: wall-clock accumulators
 wrapped around the engine's functions (about 1 us of overhead per call).
 
-    python3 bench/cpu_split.py qlora 2048 2 [--budget GiB] [--no-offload]
+    python3 bench/cpu_split.py qlora 2048 2 [--budget GiB] [--no-offload] [--rows 8] [--cprofile 40]
 
 Same model and step as bench/train_step.py; after 3 warm-up steps, 3 steps are measured. Prints per
 step: the forward's and backward's issue time (CPU) and GPU time, and for each wrapped function its
 calls and CPU ms (inclusive: nested wrapped functions count in both).
+
+``--rows N``: padding-free steps as the worker's default job runs them: one sequence of N rows of
+real-like lengths (bench/warmup_probe.py's lognormal draw, median ~240, clipped to SEQ), positions
+restarting at each row; each measured step is a different draw (``seq`` and ``bs`` then only cap a
+row's length). ``--cprofile K``: also run the measured steps under cProfile (slower; its times are
+relative) and print the K functions with the most own time.
 """
 from __future__ import annotations
 
@@ -49,6 +55,8 @@ def main(argv=None):
     ap.add_argument("bs", type=int)
     ap.add_argument("--budget", type=float, default=None)
     ap.add_argument("--no-offload", action="store_true")
+    ap.add_argument("--rows", type=int, default=0)
+    ap.add_argument("--cprofile", type=int, default=0)
     a = ap.parse_args(argv)
     pm = build(a.config, a.budget, not a.no_offload)
     pm.train()
@@ -71,7 +79,13 @@ def main(argv=None):
     wrap(lora_ops, "_group_bwd")
     wrap(lora_ops, "_lora_dy")
     wrap(lora_ops, "_base_dx")
-    wrap(lora_ops, "make_casts")
+    try:  # the batched casts (session 26); before them lora_ops.make_casts ran per group
+        from worker.engine import lora_casts
+        wrap(lora_casts.CastPlan, "begin", "CastPlan.begin")
+        wrap(lora_casts, "make_casts")
+        wrap(lora_casts._Group, "refresh", "_Group.refresh")
+    except ImportError:
+        wrap(lora_ops, "make_casts")
     wrap(knf4, "nf4_fwd")
     from worker.engine import quant
     wrap(quant, "dense_weights")
@@ -91,13 +105,27 @@ def main(argv=None):
     engine.attn_block, engine.mlp_block = patch.attn_block, patch.mlp_block
 
     opt = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], lr=2e-4, fused=True)
-    ids = torch.randint(0, 4000, (a.bs, a.seq), device="cuda")
     phases = collections.defaultdict(float)
+    if a.rows:
+        from warmup_probe import lengths
+        plan = lengths(6, a.rows, a.seq)
+    else:
+        plan = [None] * 6
+    tokens = []
 
-    def step(record):
+    def batch(rows):
+        if rows is None:
+            ids = torch.randint(0, 4000, (a.bs, a.seq), device="cuda")
+            return dict(input_ids=ids, labels=ids)
+        ids = torch.randint(0, 4000, (1, sum(rows)), device="cuda")
+        pos = torch.cat([torch.arange(n, device="cuda") for n in rows])[None]
+        return dict(input_ids=ids, position_ids=pos, labels=ids)
+
+    def step(record, rows):
+        kw = batch(rows)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        out = pm(input_ids=ids, labels=ids)
+        out = pm(**kw)
         t1 = time.perf_counter()
         torch.cuda.synchronize()
         t2 = time.perf_counter()
@@ -110,24 +138,37 @@ def main(argv=None):
         torch.cuda.synchronize()
         t5 = time.perf_counter()
         if record:
+            tokens.append(kw["input_ids"].numel())
             for k, v in (("forward issue", t1 - t0), ("forward GPU", t2 - t0),
                          ("backward issue", t3 - t2), ("backward GPU", t4 - t2),
                          ("optimizer", t5 - t4)):
                 phases[k] += v
 
-    for _ in range(3):
-        step(False)
+    for rows in plan[:3]:
+        step(False, rows)
     ACC.clear()
     n = 3
-    for _ in range(n):
-        step(True)
-    print(f"## {a.config} {a.seq}x{a.bs} budget={a.budget} offload={not a.no_offload} (per step)")
+    for rows in plan[3:]:
+        step(True, rows)
+    shape = f"{a.rows} rows padding-free (T {tokens})" if a.rows else f"{a.seq}x{a.bs}"
+    print(f"## {a.config} {shape} budget={a.budget} offload={not a.no_offload} (per step)")
     print("| phase | ms |\n|---|---|")
     for k, v in phases.items():
         print(f"| {k} | {v * 1e3 / n:.1f} |")
     print("\n| function | calls | CPU ms | us per call |\n|---|---|---|---|")
     for k, (c, t) in sorted(ACC.items(), key=lambda kv: -kv[1][1]):
         print(f"| {k} | {c // n} | {t * 1e3 / n:.1f} | {t * 1e6 / max(c, 1):.1f} |")
+    if a.cprofile:
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.enable()
+        for rows in plan[3:]:
+            step(False, rows)
+        prof.disable()
+        print(f"\n### cProfile, {n} steps, by own time")
+        pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(a.cprofile)
 
 
 if __name__ == "__main__":

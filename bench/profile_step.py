@@ -1,6 +1,7 @@
 """Where a step's GPU time goes: torch.profiler over the bench model, kernels grouped by kind.
 
     python3 bench/profile_step.py train qlora 2048 2     # one SFT step (after 3 warm-up steps)
+    ROWS=8 python3 bench/profile_step.py train qlora 2048 1  # padding-free: 8 real-like row lengths
     python3 bench/profile_step.py gen qlora 256 8 64     # generate: 8 rows, 256-token prompt, 64 new
                                                          # (engine decoder; FAST=0: HF's generate)
     python3 bench/profile_step.py time qlora 1024 16 256  # wall ms per decoded token, no profiler
@@ -117,10 +118,20 @@ def train(config: str, seq: int, bs: int) -> None:
     pm.train()
     params = [p for p in pm.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=2e-4, fused=True)
-    ids = torch.randint(0, 4000, (bs, seq), device="cuda")
+    rows = int(os.environ.get("ROWS", "0"))
+    if rows:  # padding-free: one sequence of ROWS real-like row lengths (bench/warmup_probe.py)
+        from warmup_probe import lengths
+        lens = lengths(1, rows, seq)[0]
+        ids = torch.randint(0, 4000, (1, sum(lens)), device="cuda")
+        kw = dict(input_ids=ids, labels=ids,
+                  position_ids=torch.cat([torch.arange(n, device="cuda") for n in lens])[None])
+        print(f"padding-free: {rows} rows, lengths {lens}, T {sum(lens)}")
+    else:
+        ids = torch.randint(0, 4000, (bs, seq), device="cuda")
+        kw = dict(input_ids=ids, labels=ids)
 
     def step():
-        out = pm(input_ids=ids, labels=ids)
+        out = pm(**kw)
         out.loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
