@@ -163,3 +163,41 @@ def launch(kernel, grid, *args, **kw):
     c_launch(grid[0], grid[1] if g > 1 else 1, grid[2] if g > 2 else 1,
              _raw_stream(dev), function, coop, pdl, None, None, meta, None, None,
              None, *vals, *tail)
+
+
+def bound(kernel, grid, args, kw, slot: int):
+    """A launcher of one fixed call whose only changing argument is the tensor at ``slot``:
+    ``run(ptr) -> bool`` launches ``kernel`` on ``grid`` with ``args`` / ``kw``, ``args[slot]``
+    replaced by the device address ``ptr`` (an int; the caller's tensor must have the dtype and the
+    16-byte alignment of ``args[slot]``, the only things Triton specialises a tensor on), on the
+    current stream. It returns False, launching nothing, when the direct path does not apply at
+    call time (a launch hook was set, another device is current): the caller then launches through
+    :func:`launch`.
+
+    Returns None when the direct path does not apply to this call at all (the conditions of
+    :func:`launch`) or when this specialisation has not been launched through :func:`launch` yet.
+    Why: a frozen NF4 weight is dequantised ~600 times a training step with the same arguments but
+    its output; binding them once skips the key, the plan lookup and the argument list, ~60 % of
+    the launch's host time (bench/RESULTS.md, session 26)."""
+    if not FAST_LAUNCH or INTERPRET or callable(grid):
+        return None
+    dev = torch.cuda.current_device()
+    spec = spec_key(args, kw, dev)
+    plan = _PLANS.get((kernel, spec)) if spec is not None else None
+    if plan is None or plan is _NO_PLAN:
+        return None
+    c_launch, function, meta, coop, pdl, tail = plan
+    vals = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
+    pre, post = tuple(vals[:slot]), tuple(vals[slot + 1:]) + tail
+    g = len(grid)
+    g0, g1, g2 = grid[0], grid[1] if g > 1 else 1, grid[2] if g > 2 else 1
+    current = torch.cuda.current_device
+
+    def run(ptr: int) -> bool:
+        if current() != dev or _hooks_set():
+            return False
+        c_launch(g0, g1, g2, _raw_stream(dev), function, coop, pdl, None, None, meta, None, None,
+                 None, *pre, ptr, *post)
+        return True
+
+    return run

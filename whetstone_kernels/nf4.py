@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from ._common import INTERPRET, check_impl
+from .launch import bound as launch_bound
 from .launch import launch
 from .nf4_ref import NF4State, nf4_code, nf4_dequantize_ref, nf4_linear_ref, nf4_state_from_bnb
 
@@ -126,17 +127,29 @@ def nf4_fwd(packed: torch.Tensor, state, dtype: torch.dtype | None = None, out: 
     (default NF4_PACK; an ``out`` not aligned to two elements always takes the interleaved store)."""
     st = _as_state(state)
     dtype = dtype or st.dtype
+    if out is None:
+        out = torch.empty(st.shape, dtype=dtype, device=packed.device)
+    call = _dequant_call(packed, st, out, elems, num_warps, pack)
+    if call is not None:
+        launch(_nf4_dequant_kernel, call[0], *call[1], **call[2])
+    return out
+
+
+def _dequant_call(packed, st: NF4State, out, elems=None, num_warps=None, pack=None):
+    """(grid, args, kw) of the dequantisation of ``packed`` into ``out`` (see :func:`nf4_fwd`),
+    or None for an empty weight. Raises ValueError for a blocksize or ``elems`` that is not a
+    power of two."""
     n = 1
     for s in st.shape:
         n *= int(s)
-    if out is None:
-        out = torch.empty(st.shape, dtype=dtype, device=packed.device)
     bs = st.blocksize
     if bs < 2 or bs & (bs - 1):
         raise ValueError("blocksize must be a power of two")
     elems = elems or NF4_ELEMS
     if elems < 1 or elems & (elems - 1):
         raise ValueError("elems must be a power of two")
+    if not n:
+        return None
     size = out.element_size()
     pack = (NF4_PACK if pack is None else pack) and out.data_ptr() % (2 * size) == 0
     nested = st.nested
@@ -146,13 +159,52 @@ def nf4_fwd(packed: torch.Tensor, state, dtype: torch.dtype | None = None, out: 
     n_blocks = -(-n // bs)
     rows = max(1, elems // bs)
     kwargs = {} if INTERPRET else {"enable_fp_fusion": False}
-    if n:
-        launch(_nf4_dequant_kernel, (-(-n_blocks // rows),),
-               packed, absmax, st.absmax2 if nested else dummy, st.code2 if nested else dummy,
-               offset if nested else dummy, _code(packed.device), out, n, (n + 1) // 2, n_blocks,
-               BLOCKSIZE=bs, BLOCKSIZE2=st.blocksize2 if nested else 1, NESTED=nested, ROWS=rows, HALF=bs // 2,
-               PACK=pack, BITS=8 * size, ODD=pack and n % 2 == 1, num_warps=num_warps or NF4_WARPS, **kwargs)
-    return out
+    args = (packed, absmax, st.absmax2 if nested else dummy, st.code2 if nested else dummy,
+            offset if nested else dummy, _code(packed.device), out, n, (n + 1) // 2, n_blocks)
+    kw = dict(BLOCKSIZE=bs, BLOCKSIZE2=st.blocksize2 if nested else 1, NESTED=nested, ROWS=rows,
+              HALF=bs // 2, PACK=pack, BITS=8 * size, ODD=pack and n % 2 == 1,
+              num_warps=num_warps or NF4_WARPS, **kwargs)
+    return (-(-n_blocks // rows),), args, kw
+
+
+_OUT_SLOT = 6  # OUT's place in _nf4_dequant_kernel's arguments
+
+
+def nf4_dequantizer(packed: torch.Tensor, state, dtype: torch.dtype | None = None):
+    """A callable ``() -> W`` that dequantises ``packed`` (with ``state``) into a new
+    [out, in] tensor of ``dtype``, exactly as :func:`nf4_fwd` does, with the launch's arguments
+    bound once (:func:`whetstone_kernels.launch.bound`): per call one ``torch.empty`` and one
+    launch, none of nf4_fwd's argument work. For a weight dequantised again and again with the
+    same buffers (a frozen base: forward, recompute and backward of every step).
+
+    The callable holds the buffers' addresses, not the tensors: it is valid while ``packed`` and
+    the state's tensors live unchanged (the caller re-makes it when they move). Each call falls
+    back to :func:`nf4_fwd` when the direct launch does not apply then (a launch hook, another
+    current device, an output address not 16-byte aligned). Returns (callable, W of this first
+    call, through nf4_fwd); the callable is nf4_fwd itself where binding does not apply (the
+    interpreter, no direct path, an empty weight)."""
+    st = _as_state(state)
+    dtype = dtype or st.dtype
+    first = nf4_fwd(packed, st, dtype)  # registers the launch plan (and compiles) if need be
+
+    def slow():
+        return nf4_fwd(packed, st, dtype)
+
+    call = _dequant_call(packed, st, first)
+    run = None if call is None or first.data_ptr() % 16 else \
+        launch_bound(_nf4_dequant_kernel, call[0], call[1], call[2], _OUT_SLOT)
+    if run is None:
+        return slow, first
+    shape, device = st.shape, packed.device
+
+    def fast():
+        w = torch.empty(shape, dtype=dtype, device=device)
+        p = w.data_ptr()
+        if p % 16 or not run(p):
+            nf4_fwd(packed, st, dtype, out=w)
+        return w
+
+    return fast, first
 
 
 def nf4_bwd(dy: torch.Tensor, packed: torch.Tensor, state) -> torch.Tensor:

@@ -103,3 +103,71 @@ def test_launch_hooks_see_every_launch(monkeypatch):
     finally:
         triton.knobs.runtime.launch_enter_hook.remove(hook)
     assert len(seen) == 3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bound_dequantizer_is_bit_identical_and_launches_directly(monkeypatch, dtype):
+    """nf4_dequantizer's callable gives nf4_fwd's bits call after call, each into a new tensor,
+    through the bound launch (no spec_key), on the stream that is current at the call."""
+    from whetstone_kernels.nf4 import nf4_dequantizer
+
+    monkeypatch.setattr(L, "FAST_LAUNCH", True)
+    g = torch.Generator(device=DEV).manual_seed(1)
+    packed, st = nf4_quantize_ref(torch.randn(1024, 384, device=DEV, dtype=dtype, generator=g))
+    want = nf4_fwd(packed, st, dtype)
+    fn, first = nf4_dequantizer(packed, st, dtype)
+    keys = []
+    monkeypatch.setattr(L, "spec_key", lambda *a, **k: keys.append(1))
+    outs = [fn() for _ in range(3)]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        outs.append(fn())
+    side.synchronize()
+    torch.cuda.synchronize()
+    assert not keys   # no key built: the bound path ran
+    assert len({o.data_ptr() for o in outs[:3]}) == 3
+    for o in [first] + outs:
+        assert o.shape == (1024, 384) and o.dtype == dtype and torch.equal(o, want)
+
+
+def test_bound_dequantizer_steps_aside_for_launch_hooks(monkeypatch):
+    from whetstone_kernels.nf4 import nf4_dequantizer
+
+    monkeypatch.setattr(L, "FAST_LAUNCH", True)
+    packed, st = nf4_quantize_ref(torch.randn(256, 128, device=DEV))
+    fn, first = nf4_dequantizer(packed, st, torch.bfloat16)
+    seen = []
+
+    def hook(meta):
+        seen.append(1)
+    triton.knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        w = fn()
+        torch.cuda.synchronize()
+    finally:
+        triton.knobs.runtime.launch_enter_hook.remove(hook)
+    assert len(seen) == 1 and torch.equal(w, first)
+
+
+def test_nf4_linear_rebinds_when_its_buffers_are_replaced():
+    """NF4Linear.dequant keeps one bound dequantiser per dtype and makes a new one when its
+    buffers are replaced (here: new packed data, as _apply / a reload would), never reading the
+    old buffers."""
+    from worker.engine.quant import NF4Linear
+
+    g = torch.Generator(device=DEV).manual_seed(2)
+    w1 = torch.randn(128, 256, device=DEV, dtype=torch.bfloat16, generator=g)
+    w2 = torch.randn(128, 256, device=DEV, dtype=torch.bfloat16, generator=g)
+    p1, s1 = nf4_quantize_ref(w1)
+    p2, s2 = nf4_quantize_ref(w2)
+    lin = NF4Linear(p1, s1.absmax, s1.shape, torch.bfloat16, offset=s1.offset, absmax2=s1.absmax2,
+                    code2=s1.code2, impl="triton")
+    a, b = lin.dequant(), lin.dequant()
+    assert torch.equal(a, nf4_fwd(p1, s1)) and torch.equal(a, b)
+    assert list(lin._dequantizers) == [torch.bfloat16]
+    lin.packed, lin.absmax, lin.absmax2, lin.offset = p2, s2.absmax, s2.absmax2, s2.offset.reshape(())
+    c = lin.dequant()
+    assert torch.equal(c, nf4_fwd(p2, s2)) and not torch.equal(c, a)
+    assert torch.equal(lin.dequant(torch.float32), nf4_fwd(p2, s2, torch.float32))
+    assert lin.dequants == 4

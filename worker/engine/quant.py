@@ -18,7 +18,10 @@ in forward and again in backward. Memory: 0.5 byte a weight + 1 byte per 64 (+ 4
 Generation cache (:mod:`worker.engine.gencache`): ``cache_dense()`` keeps one dense W [out, in] in
 the original dtype (bf16 on GPU: 2 bytes a weight) until ``drop_dense()``; while it is held,
 ``forward`` and ``dequant`` use it instead of dequantising. ``dequants`` counts the dequantisations
-this module ran (tests assert decode does not re-dequantise per token).
+this module ran (tests assert decode does not re-dequantise per token). On CUDA with the Triton
+kernels each dtype's dequantisation is launched through a callable bound to the module's buffers
+(``whetstone_kernels.nf4.nf4_dequantizer``: one allocation and one launch a call), re-made when the
+buffers are replaced.
 """
 from __future__ import annotations
 
@@ -47,6 +50,7 @@ class NF4Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.impl = impl
         self._dense: torch.Tensor | None = None
+        self._dequantizers: dict = {}  # dtype -> (the buffers it was bound to, callable)
         self.dequants = 0
 
     @property
@@ -70,7 +74,18 @@ class NF4Linear(nn.Module):
         if self._dense is not None:
             return self._dense if self._dense.dtype == dtype else self._dense.to(dtype)
         self.dequants += 1
-        return nf4_dequantize(self.packed, self.state(), dtype, impl=self.impl)
+        if self.impl != "triton" or not self.packed.is_cuda:
+            return nf4_dequantize(self.packed, self.state(), dtype, impl=self.impl)
+        bufs = (self.packed, self.absmax, self.absmax2, self.code2, self.offset)
+        bound = self._dequantizers.get(dtype)
+        if bound is not None and all(a is b for a, b in zip(bound[0], bufs)):
+            return bound[1]()
+        from whetstone_kernels.nf4 import nf4_dequantizer
+
+        # the launch bound to these buffers (re-made when one is replaced: .to(), _apply)
+        fn, w = nf4_dequantizer(self.packed, self.state(), dtype)
+        self._dequantizers[dtype] = (bufs, fn)
+        return w
 
     def cache_dense(self) -> int:
         """Dequantise once and keep W (original dtype) until :meth:`drop_dense`; returns bytes."""
