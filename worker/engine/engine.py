@@ -40,6 +40,7 @@ from typing import Any, Callable
 import torch
 
 from worker.engine import checkpointing as ckpt
+from worker.engine.lora_casts import CastPlan
 from worker.engine.patch import (ArchSpec, Unsupported, arch_spec, attn_block, mlp_block, norm,
                                  run_layer, step_inputs)
 
@@ -58,6 +59,7 @@ class EngineState:
     kept_layers: int = 0
     fused_calls: int = 0
     notes: list[str] = field(default_factory=list)
+    cast_plan: CastPlan = field(default_factory=CastPlan)
 
 
 def default_impl() -> str:

@@ -9,7 +9,7 @@ b, LoRA A [r, in], B [out, r] and scale s (alpha/r, or alpha/sqrt(r) with rsLoRA
 
 :class:`LoRAProjFunction` runs N projections that read the same X (q, k, v together; gate and up;
 o alone). In the order the GPU does it (:func:`_group_fwd`, :func:`_group_bwd`), with the group's
-weights cast once per model forward (:class:`CastCache`: A = [A_1; ...; A_N] [sum r, in] and
+weights cast once per model forward (:class:`~worker.engine.lora_casts.CastCache`: A = [A_1; ...; A_N] [sum r, in] and
 s_p B_p in the compute dtype, shared by the forward, the recompute and the backward):
 
     XA = X A^T [T, sum r] (one GEMM, one pass over X);  Y_p = [R +] XA_p (s_p B_p)^T (small-K
@@ -49,6 +49,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from worker.engine.lora_casts import CastCache, Casts, make_casts  # noqa: F401 (re-exported)
 
 
 @dataclass(eq=False)
@@ -105,46 +107,6 @@ def _mm_to(a, b, dtype):
     if a.is_cuda and _MM_OUT_DTYPE and dtype == torch.float32:
         return torch.mm(a, b, out_dtype=dtype)
     return (a @ b).to(dtype)
-
-
-@dataclass(eq=False)
-class Casts:
-    """One projection group's LoRA weights in the compute dtype: ``A`` [sum r, in] = [A_1; ...]
-    and ``Bs[p]`` = s_p B_p [out_p, r_p] (None for a projection without LoRA); ``ranks`` [r_p]."""
-
-    A: torch.Tensor | None
-    Bs: list
-    ranks: list
-
-
-def make_casts(projs, pairs, dtype) -> Casts:
-    """:class:`Casts` of ``projs`` (their (A, B) ``pairs``) in ``dtype``; a fp32 weight in fp32 is
-    used as is (no copy)."""
-    As = [A.to(dtype) for p, (A, _) in zip(projs, pairs) if p.has_lora]
-    Bs = [None if not p.has_lora else (B * p.scale if p.scale != 1.0 else B).to(dtype)
-          for p, (_, B) in zip(projs, pairs)]
-    A = (torch.cat(As) if len(As) > 1 else As[0]) if As else None
-    return Casts(A, Bs, [a.shape[0] for a in As])
-
-
-class CastCache:
-    """Compute-dtype :class:`Casts` of each projection group, made once per model forward.
-
-    One instance lives in the forward's :class:`~worker.engine.patch.StepInputs`, so a layer's
-    forward, its checkpointed recompute and its backward share one copy (the weights cannot change
-    between a forward and its backward); the next forward starts a new cache after the optimizer
-    step. Memory: the LoRA weights once in the compute dtype (84 MB for Llama-8B r=16, bf16).
-    """
-
-    def __init__(self):
-        self._d: dict = {}
-
-    def get(self, projs, pairs, dtype) -> Casts:
-        key = (dtype, tuple(id(p.base) for p in projs), tuple(id(A) for A, _ in pairs))
-        c = self._d.get(key)
-        if c is None:
-            c = self._d[key] = make_casts(projs, pairs, dtype)
-        return c
 
 
 def _casts(cache, projs, pairs, dtype) -> Casts:

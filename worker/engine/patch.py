@@ -264,4 +264,5 @@ def step_inputs(model, arch: ArchSpec, h, position_ids, attention_mask,
     masks = {t: seg if seg is not None and arch.windows.get(t) is None else
              build_mask(position_ids, attention_mask, S, arch.windows.get(t), h.device, kind)
              for t in set(arch.layer_types)}
-    return StepInputs(rope, masks)
+    plan = getattr(getattr(model, "_whetstone", None), "cast_plan", None)
+    return StepInputs(rope, masks, CastCache(plan))
