@@ -259,6 +259,14 @@ class Supervisor:
             return {s.id for c in self.children if c.orphan_since is not None
                     and c.proc.poll() is None for s in c.slot_list()}
 
+    def claims(self) -> list[tuple[int, str, tuple[str, ...]]]:
+        """``(job id, lease owner, slot ids)`` of every child still running: admission re-checks
+        them inside its transaction (:func:`app.store.queue.admit`), so a job reaped after
+        :meth:`orphan_slots` looked does not free its slot while its process lives."""
+        with self._lock:
+            return [(c.job_id, c.owner, tuple(s.id for s in c.slot_list()))
+                    for c in self.children if c.proc.poll() is None]
+
     def admit_all(self) -> int:
         """Admit onto every slot as many jobs as fit now; returns how many were admitted."""
         n = 0
@@ -269,7 +277,7 @@ class Supervisor:
                 job = queue.admit(self.engine, slot,
                                   self.settings.lease_seconds + CHILD_START_SECONDS, self.kinds,
                                   self.settings.gpu_admit_margin, self.settings.fair_share_hours,
-                                  peers=free)
+                                  peers=free, claims=self.claims())
                 if job is None:
                     break
                 self.spawn(slot, job)

@@ -26,7 +26,7 @@ from typing import Any
 
 from sqlalchemy import func, or_, text
 from sqlalchemy.engine import Engine
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 
 from app.store import admission, events
 from app.store.db import is_sqlite, session_scope
@@ -202,7 +202,8 @@ ADMISSION_LOCK = 0x57480015
 
 def admit(engine: Engine, slot: admission.Slot, lease_seconds: float, kinds: Collection[str],
           margin: float, fair_share_hours: float,
-          peers: Collection[admission.Slot] = ()) -> Job | None:
+          peers: Collection[admission.Slot] = (),
+          claims: Collection[tuple[int, str, Collection[str]]] = ()) -> Job | None:
     """Claim for GPU ``slot`` the first queued job of ``kinds`` in admission order that fits
     beside the jobs running there and whose owner is within quota (:mod:`app.store.admission`),
     or return None. ``margin`` and ``fair_share_hours`` are the settings'
@@ -216,10 +217,20 @@ def admit(engine: Engine, slot: admission.Slot, lease_seconds: float, kinds: Col
     :func:`reap`'s ``restarted_prefix``). ``peers``: the other slots of the supervisor, which a
     data-parallel job (``num_gpus`` > 1) takes together with ``slot``; its ``gpu_slot`` lists
     them all, comma-separated (:func:`app.store.admission.slot_ids`), ``admitted_gib`` is per GPU.
+
+    ``claims``: ``(job id, lease owner, slot ids)`` of each job process the caller still has
+    running. A slot one of them is on admits nothing when that job is no longer running under
+    that owner (reaped or ended while its process lives on: its memory is in use although no
+    row counts it). Read inside this transaction, so a reap that lands between the caller's own
+    look at its processes and this admission cannot hand the slot on (trial s22 F12's race).
     """
     with session_scope(engine, immediate=True) as s:
         if not is_sqlite(engine):
             s.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": ADMISSION_LOCK})
+        held = _orphaned_slots(s, claims)
+        if slot.id in held:
+            return None
+        peers = [p for p in peers if p.id not in held]
         t = now()
         snap = admission.snapshot(s, t, kinds, margin, fair_share_hours)
         choice = admission.pick(snap, slot, peers)
@@ -241,6 +252,17 @@ def admit(engine: Engine, slot: admission.Slot, lease_seconds: float, kinds: Col
         _state_event(s, job.id, JobState.RUNNING, worker=owner, attempt=job.attempts,
                      gpu=job.gpu_slot, admitted_gib=need)
         return job
+
+
+def _orphaned_slots(s: Session, claims) -> set[str]:
+    """The slot ids of ``claims`` (``(job id, lease owner, slot ids)``) whose job is no longer
+    running under that owner (see :func:`admit`)."""
+    claims = list(claims)
+    if not claims:
+        return set()
+    rows = s.exec(select(Job).where(col(Job.id).in_([c[0] for c in claims]))).all()
+    live = {(j.id, j.lease_owner) for j in rows if j.state == JobState.RUNNING}
+    return {sid for job_id, owner, sids in claims if (job_id, owner) not in live for sid in sids}
 
 
 def move_to_front(engine: Engine, job_id: int) -> Job:

@@ -231,3 +231,42 @@ def test_a_disabled_or_paused_owners_waiting_jobs_are_held_by_the_claim(url: str
         assert got == {b.id, c.id}
     finally:
         eng.dispose()
+
+
+def test_a_reaped_jobs_live_process_holds_its_slot_inside_the_admission(url: str) -> None:
+    """Trial s22 F12's race (seen again as a flake of test_supervisor_admission): the supervisor
+    looks at its processes, the reaper then fails a job whose process still runs, and the
+    admission that follows must not hand that slot on. The claims the supervisor passes are
+    checked inside the admission's transaction (SQLite and Postgres): the slot admits nothing
+    while the reaped job's process is claimed, the other slot admits, and a multi-GPU job does
+    not take the held slot as a peer; once the process is gone (no claim) the slot admits."""
+    from sqlalchemy import update
+
+    eng = make_engine(url)
+    try:
+        s0, s1 = Slot("h-gpu0", "h", 0, 22.0, 24.0), Slot("h-gpu1", "h", 1, 22.0, 24.0)
+        for s in (s0, s1):
+            gpu_slot_row(eng, s)
+        u = add_user(eng, "bob")
+        stuck = queue.enqueue(eng, "train", {}, owner=u.id, estimate_gib=6.0, max_attempts=1)
+        got = queue.admit(eng, s0, 300, ["train"], 0.1, 24.0)
+        assert got.id == stuck.id
+        owner = got.lease_owner
+        live = [(stuck.id, owner, (s0.id,))]
+        nxt = queue.enqueue(eng, "train", {}, owner=u.id, estimate_gib=18.0)
+        # its lease ran out: the reaper fails it (its process, claimed above, still runs)
+        with session_scope(eng) as s:
+            s.exec(update(Job).where(Job.id == stuck.id).values(lease_expires_at=now() - 1))
+        assert queue.reap(eng) == [(stuck.id, JobState.FAILED)]
+        assert queue.admit(eng, s0, 300, ["train"], 0.1, 24.0, claims=live) is None
+        assert queue.get_job(eng, nxt.id).state == JobState.QUEUED
+        # a job still running under its owner holds nothing: s1's claim does not stop s1
+        ok = queue.admit(eng, s1, 300, ["train"], 0.1, 24.0, peers=[s0, s1], claims=live)
+        assert ok.id == nxt.id and ok.gpu_slot == s1.id
+        # without the claim (the process exited) s0 admits again
+        again = queue.enqueue(eng, "train", {}, owner=u.id, estimate_gib=6.0)
+        assert queue.admit(eng, s0, 300, ["train"], 0.1, 24.0, claims=live) is None
+        mine = [(ok.id, ok.lease_owner, (s1.id,))]
+        assert queue.admit(eng, s0, 300, ["train"], 0.1, 24.0, claims=mine).id == again.id
+    finally:
+        eng.dispose()
