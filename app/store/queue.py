@@ -222,7 +222,8 @@ def admit(engine: Engine, slot: admission.Slot, lease_seconds: float, kinds: Col
     running. A slot one of them is on admits nothing when that job is no longer running under
     that owner (reaped or ended while its process lives on: its memory is in use although no
     row counts it). Read inside this transaction, so a reap that lands between the caller's own
-    look at its processes and this admission cannot hand the slot on (trial s22 F12's race).
+    look at its processes and this admission cannot hand the slot on (trial s22 F12's race;
+    :func:`reap` takes the same lock).
     """
     with session_scope(engine, immediate=True) as s:
         if not is_sqlite(engine):
@@ -477,6 +478,8 @@ def reap(engine: Engine, restarted: str | None = None, gone: Collection[str] = (
     t0 = time.monotonic()
     with session_scope(engine, immediate=True) as s:
         s.execute(text("SELECT 1"))  # takes the write lock (BEGIN IMMEDIATE) before the clock
+        if not is_sqlite(engine):  # serial with admissions, as SQLite's write lock makes it
+            s.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": ADMISSION_LOCK})
         t = now()
         waited = time.monotonic() - t0
         for job in candidates(s, t - grace - waited):
