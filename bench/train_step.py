@@ -8,6 +8,13 @@ steps after 2 warm-ups; peak = ``torch.cuda.max_memory_allocated()`` (reset afte
 
     python3 bench/train_step.py qlora 2048 2 8 [--budget 40]    # one configuration, one process
     python3 bench/train_step.py lora 2048 2 8
+    python3 bench/train_step.py qlora 2048 1 40 --rows 8   # padding-free, as the default job runs
+
+``--rows N``: each step is one sequence of N rows of real-like lengths (bench/warmup_probe.py's
+lognormal draw, median ~240, each at most SEQ; positions restart per row), as the worker's default
+job packs a micro-batch; a fixed draw of 8 steps' lengths is cycled, so two trees see the same
+steps. tokens_per_s is then the tokens of the steps after the first pass over those 8 (its
+warm-up) over their summed time (steps differ in length), ``step_s`` their mean. bench/ab_call.sh alternates two trees' runs of this mode.
 
 Prints ``RESULT {json}`` and appends the row to $OUT/train_step.jsonl with the fields of
 ../shared/bench/anchors.py plus bench="train_step", impl="whetstone", config, vram_budget_gib, device,
@@ -94,7 +101,7 @@ def _gc_timer() -> list:
     return acc
 
 
-def run(config: str, seq: int, bs: int, steps: int, budget, offload: bool) -> dict:
+def run(config: str, seq: int, bs: int, steps: int, budget, offload: bool, rows: int = 0) -> dict:
     import torch
 
     t_load = time.time()
@@ -110,16 +117,25 @@ def run(config: str, seq: int, bs: int, steps: int, budget, offload: bool) -> di
         gc.freeze()
     gc_s = _gc_timer()
     g = torch.Generator(device="cuda").manual_seed(1)
-    batches = [torch.randint(0, 4000, (bs, seq), device="cuda", generator=g) for _ in range(4)]
+    if rows:
+        from bench.warmup_probe import lengths
+
+        plans = lengths(8, rows, seq)
+        batches = [dict(input_ids=torch.randint(0, 4000, (1, sum(ls)), device="cuda", generator=g),
+                        position_ids=torch.cat([torch.arange(n, device="cuda") for n in ls])[None])
+                   for ls in plans]
+    else:
+        batches = [dict(input_ids=torch.randint(0, 4000, (bs, seq), device="cuda", generator=g))
+                   for _ in range(4)]
     mem_after_load = torch.cuda.memory_allocated() / 2**30
     torch.cuda.reset_peak_memory_stats()
     times, losses, gc_ms, issue = [], [], [], []
     for step in range(steps):
         gc_s[0], gc_s[1] = 0.0, 0
-        ids = batches[step % len(batches)]
+        kw = batches[step % len(batches)]
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        out = pm(input_ids=ids, labels=ids)
+        out = pm(**kw, labels=kw["input_ids"])
         out.loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -130,10 +146,10 @@ def run(config: str, seq: int, bs: int, steps: int, budget, offload: bool) -> di
         losses.append(float(out.loss))
     # diagnostic after the timed steps: the CPU's issue time vs the GPU's time, forward and
     # backward apart (a phase whose issue time is about its GPU time is CPU-bound)
-    ids = batches[0]
+    kw = batches[0]
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    out = pm(input_ids=ids, labels=ids)
+    out = pm(**kw, labels=kw["input_ids"])
     phases = [time.perf_counter() - t0]
     torch.cuda.synchronize()
     phases.append(time.perf_counter() - t0)
@@ -146,10 +162,18 @@ def run(config: str, seq: int, bs: int, steps: int, budget, offload: bool) -> di
     timed = sorted(times[2:])
     med = timed[len(timed) // 2]
     tps = bs * seq / med
+    if rows:  # steps differ in length: tokens over time, after one pass over the 8 lengths
+        warm = len(batches)     # (a new longest step pins new offload blocks: warm-up, not steady)
+        if steps <= warm:
+            raise SystemExit(f"--rows needs more than {warm} steps (the first {warm} warm up)")
+        toks = [batches[i % warm]["input_ids"].numel() for i in range(warm, steps)]
+        med = sum(times[warm:]) / len(times[warm:])
+        tps = sum(toks) / sum(times[warm:])
     flops = flops_per_token(seq) * tps
     kept = pm.get_base_model()._whetstone.kept_layers
     return dict(
         cfg=f"whetstone_{config}", seq=seq, bs=bs, steps=steps, step_s=round(med, 4),
+        rows=rows or None, step_tokens=[b["input_ids"].numel() for b in batches] if rows else None,
         tokens_per_s=round(tps, 1), tflops=round(flops / 1e12, 1),
         mfu_vs_790=round(flops / 790e12, 3),
         peak_alloc_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
@@ -177,8 +201,12 @@ def main(argv=None):
     ap.add_argument("steps", type=int)
     ap.add_argument("--budget", type=float, default=None, help="VRAM budget in GiB")
     ap.add_argument("--no-offload", action="store_true")
+    ap.add_argument("--rows", type=int, default=0,
+                    help="padding-free steps of ROWS real-like row lengths (module docstring)")
     a = ap.parse_args(argv)
-    res = run(a.config, a.seq, a.bs, a.steps, a.budget, not a.no_offload)
+    if a.rows and a.bs != 1:
+        ap.error("--rows packs one sequence a step: bs must be 1")
+    res = run(a.config, a.seq, a.bs, a.steps, a.budget, not a.no_offload, a.rows)
     print("RESULT", json.dumps(res), flush=True)
     out = os.environ.get("OUT", "/tmp")
     with open(os.path.join(out, "train_step.jsonl"), "a") as fh:
