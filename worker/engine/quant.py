@@ -87,6 +87,12 @@ class NF4Linear(nn.Module):
         self._dequantizers[dtype] = (bufs, fn)
         return w
 
+    def _apply(self, fn, *args, **kwargs):
+        # .to() / .cuda() / .float() replace the buffers: forget the dequantisers bound to the old
+        # ones (they hold them, so they would keep the old GPU memory alive until the next call)
+        self._dequantizers = {}
+        return super()._apply(fn, *args, **kwargs)
+
     def cache_dense(self) -> int:
         """Dequantise once and keep W (original dtype) until :meth:`drop_dense`; returns bytes."""
         if self._dense is None:
