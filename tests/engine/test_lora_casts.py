@@ -94,4 +94,3 @@ def test_groups_without_lora_and_no_plan_use_make_casts():
     lora = _group([8], [2.0])
     plain = CastCache()
     _same(plain.get(*lora, torch.bfloat16), make_casts(*lora, torch.bfloat16))
-
