@@ -107,7 +107,7 @@ def main(argv=None):
     opt = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], lr=2e-4, fused=True)
     phases = collections.defaultdict(float)
     if a.rows:
-        from warmup_probe import lengths
+        from warmup_probe import lengths, positions
         plan = lengths(6, a.rows, a.seq)
     else:
         plan = [None] * 6
@@ -118,8 +118,7 @@ def main(argv=None):
             ids = torch.randint(0, 4000, (a.bs, a.seq), device="cuda")
             return dict(input_ids=ids, labels=ids)
         ids = torch.randint(0, 4000, (1, sum(rows)), device="cuda")
-        pos = torch.cat([torch.arange(n, device="cuda") for n in rows])[None]
-        return dict(input_ids=ids, position_ids=pos, labels=ids)
+        return dict(input_ids=ids, position_ids=positions(rows), labels=ids)
 
     def step(record, rows):
         kw = batch(rows)

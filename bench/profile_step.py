@@ -120,11 +120,10 @@ def train(config: str, seq: int, bs: int) -> None:
     opt = torch.optim.AdamW(params, lr=2e-4, fused=True)
     rows = int(os.environ.get("ROWS", "0"))
     if rows:  # padding-free: one sequence of ROWS real-like row lengths (bench/warmup_probe.py)
-        from warmup_probe import lengths
+        from warmup_probe import lengths, positions
         lens = lengths(1, rows, seq)[0]
         ids = torch.randint(0, 4000, (1, sum(lens)), device="cuda")
-        kw = dict(input_ids=ids, labels=ids,
-                  position_ids=torch.cat([torch.arange(n, device="cuda") for n in lens])[None])
+        kw = dict(input_ids=ids, labels=ids, position_ids=positions(lens))
         print(f"padding-free: {rows} rows, lengths {lens}, T {sum(lens)}")
     else:
         ids = torch.randint(0, 4000, (bs, seq), device="cuda")

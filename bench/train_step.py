@@ -118,11 +118,11 @@ def run(config: str, seq: int, bs: int, steps: int, budget, offload: bool, rows:
     gc_s = _gc_timer()
     g = torch.Generator(device="cuda").manual_seed(1)
     if rows:
-        from bench.warmup_probe import lengths
+        from bench.warmup_probe import lengths, positions
 
         plans = lengths(8, rows, seq)
         batches = [dict(input_ids=torch.randint(0, 4000, (1, sum(ls)), device="cuda", generator=g),
-                        position_ids=torch.cat([torch.arange(n, device="cuda") for n in ls])[None])
+                        position_ids=positions(ls))
                    for ls in plans]
     else:
         batches = [dict(input_ids=torch.randint(0, 4000, (bs, seq), device="cuda", generator=g))

@@ -37,6 +37,14 @@ def lengths(n_steps: int, rows: int, max_len: int, seed: int = 7) -> list:
             for _ in range(n_steps)]
 
 
+def positions(rows: list, device="cuda"):
+    """position_ids [1, sum(rows)] int64 of one padding-free sequence of rows of these lengths:
+    arange(n) for each row, as the worker's padding-free collator makes them."""
+    import torch
+
+    return torch.cat([torch.arange(n, device=device) for n in rows])[None]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=12)
@@ -89,7 +97,7 @@ def main(argv=None):
     def step(rows):
         T = sum(rows)
         ids = torch.randint(0, 4000, (1, T), device="cuda", generator=g)
-        pos = torch.cat([torch.arange(n, device="cuda") for n in rows])[None]
+        pos = positions(rows)
         labels = ids.clone()
         torch.cuda.synchronize()
         start, before, pin0 = time.perf_counter(), len(compiled), list(pin)
