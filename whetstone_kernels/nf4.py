@@ -177,8 +177,9 @@ def nf4_dequantizer(packed: torch.Tensor, state, dtype: torch.dtype | None = Non
     launch, none of nf4_fwd's argument work. For a weight dequantised again and again with the
     same buffers (a frozen base: forward, recompute and backward of every step).
 
-    The callable holds the buffers' addresses, not the tensors: it is valid while ``packed`` and
-    the state's tensors live unchanged (the caller re-makes it when they move). Each call falls
+    The callable holds ``packed`` and the state's tensors (so their addresses stay valid) and
+    reads them as they are when it was made: a caller that replaces them (a move to another
+    device) makes a new one. Each call falls
     back to :func:`nf4_fwd` when the direct launch does not apply then (a launch hook, another
     current device, an output address not 16-byte aligned). Returns (callable, W of this first
     call, through nf4_fwd); the callable is nf4_fwd itself where binding does not apply (the

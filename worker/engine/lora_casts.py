@@ -48,13 +48,14 @@ def _key(projs, pairs, dtype):
 
 
 class _Group:
-    """A group's persistent :class:`Casts` and the sources / destinations of its refresh."""
+    """A group's persistent :class:`Casts` and the sources / destinations of its refresh (a
+    group with at least one LoRA projection: :class:`CastCache` casts the others itself)."""
 
     def __init__(self, projs, pairs, dtype):
         lora = [(p, A, B) for p, (A, B) in zip(projs, pairs) if p.has_lora]
         ranks = [A.shape[0] for _, A, _ in lora]
         A_all = torch.empty(sum(ranks), lora[0][1].shape[1], dtype=dtype, device=lora[0][1].device)
-        self.dst_a = list(A_all.split(ranks)) if lora else []
+        self.dst_a = list(A_all.split(ranks))
         self.src_a = [A for _, A, _ in lora]
         Bs, it = [], iter(lora)
         self.src_b, self.dst_b, self.scales = [], [], []
@@ -69,7 +70,6 @@ class _Group:
             self.dst_b.append(d)
             self.scales.append(p.scale)
         self.casts = Casts(A_all, Bs, ranks)
-
         self.batch = _batch(self.src_a, self.dst_a, self.src_b, self.dst_b, self.scales)
 
     def refresh(self):

@@ -9,8 +9,9 @@ b, LoRA A [r, in], B [out, r] and scale s (alpha/r, or alpha/sqrt(r) with rsLoRA
 
 :class:`LoRAProjFunction` runs N projections that read the same X (q, k, v together; gate and up;
 o alone). In the order the GPU does it (:func:`_group_fwd`, :func:`_group_bwd`), with the group's
-weights cast once per model forward (:class:`~worker.engine.lora_casts.CastCache`: A = [A_1; ...; A_N] [sum r, in] and
-s_p B_p in the compute dtype, shared by the forward, the recompute and the backward):
+weights cast once per model forward (:class:`~worker.engine.lora_casts.CastCache`:
+A = [A_1; ...; A_N] [sum r, in] and s_p B_p in the compute dtype, shared by the forward, the
+recompute and the backward):
 
     XA = X A^T [T, sum r] (one GEMM, one pass over X);  Y_p = [R +] XA_p (s_p B_p)^T (small-K
           GEMM, writes Y_p, onto a residual R when given), then Y_p += X W_p^T in the base GEMM's
