@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         return health.main(args.worker_id)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from worker import faults
     from worker.loop import CPU_KINDS, HANDLERS, Worker
 
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()] if args.kinds else None
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         if lane:
             w.start_cpu_lane()
         return w.serve(once=args.once)
-    except KeyboardInterrupt:  # a second signal while idle or starting
+    except (KeyboardInterrupt, faults.StartStopped):  # a signal while idle or starting
         return 0
     finally:
         w.stop()

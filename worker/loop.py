@@ -1,7 +1,8 @@
 """The worker loop: claim a job, dispatch on ``job.kind``, end it fenced; repeat.
 
 * At start: migrate the database, register the worker, reap expired leases and the jobs a
-  previous process with this worker id died holding, seed the demo model.
+  previous process with this worker id died holding, seed the demo model; each step is retried
+  while the database is locked or the disk full (the start waits, the process never ends).
 * A :class:`worker.lease.Reaper` thread reaps expired leases every few seconds, idle or busy
   (another worker may have died); a job whose worker process died says so, with its memory.
 * A locked database or a full disk never ends the process: the job fails with the cause
@@ -104,23 +105,34 @@ class Worker:
 
         self.settings.ensure_dirs()
         url = self.settings.resolved_database_url
-        migrate.upgrade(url)
+        self.retry_start("migrate the database", lambda: migrate.upgrade(url))
         self.engine = get_engine(url)
-        workers.register(self.engine, self.worker_id, socket.gethostname(), os.getpid(),
-                         gpu.device_name(), gpu.total_gib() if {"train", "grpo"} & set(self.kinds)
-                         else None)
+        total = gpu.total_gib() if {"train", "grpo"} & set(self.kinds) else None
+        self.retry_start(f"register worker {self.worker_id}", lambda: workers.register(
+            self.engine, self.worker_id, socket.gethostname(), os.getpid(), gpu.device_name(),
+            total))
         self.reaper = Reaper(self.engine, min(self.settings.reap_interval_seconds,
                                               REAP_MAX_PERIOD_SECONDS), REAP_GRACE_SECONDS)
-        self.reaper.reap_once(restarted=self.worker_id)
+        self.retry_start("reap expired leases",
+                         lambda: self.reaper.reap_once(restarted=self.worker_id))
         self.reaper.start()
         try:
             from app.store.seed import ensure_demo_model
 
-            ensure_demo_model(self.engine, self.settings)
+            self.retry_start("register the demo model",
+                             lambda: ensure_demo_model(self.engine, self.settings))
+        except faults.StartStopped:
+            raise
         except Exception:  # noqa: BLE001 - the demo model is a convenience, never fatal
             log.exception("could not register the demo model")
         log.info("worker %s ready on %s (kinds: %s)", self.worker_id, gpu.device_name(),
                  ", ".join(self.kinds))
+
+    def retry_start(self, what: str, step: Callable[[], Any]) -> Any:
+        """Run one step of the start again while the database is locked or the disk full
+        (:func:`worker.faults.retry_start`); raises ``faults.StartStopped`` on shutdown."""
+        return faults.retry_start(what, step, self.settings.data_dir, self.shutdown,
+                                  self.settings.sqlite_busy_timeout_seconds)
 
     def start_cpu_lane(self, kinds: tuple[str, ...] = CPU_KINDS) -> Worker:
         """Start a second claim loop in this process (its own thread, worker id
@@ -129,10 +141,12 @@ class Worker:
         this worker's shutdown flag; :meth:`stop` waits for it. Call after :meth:`start`."""
         lane = Worker(self.settings, f"{self.worker_id}-cpu", list(kinds), self.poll_interval)
         lane.engine, lane.shutdown = self.engine, self.shutdown
-        workers.register(self.engine, lane.worker_id, socket.gethostname(), os.getpid(),
-                         f"{gpu.device_name()} (cpu lane)")
+        self.retry_start(f"register worker {lane.worker_id}", lambda: workers.register(
+            self.engine, lane.worker_id, socket.gethostname(), os.getpid(),
+            f"{gpu.device_name()} (cpu lane)"))
         if self.reaper is not None:
-            self.reaper.reap_once(restarted=lane.worker_id)
+            self.retry_start("reap expired leases",
+                             lambda: self.reaper.reap_once(restarted=lane.worker_id))
         self.lane = lane
         self._lane_thread = threading.Thread(target=lane.serve, name="cpu-lane", daemon=True)
         self._lane_thread.start()

@@ -165,10 +165,12 @@ class Supervisor:
         labels = {}
         for slot, label in discover(self.settings, self.id):
             labels[slot.id] = label
-            workers.register(self.engine, slot.id, slot.host, os.getpid(), label,
-                             slot.total_gib, slot.index, slot.capacity_gib)
-            for job_id, state in queue.reap(self.engine, restarted=slot.id,
-                                            restarted_prefix=f"{slot.id}:"):
+            self.base.retry_start(f"register slot {slot.id}", lambda: workers.register(
+                self.engine, slot.id, slot.host, os.getpid(), label, slot.total_gib, slot.index,
+                slot.capacity_gib))
+            reaped = self.base.retry_start("reap expired leases", lambda: queue.reap(
+                self.engine, restarted=slot.id, restarted_prefix=f"{slot.id}:"))
+            for job_id, state in reaped:
                 log.warning("reaped job %s of a previous supervisor -> %s", job_id, state)
             self.slots.append(slot)
         self.sampler = Sampler(self.slots, labels, bool(self.settings.simulated_gpus))

@@ -83,7 +83,8 @@ def test_a_held_write_lock_neither_crashes_the_worker_nor_restarts_its_job(tmp_p
     try:
         eng, db = studio.engine, tmp_path / "whetstone.db"
         proc = studio.worker("w-1")
-        wait_for(lambda: workers.live(eng, 30), 30, "worker registered")
+        # started (a lock met while starting is test_a_write_lock_held_while_the_worker_starts_*)
+        wait_for(lambda: "cpu lane w-1-cpu ready" in studio.log_of("w-1"), 30, "worker started")
         # idle: its claims meet "database is locked" for 4 s (busy timeout 1 s)
         _hold_write_lock(db, 4).wait(20)
         assert proc.poll() is None, studio.log_of("w-1")[-2000:]
@@ -96,6 +97,42 @@ def test_a_held_write_lock_neither_crashes_the_worker_nor_restarts_its_job(tmp_p
         assert j.state == JobState.SUCCEEDED and j.attempts == 1, (j.state, j.attempts, j.error)
         assert proc.poll() is None
         assert len(list((studio.data_dir / "ticks").glob(f"{job.id}-*"))) == 1
+    finally:
+        studio.close()
+
+
+@pytest.mark.parametrize("args", [(), ("--supervise",)], ids=["worker", "supervisor"])
+def test_a_write_lock_held_while_the_worker_starts_delays_its_start_but_never_ends_it(
+        tmp_path, args) -> None:
+    # CI met this once: another process took the write lock between the worker's own row and
+    # its CPU lane's, and the start's unguarded write ended the process with a traceback.
+    studio = Studio(tmp_path, sqlite_busy_timeout_seconds=1, lease_seconds=3)
+    try:
+        eng, db = studio.engine, tmp_path / "whetstone.db"
+        code = ("import sqlite3, sys; c = sqlite3.connect(sys.argv[1], isolation_level=None); "
+                "c.execute('BEGIN IMMEDIATE'); print('held', flush=True); sys.stdin.read(); "
+                "c.execute('COMMIT')")  # holds the lock until its stdin closes
+        holder = subprocess.Popen([sys.executable, "-c", code, str(db)], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True)
+        assert holder.stdout.readline().strip() == "held"
+        proc = studio.worker("w-1", *args)
+        wait_for(lambda: "cannot start (" in studio.log_of("w-1") or proc.poll() is not None, 60,
+                 "the start meeting the lock")
+        time.sleep(1.5)  # a second attempt meets it too
+        holder.stdin.close()
+        holder.wait(20)
+        names = {"w-1", "w-1-cpu"}
+        wait_for(lambda: names <= {w.id for w in workers.live(eng, 30)}, 30,
+                 "worker and its CPU lane registered")
+        assert proc.poll() is None, studio.log_of("w-1")[-2000:]
+        log = studio.log_of("w-1")
+        assert re.search(r"cannot start \(register worker w-1: the database was locked for more "
+                         r"than 1 s \(another process held its write lock\)\); retrying in 1 s",
+                         log), log[-2000:]
+        assert "Traceback" not in log, log[-2000:]
+        job = queue.enqueue(eng, "tick", {"seconds": 1})
+        j = wait_for(lambda: ended(eng, job.id), 30, "job ended")
+        assert j.state == JobState.SUCCEEDED and j.attempts == 1, (j.state, j.attempts, j.error)
     finally:
         studio.close()
 
