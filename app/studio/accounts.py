@@ -216,7 +216,9 @@ def _admin_change(engine: Engine, actor: User, user_id: str, **fields) -> User:
         if admins <= 1:
             raise StudioError("conflict", "this is the last active admin")
     user = _update_user(engine, user_id, **fields)
-    if fields.get("disabled"):
+    if target.disabled and fields.get("disabled") is False:
+        # Re-enabled: the sign-ins made before it was disabled stay ended. While it was disabled
+        # they were refused (session_for_token) but kept, so that a refused call says why.
         _end_all_tokens(engine, user_id)
     audit.record(engine, actor.id, "user.changed", "user", user_id, **fields)
     return user
@@ -232,7 +234,9 @@ def set_role(engine: Engine, actor: User, user_id: str, role: str) -> User:
 
 
 def set_disabled(engine: Engine, actor: User, user_id: str, disabled: bool) -> User:
-    """Disable (ending every sign-in at once) or re-enable ``user_id`` (admin only).
+    """Disable (every sign-in and API key refused at once, told :data:`DISABLED`) or re-enable
+    ``user_id`` (admin only; the sign-ins made before it was disabled do not come back, its
+    unrevoked API keys do).
 
     Raises: StudioError forbidden, not_found, conflict (own account or the last admin)."""
     return _admin_change(engine, actor, user_id, disabled=bool(disabled))
@@ -303,15 +307,20 @@ def user_for_api_key(engine: Engine, key: str) -> User | None:
 
 
 def disabled_owner(engine: Engine, key: str) -> bool:
-    """Whether the API key ``key`` is unrevoked but its account is disabled: what a refused
-    Bearer call is told instead of "invalid or revoked" (trial s24: a disabled member's script
-    could not tell a revoked key from a disabled account). Access tokens need no such check:
-    disabling an account ends its sign-ins."""
-    if not key or not key.startswith(KEY_PREFIX):
+    """Whether ``key`` (an API key, or a session or access token) is unrevoked and unexpired
+    but its account is disabled: what a refused Bearer call is told instead of "invalid or
+    revoked" (trials s24, s25: a disabled member's script could not tell a revoked key or an
+    ended sign-in from a disabled account)."""
+    if not key:
         return False
     with session_scope(engine) as s:
-        row = s.exec(select(ApiKey).where(ApiKey.key_hash == _sha(key))).first()
-        user = s.get(User, row.user_id) if row is not None and row.revoked_at is None else None
+        if key.startswith(KEY_PREFIX):
+            row = s.exec(select(ApiKey).where(ApiKey.key_hash == _sha(key))).first()
+            live = row is not None and row.revoked_at is None
+        else:
+            row = s.exec(select(AuthToken).where(AuthToken.token_hash == _sha(key))).first()
+            live = row is not None and row.kind in TOKEN_KINDS and row.expires_at > now()
+        user = s.get(User, row.user_id) if live else None
     return user is not None and bool(user.disabled)
 
 

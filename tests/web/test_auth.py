@@ -13,6 +13,7 @@ from app.studio import accounts
 from tests.web.conftest import login_form_token
 
 ADMIN_PW = "admin-password-1"
+INVALID = "invalid or revoked API key or access token"
 BASE = "http://localhost"
 LOGIN = "/api/login/access-token"
 
@@ -165,10 +166,11 @@ def test_admin_may_revoke_any_key_and_a_disabled_user_is_out_at_once(client):
     alice_id = client.get("/api/me", headers=alice).json()["id"]
     live = client.post("/api/keys", json={"name": "k2"}, headers=alice).json()["key"]
     accounts.set_disabled(engine, actor, alice_id, True)
-    assert client.get("/api/me", headers=alice).status_code == 401  # her sign-ins ended
-    # her unrevoked key says why it stops working (trial s24: "invalid or revoked")
-    for path in ("/api/me", "/v1/models"):
-        r = client.get(path, headers={"Authorization": f"Bearer {live}"})
+    # her unrevoked key and her access token say why they stop working (trials s24, s25:
+    # "invalid or revoked")
+    for path, auth in [(p, a) for p in ("/api/me", "/v1/models")
+                       for a in (alice, {"Authorization": f"Bearer {live}"})]:
+        r = client.get(path, headers=auth)
         assert r.status_code == 401, r.text
         assert (r.json()["error"]["message"], r.json()["error"]["code"]) == (
             "this account is disabled; ask an admin", "account_disabled")
@@ -177,6 +179,9 @@ def test_admin_may_revoke_any_key_and_a_disabled_user_is_out_at_once(client):
         == ("this account is disabled; ask an admin", "account_disabled")
     accounts.set_disabled(engine, actor, alice_id, False)
     assert client.get("/api/me", headers={"Authorization": f"Bearer {live}"}).status_code == 200
+    # re-enabled, her key works again; the sign-in made before she was disabled stays ended
+    r = client.get("/api/me", headers=alice)
+    assert r.status_code == 401 and r.json()["error"]["message"] == INVALID, r.text
 
 
 def test_users_api_is_for_admins(client):
