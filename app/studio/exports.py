@@ -63,6 +63,20 @@ def cancel_export(engine: Engine, actor: User, export_id: int) -> Job:
                        f"export {export_id}", "export")
 
 
+def _export_key(job: Job) -> str:
+    """The export's folder name under ``exports/`` (its artifacts' ``meta["export_id"]``)."""
+    return ((job.result or {}).get("export_id") or (job.payload or {}).get("export_id")
+            or f"export-{job.id}")
+
+
+def _export_artifacts(engine: Engine, job: Job) -> list:
+    """The artifact rows of export ``job`` (its files), not those of the run's other exports,
+    which may carry the same file names."""
+    key, kind = _export_key(job), (job.payload or {}).get("format")
+    return [a for a in repo.list_artifacts(engine, job.run_id, kind=kind)
+            if (a.meta or {}).get("export_id") == key]
+
+
 def export_info(engine: Engine, job: Job) -> dict[str, Any]:
     """One export as the API and the run page show it: ``id``, ``run_id``, ``format``,
     ``quantization``, ``dtype`` (a merged export's written dtype once done, else the requested
@@ -72,11 +86,9 @@ def export_info(engine: Engine, job: Job) -> dict[str, Any]:
     ``ollama``, ``provenance`` (base model, revision, adapter, base weights merged into),
     ``cancel_requested`` and timestamps (epoch seconds)."""
     payload, result = job.payload or {}, job.result or {}
-    export_key = result.get("export_id") or payload.get("export_id") or f"export-{job.id}"
+    export_key = _export_key(job)
     files = [{"name": a.name, "size": a.bytes, "sha256": a.sha256,
-              "url": f"/artifacts/{a.id}/download"}
-             for a in repo.list_artifacts(engine, job.run_id, kind=payload.get("format"))
-             if (a.meta or {}).get("export_id") == export_key]
+              "url": f"/artifacts/{a.id}/download"} for a in _export_artifacts(engine, job)]
     verification = result.get("verification")
     if verification is None and job.state == JobState.FAILED:
         for ev in reversed(events.since(engine, job.id, 0, 5000, types=["log"])):
@@ -300,18 +312,19 @@ def download_name(engine: Engine, run_id: str | None, filename: str) -> str:
 
 
 def zip_export(engine: Engine, settings: Settings, actor: User, export_id: int) -> tuple[Path, str]:
-    """Zip a succeeded export's files into a temporary file: ``(zip path, download name)``; the
-    caller deletes the file once sent.
+    """Zip an ended export's files into a temporary file: ``(zip path, download name)``; the
+    caller deletes the file once sent. A failed GGUF export offers the types that passed.
 
     Raises:
-        StudioError: not_found; conflict when the export is running or failed (no files).
+        StudioError: not_found; conflict when the export is still running or has no files.
     """
-    info = export_info(engine, export_job(engine, actor, export_id))
-    if info["status"] != JobState.SUCCEEDED or not info["files"]:
+    job = export_job(engine, actor, export_id)
+    info = export_info(engine, job)
+    if info["status"] in (JobState.QUEUED, JobState.RUNNING) or not info["files"]:
         why = "is still running" if info["status"] in (JobState.QUEUED, JobState.RUNNING) else \
-            f"{info['status']}; a failed export offers no files"
+            f"{info['status']} and kept no file"
         raise StudioError("conflict", f"export {export_id} has no files: it {why}")
-    arts = {a.name: a for a in repo.list_artifacts(engine, info["run_id"], kind=info["format"])}
+    arts = {a.name: a for a in _export_artifacts(engine, job)}
     tmp = tempfile.NamedTemporaryFile(prefix="whetstone-export-", suffix=".zip", delete=False)
     tmp.close()
     with zipfile.ZipFile(tmp.name, "w", zipfile.ZIP_STORED) as z:

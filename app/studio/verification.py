@@ -35,7 +35,13 @@ def _exact_required(name: str, check: dict[str, Any]) -> bool:
 
 
 def summarize_check(name: str, check: dict[str, Any]) -> str:
-    """One sentence for one check (``adapter``, ``merged``, ``gguf_<TYPE>``) of a verification."""
+    """One sentence for one check (``adapter``, ``merged``, ``gguf_<TYPE>``) of a verification.
+    A GGUF type that could not be written or verified (``error``) is said so, with the error;
+    one whose file was removed (``removed``: it failed) says so too."""
+    removed = " (its file was removed)" \
+        if check.get("removed") else ""
+    if check.get("error"):
+        return f"{_subject(name, check)} — failed: {check['error']}{removed}."
     fails = check.get("failures") or []
     probes = check.get("probes")
     prompts = f"{probes} probe prompt{'s' if probes != 1 else ''}" if probes else "the probe prompts"
@@ -73,7 +79,7 @@ def summarize_check(name: str, check: dict[str, Any]) -> str:
         bits.append(f"agreement {_pct(low[0].get('top1_agreement'))} is below the required "
                     f"{_pct(low[0].get('required', NEAR_TIE_MIN_AGREEMENT))}")
     verdict = "passed" if check.get("passed") else "failed"
-    return f"{_subject(name, check)} — {verdict}: {'; '.join(bits)}."
+    return f"{_subject(name, check)} — {verdict}: {'; '.join(bits)}{removed}."
 
 
 def summarize(verification: dict[str, Any] | None) -> list[str]:

@@ -120,3 +120,42 @@ def test_ollama_export_files(run_dir, tmp_path):
     assert res["ollama"]["created"] is False and "ollama create" in res["ollama"]["command"]
     assert (res["ollama"]["modelfile"], res["ollama"]["gguf"]) == ("Modelfile", "stories-Q8_0.gguf")
     assert res["ollama"]["command"] == "ollama create stories -f Modelfile"
+
+
+@needs_llama
+def test_a_type_that_fails_keeps_the_types_that_passed(run_dir, tmp_path, monkeypatch):
+    """Trial s25: one GGUF type that failed lost every type of the export. Q4_K_M's quantiser
+    crashes (a real SIGSEGV in the llama.cpp child) and Q5_K_M's verification crashes: the
+    export fails naming both, keeps F16 and Q8_0 (verified) and leaves no other file."""
+    from worker.export import llama_child
+    from worker.jobs.export import VerificationFailed, export_run
+
+    real = llama_child.call
+
+    def call(op, kwargs, step, timeout=None, on_wait=None, **kw):
+        if (op, kwargs.get("qtype")) in (("quantize", "Q4_K_M"), ("verify_gguf", "Q5_K_M")):
+            return real("crash", {}, step, timeout, on_wait, module="tests.export.crashing_child")
+        return real(op, kwargs, step, timeout, on_wait, **kw)
+
+    monkeypatch.setattr(llama_child, "call", call)
+    with pytest.raises(VerificationFailed) as e:
+        export_run(run_dir, {"run_id": "r", "format": "gguf",
+                             "quantization": ["Q4_K_M", "F16", "Q8_0", "Q5_K_M"]},
+                   tmp_path, name="stories")
+    res = e.value.result
+    checks = res["verification"]["checks"]
+    assert [f["name"] for f in res["files"]] == ["stories-F16.gguf", "stories-Q8_0.gguf"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["stories-F16.gguf",
+                                                          "stories-Q8_0.gguf"]
+    assert checks["gguf_F16"]["passed"] and checks["gguf_Q8_0"]["passed"]
+    crash = "llama.cpp crashed (SIGSEGV) while {} stories-{}.gguf; this export failed"
+    q4, q5 = checks["gguf_Q4_K_M"], checks["gguf_Q5_K_M"]
+    assert (q4["passed"], q4["type"], "removed" in q4) == (False, "Q4_K_M", False)
+    assert q4["error"].startswith("not written: " + crash.format("quantising", "Q4_K_M"))
+    assert (q5["passed"], q5["type"], q5["removed"]) == (False, "Q5_K_M", True)
+    assert q5["error"].startswith("not verified: " + crash.format("verifying", "Q5_K_M"))
+    assert not res["verification"]["passed"]
+    from worker.export.verify import summarize
+    said = summarize(res["verification"])
+    assert said.startswith("gguf_Q4_K_M: not written: llama.cpp crashed"), said
+    assert "; gguf_Q5_K_M: not verified: llama.cpp crashed" in said and "F16" not in said

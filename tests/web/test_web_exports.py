@@ -23,6 +23,18 @@ def _queued_run(client, engine) -> str:
     return run.id
 
 
+def _export_once(settings) -> None:
+    """The real worker loop (in this process) runs one export job to its end."""
+    from worker.loop import Worker
+
+    w = Worker(settings, worker_id="w-export", kinds=["export"], poll_interval=0.05)
+    w.start()
+    try:
+        w.serve(once=True)
+    finally:
+        w.stop()
+
+
 def _finished_run(client, engine) -> str:
     run_id = _queued_run(client, engine)
     while (claimed := queue.claim(engine, "w-test", 30, kinds=["train"])) is not None:
@@ -186,18 +198,75 @@ def test_export_verification_names_no_server_path(client, engine, settings):
 def test_an_export_error_names_no_server_path(client, engine, settings):
     """The export's ``error`` (a run whose adapter is not on disk) names the folder inside the
     data dir (relative to it), never its server path; driven by the real worker loop and export handler."""
-    from worker.loop import Worker
-
     run_id = _finished_run(client, engine)
     export_id = client.post(f"/api/runs/{run_id}/exports", json={"format": "adapter"}).json()["id"]
-    w = Worker(settings, worker_id="w-export", kinds=["export"], poll_interval=0.05)
-    w.start()
-    try:
-        w.serve(once=True)
-    finally:
-        w.stop()
+    _export_once(settings)
     info = client.get(f"/api/exports/{export_id}").json()
     assert info["status"] == "failed" and info["error"] == (
         f"runs/{run_id}/adapter: no adapter_config.json; has the run finished "
         "training?")
     assert str(settings.data_dir) not in client.get(f"/runs/{run_id}/exports").text
+
+
+def test_a_partly_failed_gguf_export_offers_the_types_that_passed(client, engine, settings,
+                                                                  monkeypatch):
+    """Trial s25: one GGUF type that failed lost the others. The real worker loop and export
+    handler run; the conversion itself is stood in by the files and record ``export_run``
+    leaves when Q4_K_M fails and Q8_0 passes (tests/export/test_gguf.py runs the real one).
+    The failed export says what was kept, lists it, and its zip holds it: this export's file,
+    not a later export's file of the same name."""
+    import zipfile
+
+    from worker.export.files import describe_files
+    from worker.jobs import export as export_job
+
+    run_id = _finished_run(client, engine)
+    r = client.post(f"/api/runs/{run_id}/exports",
+                    json={"format": "gguf", "quantization": ["Q4_K_M", "Q8_0"]})
+    export_id = r.json()["id"]
+    crash = "not written: llama.cpp crashed (SIGSEGV) while quantising " \
+            f"{run_id}-Q4_K_M.gguf; this export failed, the worker is unaffected"
+
+    def export_run(run_dir, spec, out, progress, *, name, **kw):
+        out.mkdir(parents=True)
+        kept = out / f"{name}-Q8_0.gguf"
+        kept.write_bytes(b"GGUF this export's Q8_0")
+        checks = {"gguf_Q4_K_M": {"passed": False, "type": "Q4_K_M", "error": crash},
+                  "gguf_Q8_0": {"passed": True, "type": "Q8_0", "probes": 3,
+                                "exact_greedy_required": True, "failures": []}}
+        raise export_job.VerificationFailed("export verification failed: gguf_Q4_K_M", {
+            "format": "gguf", "files": describe_files([kept], out),
+            "verification": {"passed": False, "checks": checks}})
+
+    monkeypatch.setattr(export_job, "export_run", export_run)
+    _export_once(settings)
+    info = client.get(f"/api/exports/{export_id}").json()
+    assert info["status"] == "failed"
+    assert info["error"] == (f"export verification failed: gguf_Q4_K_M: {crash}; kept what "
+                             f"passed: {run_id}-Q8_0.gguf (download below) (the diff is under "
+                             "Verification → details)")
+    assert [f["name"] for f in info["files"]] == [f"{run_id}-Q8_0.gguf"]
+    assert client.get(info["files"][0]["url"]).content == b"GGUF this export's Q8_0"
+    frag = client.get(f"/runs/{run_id}/exports", headers={"HX-Request": "true"}).text
+    assert f"GGUF Q4_K_M, reloaded with llama.cpp — failed: {crash}" in frag
+    assert f"/exports/{export_id}/download.zip" in frag
+
+    # a later export of the run writes a file of the same name in its own folder
+    later = client.post(f"/api/runs/{run_id}/exports",
+                        json={"format": "gguf", "quantization": ["Q8_0"]}).json()["id"]
+    job = queue.claim(engine, "w-export", 30, kinds=["export"])
+    assert job.id == later
+    other = settings.data_dir / "exports" / f"export-{later}" / f"{run_id}-Q8_0.gguf"
+    other.parent.mkdir(parents=True)
+    other.write_bytes(b"GGUF the later export's Q8_0")
+    from app.store.schema import Artifact
+    repo.add_artifact(engine, Artifact(run_id=run_id, job_id=later, kind="gguf", name=other.name,
+                                       path=str(other), bytes=other.stat().st_size,
+                                       sha256="0" * 64, meta={"export_id": f"export-{later}"}))
+    assert queue.finish(engine, later, "w-export", {"format": "gguf", "files": []})
+    r = client.get(f"/exports/{export_id}/download.zip")
+    assert r.status_code == 200, r.text
+    zpath = settings.data_dir / "got.zip"
+    zpath.write_bytes(r.content)
+    with zipfile.ZipFile(zpath) as z:
+        assert [z.read(n) for n in z.namelist()] == [b"GGUF this export's Q8_0"]

@@ -87,6 +87,9 @@ def summarize(verification: dict) -> str:
     for name, c in (verification.get("checks") or {}).items():
         if c.get("passed"):
             continue
+        if c.get("error"):  # a GGUF type not written or not verified (worker.jobs.export)
+            parts.append(f"{name}: {c['error']}")
+            continue
         fails = c.get("failures") or []
         kinds = sorted({f.get("check", "?") for f in fails})
         probes = c.get("probes")

@@ -11,6 +11,12 @@ worker loop (payload dict in, result dict out, progress through a callback). Fil
 * gguf         -> ``<name>-<TYPE>.gguf`` per requested type (default F16)
 * ollama       -> ``<name>-<TYPE>.gguf`` + ``Modelfile`` (+ creation on a server if a URL is given)
 
+GGUF types are written and verified one by one: a type that fails to quantise or to verify is
+a failed check (``{"passed": False, "type", "error"?, "removed": True}``) whose file is removed,
+and the types that passed are kept (the export still fails, with the kept files in
+:class:`VerificationFailed`'s ``result["files"]``). Only when no type was written does the first
+type's error end the export as before.
+
 Result: ``{"format", "files": [{"name","path","size","sha256"}], "verification": {"passed",
 ...}, "ollama": {...}}``. A failed verification raises :class:`VerificationFailed`, whose
 ``result`` holds the same dict with the diffs (store it as the job's result and error).
@@ -127,30 +133,48 @@ def export_run(run_dir: str | Path, spec, out_dir: str | Path,
                   tokenizer_dir=info.tokenizer_dir, name=name, add_bos=add_bos,
                   provenance=result["provenance"])
         f16 = out / f"{name}-F16.gguf"
-        ggufs: list[tuple[str, Path]] = []
-        for k, q in enumerate(types):
+        written: list[tuple[str, Path]] = []
+        first_error: ExportError | None = None
+        for k, q in enumerate(types):  # each type on its own: one that fails keeps the others
             path = out / f"{name}-{q}.gguf"
             progress(f"gguf {q}", 0.1 + 0.6 * k / len(types))
-            if q in BASE_TYPES:
-                write_gguf(state, config, tok, path, q, **kw)
-            else:
-                if not f16.exists():
-                    write_gguf(state, config, tok, f16, "F16", **kw)
-                llama_call("quantize", {"f16_path": str(f16), "out_path": str(path),
-                                        "qtype": q}, f"quantising {path.name}",
-                           llama_timeout, on_wait=lambda q=q: progress(f"gguf {q}", 0.7))
-            ggufs.append((q, path))
-        if "F16" not in types and f16.exists():
-            f16.unlink()
-        for q, path in ggufs:
+            try:
+                if q in BASE_TYPES:
+                    write_gguf(state, config, tok, path, q, **kw)
+                else:
+                    if not f16.exists():
+                        write_gguf(state, config, tok, f16, "F16", **kw)
+                    llama_call("quantize", {"f16_path": str(f16), "out_path": str(path),
+                                            "qtype": q}, f"quantising {path.name}",
+                               llama_timeout, on_wait=lambda q=q: progress(f"gguf {q}", 0.7))
+            except ExportError as e:
+                first_error = first_error or e
+                path.unlink(missing_ok=True)
+                checks[f"gguf_{q}"] = {"passed": False, "type": q, "error": f"not written: {e}"}
+                continue
+            written.append((q, path))
+        if not written:
+            raise first_error  # nothing to keep: the export fails as the first type did
+        for q, path in written:
             progress(f"verify {q}", 0.75)
-            checks[f"gguf_{q}"] = llama_call(
-                "verify_gguf", {"path": str(path), "qtype": q, "refs": refs, "end_ids": end_ids,
-                                "bos_text": tok.bos_token}, f"verifying {path.name}",
-                llama_timeout, on_wait=lambda q=q: progress(f"verify {q}", 0.75))
-            files.append(path)
-        if fmt == "ollama":
-            result["ollama"] = _ollama(info, tok, ggufs[0][1], out, checks, ollama_url,
+            try:
+                checks[f"gguf_{q}"] = llama_call(
+                    "verify_gguf", {"path": str(path), "qtype": q, "refs": refs,
+                                    "end_ids": end_ids, "bos_text": tok.bos_token},
+                    f"verifying {path.name}", llama_timeout,
+                    on_wait=lambda q=q: progress(f"verify {q}", 0.75))
+            except ExportError as e:
+                checks[f"gguf_{q}"] = {"passed": False, "type": q, "error": f"not verified: {e}"}
+        kept = [(q, p) for q, p in written if checks[f"gguf_{q}"].get("passed")]
+        for q, path in written:
+            if (q, path) not in kept:  # a file that does not reproduce the run is not offered
+                path.unlink(missing_ok=True)
+                checks[f"gguf_{q}"]["removed"] = True
+        if "F16" not in [q for q, _ in kept] and f16.exists():
+            f16.unlink()
+        files.extend(p for _, p in kept)
+        if fmt == "ollama" and kept:  # the first requested type that passed
+            result["ollama"] = _ollama(info, tok, kept[0][1], out, checks, ollama_url,
                                        model_name or name, progress, add_bos)
             files.append(out / "Modelfile")
     else:
@@ -218,6 +242,7 @@ def run(ctx) -> dict:
     """
     from app.store import repo
     from app.store.schema import Artifact
+    from app.studio.artifacts import portable_text, without_server_paths
     from worker.context import JobError
 
     payload = dict(ctx.payload)
@@ -248,6 +273,23 @@ def run(ctx) -> dict:
         data_path = repo.get_dataset(ctx.engine, run_row.dataset_id).path
     except repo.NotFound:
         data_path = None  # the dataset was deleted: verification probes with built-in prompts
+
+    def portable(msg: str) -> str:
+        # the job's error is what /api/exports and the run page show: no server path in it
+        # (the base's folder is named as the model; a path in the data dir, relative to it)
+        msg = portable_text(msg, [model_row.path or ""], model_row.name)
+        for root in sorted({str(ctx.settings.data_dir), str(ctx.settings.data_dir.resolve())},
+                           key=len, reverse=True):
+            msg = msg.replace(root.rstrip("/") + "/", "")
+        return msg
+
+    def keep(files: list[dict]) -> None:
+        for f in files:
+            repo.add_artifact(ctx.engine, Artifact(
+                run_id=spec.run_id, job_id=ctx.job.id, kind=spec.format, name=f["name"],
+                path=f["path"], bytes=f["size"], sha256=f["sha256"],
+                meta={"export_id": export_id, "quantization": spec.quantization}))
+
     try:
         res = export_run(run_dir, spec, out, progress, ollama_url=url if spec.format == "ollama"
                          else None, model_name=model_name, name=spec.run_id,
@@ -256,32 +298,24 @@ def run(ctx) -> dict:
                                "source_ref": model_row.source_ref},
                          llama_timeout=getattr(ctx.settings, "llama_cpp_timeout_seconds", None))
     except VerificationFailed as e:
-        from app.studio.artifacts import without_server_paths
         from worker.export.verify import summarize
 
         # the event is what the export's event stream shows: no server path in it
         ctx.log("export verification failed", "error",
                 verification=without_server_paths(e.result["verification"], export_id))
-        raise JobError(f"export verification failed: {summarize(e.result['verification'])} "
-                       "(the diff is under Verification → details)") from e
+        kept = e.result.get("files") or []
+        keep(kept)  # the types that passed stay downloadable on the failed export
+        names = ", ".join(f["name"] for f in kept)
+        done = f"; kept what passed: {names} (download below)" if kept else ""
+        raise JobError(portable(f"export verification failed: "
+                                f"{summarize(e.result['verification'])}{done} (the diff is "
+                                "under Verification → details)")) from e
     except ExportError as e:
-        from app.studio.artifacts import portable_text
-
-        # the job's error is what /api/exports and the run page show: no server path in it
-        # (the base's folder is named as the model; a path in the data dir, relative to it)
-        msg = portable_text(str(e), [model_row.path or ""], model_row.name)
-        for root in sorted({str(ctx.settings.data_dir), str(ctx.settings.data_dir.resolve())},
-                           key=len, reverse=True):
-            msg = msg.replace(root.rstrip("/") + "/", "")
-        raise JobError(msg) from e
+        raise JobError(portable(str(e))) from e
     if res.get("merged"):
         m = res["merged"]
         ctx.log(f"merged weights written as {m['dtype']}: {m['dtype_reason']}", "info",
                 dtype=m["dtype"], dtype_reason=m["dtype_reason"])
-    for f in res["files"]:
-        repo.add_artifact(ctx.engine, Artifact(
-            run_id=spec.run_id, job_id=ctx.job.id, kind=spec.format, name=f["name"],
-            path=f["path"], bytes=f["size"], sha256=f["sha256"],
-            meta={"export_id": export_id, "quantization": spec.quantization}))
+    keep(res["files"])
     res["export_id"] = export_id
     return res
