@@ -28,29 +28,40 @@ def add_dataset(engine: Engine, ds: Dataset) -> Dataset:
         return ds
 
 
-def get_dataset(engine: Engine, dataset_id: str) -> Dataset:
-    """Load a dataset by id. Raises NotFound."""
+#: ``Dataset.status`` of a deleted dataset whose row stays as the record of the runs that used
+#: it (:func:`delete_dataset`): its file is gone and only ``deleted=True`` readers see it.
+DELETED = "deleted"
+
+
+def get_dataset(engine: Engine, dataset_id: str, deleted: bool = False) -> Dataset:
+    """Load a dataset by id; a deleted one (:data:`DELETED`) only with ``deleted`` (to name
+    it on a run that used it). Raises NotFound."""
     with session_scope(engine) as s:
         ds = s.get(Dataset, dataset_id)
-        if ds is None:
+        if ds is None or (ds.status == DELETED and not deleted):
             raise NotFound(f"no dataset with id {dataset_id!r}")
         return ds
 
 
-def list_datasets(engine: Engine, limit: int = 200, owner: str | None = None) -> list[Dataset]:
-    """Datasets, newest first; only those of user id ``owner`` when it is given."""
+def list_datasets(engine: Engine, limit: int = 200, owner: str | None = None,
+                  deleted: bool = False) -> list[Dataset]:
+    """Datasets, newest first; only those of user id ``owner`` when it is given; deleted ones
+    (:data:`DELETED`) only with ``deleted``."""
     with session_scope(engine) as s:
         q = select(Dataset).order_by(Dataset.created_at.desc())
         if owner is not None:
             q = q.where(Dataset.owner == owner)
+        if not deleted:
+            q = q.where(Dataset.status != DELETED)
         return list(s.exec(q.limit(limit)).all())
 
 
 def update_dataset(engine: Engine, dataset_id: str, **fields: Any) -> Dataset:
-    """Set columns of a dataset row. Raises NotFound."""
+    """Set columns of a dataset row (not of a deleted one: a validation that ends after the
+    delete does not bring it back). Raises NotFound."""
     with session_scope(engine, immediate=True) as s:
         ds = s.get(Dataset, dataset_id)
-        if ds is None:
+        if ds is None or ds.status == DELETED:
             raise NotFound(f"no dataset with id {dataset_id!r}")
         for k, v in fields.items():
             setattr(ds, k, v)
@@ -58,25 +69,51 @@ def update_dataset(engine: Engine, dataset_id: str, **fields: Any) -> Dataset:
         return ds
 
 
-def delete_dataset(engine: Engine, dataset_id: str) -> Dataset:
-    """Delete a dataset row (not its file) and return it. Raises NotFound.
+def _uses(run: Run, dataset_id: str) -> bool:
+    return run.dataset_id == dataset_id or (run.spec or {}).get("validation_file") == dataset_id
 
-    Raises InUse when a run still references it.
+
+def _active_uses(s, dataset_id: str) -> list[tuple[Run, int, str, str]]:
+    return [(run, job_id, kind, state) for run, job_id, kind, state in s.exec(
+        select(Run, Job.id, Job.kind, Job.state).join(Job, Job.run_id == Run.id)
+        .where(Job.state.in_(ACTIVE)).order_by(Job.id)).all() if _uses(run, dataset_id)]
+
+
+def active_uses(engine: Engine, dataset_id: str) -> list[tuple[Run, int, str, str]]:
+    """The queued or running jobs of runs that use dataset ``dataset_id`` (as the training
+    dataset or the ``validation_file``), oldest first: ``(run, job id, job kind, state)``."""
+    with session_scope(engine) as s:
+        return _active_uses(s, dataset_id)
+
+
+def delete_dataset(engine: Engine, dataset_id: str) -> tuple[Dataset, bool]:
+    """Delete a dataset (not its file): ``(its row as it was, kept)``. A dataset that runs
+    trained or evaluated on keeps its row as their record, marked :data:`DELETED` (``kept``
+    True; readers see it only with ``deleted=True``); one no run names is removed.
+
+    Raises NotFound (unknown or already deleted); InUse when a queued or running job of a run
+    uses it (:func:`active_uses`; ``run_id`` and ``kind`` of the first, ``busy`` = every such
+    ``(job id, kind, state)``).
     """
     with session_scope(engine, immediate=True) as s:
         ds = s.get(Dataset, dataset_id)
-        if ds is None:
+        if ds is None or ds.status == DELETED:
             raise NotFound(f"no dataset with id {dataset_id!r}")
-        used = s.exec(select(Run.id).where(Run.dataset_id == dataset_id).limit(1)).first()
-        if used is not None:
-            raise InUse(f"dataset {dataset_id!r} is used by fine-tuning job {used!r}", used)
-        for run, state in s.exec(select(Run, Job.state).join(Job, Job.run_id == Run.id)
-                                 .where(Job.state.in_(ACTIVE))).all():
-            if (run.spec or {}).get("validation_file") == dataset_id:
-                raise InUse(f"dataset {dataset_id!r} is the validation_file of fine-tuning job "
-                            f"{run.id!r}, whose job is {state}", run.id)
-        s.delete(ds)
-        return ds
+        busy = _active_uses(s, dataset_id)
+        if busy:
+            run, _, kind, state = busy[0]
+            raise InUse(f"dataset {dataset_id!r} is used by fine-tuning job {run.id!r}, whose "
+                        f"{kind} job is {state}", run.id, kind,
+                        [(job_id, k, st) for _, job_id, k, st in busy])
+        before = Dataset.model_validate(ds.model_dump())
+        named = s.exec(select(Run.id).where(Run.dataset_id == dataset_id).limit(1)).first() \
+            is not None or any(_uses(r, dataset_id) for r in s.exec(select(Run)).all())
+        if named:
+            ds.status, ds.report = DELETED, None
+            s.add(ds)
+        else:
+            s.delete(ds)
+        return before, named
 
 
 #: Job states in which a job uses its run's files and inputs.

@@ -18,6 +18,7 @@ from app.store import queue, repo
 from app.store.schema import Job, JobState, Run
 from app.store.specs import ALL_LINEAR
 from app.studio import access, audit, calibration, jobs
+from app.studio.datasets import deleted_input
 from app.studio.errors import StudioError, invalid, not_found, whole
 from app.studio.job_states import missing_checkpoint_words
 
@@ -123,7 +124,8 @@ def refusal(engine: Engine, run: Run, step: int, steps: list[int] | None = None,
             jobs: list[Job] | None = None, settings: Settings | None = None,
             actor: User | None = None) -> StudioError | None:
     """Why checkpoint ``step`` of ``run`` cannot be evaluated now (None: it can): the run has
-    no held-out set (conflict), no such checkpoint on disk (not_found, field
+    no held-out set or its dataset or validation_file was deleted (conflict), no such
+    checkpoint on disk (not_found, field
     ``checkpoint_step``), an eval of it is already queued or running (conflict, code
     ``being_evaluated``), or, with
     ``settings`` (``actor``: who asks), the run owner's GPU memory quota could never admit
@@ -134,6 +136,10 @@ def refusal(engine: Engine, run: Run, step: int, steps: list[int] | None = None,
         return StudioError("conflict", f"run {run.name or run.id} has no held-out set to evaluate "
                            "on: it was created without validation_file or "
                            "validation_split_percentage")
+    gone = deleted_input(engine, run)  # the worker rebuilds the held-out set from both
+    if gone is not None:
+        return StudioError("conflict", f"run {run.name or run.id} {gone}, which was deleted; "
+                           "its held-out set cannot be rebuilt to evaluate a checkpoint")
     missing = not_on_disk(engine, run.id, step, steps)
     if missing is not None:
         return missing

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy.engine import Engine
 
 from app.studio import access
+from app.studio.datasets import deleted_name
 from app.studio.runs import MAX_NAME_CHARS
 
 if TYPE_CHECKING:
@@ -26,8 +27,10 @@ DERIVED = ("spec_version", "chat_template_name", "column_mapping", "vram_budget_
 class Clone:
     """A run's settings for a new run: ``kind`` (``sft`` | ``grpo``), the form that edits it
     (``form_url``), a ``name`` for the copy, the editable ``spec`` fields (TrainSpec or
-    GrpoSpec names) and ``template_choice``: the chat template the run used by name
-    (``chatml``, ``model``, ... or ``custom`` for an edited one)."""
+    GrpoSpec names), ``template_choice``: the chat template the run used by name
+    (``chatml``, ``model``, ... or ``custom`` for an edited one) and ``deleted``: for each of
+    its inputs deleted since (left out of ``spec``, so the form asks for another), a sentence
+    saying so."""
 
     run_id: str
     kind: str
@@ -35,6 +38,7 @@ class Clone:
     name: str
     spec: dict[str, Any]
     template_choice: str | None
+    deleted: tuple[str, ...] = ()
 
 
 def clone_run(engine: Engine, actor: User, run_id: str) -> Clone:
@@ -49,8 +53,17 @@ def clone_run(engine: Engine, actor: User, run_id: str) -> Clone:
     if len(name) > MAX_NAME_CHARS:
         name = name[:MAX_NAME_CHARS - 8].rstrip() + "… (copy)"
     kind = "grpo" if run.kind == "grpo" else "sft"
+    deleted = []
+    for field, words in (("dataset", "dataset"), ("validation_file", "validation_file")):
+        ds_id = spec.get(field)
+        if ds_id and (gone := deleted_name(engine, ds_id)) is not None:
+            spec.pop(field)
+            deleted.append(f"The {words} {gone} that run {run.name or run.id} used was deleted: "
+                           f"pick {'another' if field == 'dataset' else 'another, or none'}.")
     return Clone(run_id=run.id, kind=kind,
                  form_url=f"/runs/new/grpo?clone={run.id}" if kind == "grpo"
                  else f"/runs/new?clone={run.id}",
                  name=name, spec=spec,
-                 template_choice=(run.spec or {}).get("chat_template_name"))
+                 template_choice=(run.spec or {}).get("chat_template_name"),
+                 deleted=tuple(deleted))
+

@@ -13,6 +13,7 @@ from app.store import events, repo
 from app.studio import access, evaluation, train_time
 from app.studio.errors import invalid
 from app.studio.run_labels import run_tags, short_date
+from app.studio.datasets import shown_name
 from app.studio.runs import input_names
 
 if TYPE_CHECKING:
@@ -86,8 +87,10 @@ def value_label(field: str, value: Any, engine: Engine) -> str | None:
         from app.store import repo
 
         try:
-            name = (repo.get_model(engine, value).name if NAMED_FIELDS[field] == "model"
-                    else repo.get_dataset(engine, value).filename)
+            if NAMED_FIELDS[field] == "model":
+                name = repo.get_model(engine, value).name
+            else:
+                name = shown_name(repo.get_dataset(engine, value, deleted=True))
         except repo.NotFound:
             return None
         return f"{name} ({value})"

@@ -20,7 +20,7 @@ from app.data.errors import DatasetError
 from app.data.model_config import context_length
 from app.settings import Settings
 from app.store import queue, repo
-from app.store.schema import Dataset, Model, new_id
+from app.store.schema import Dataset, Model, Run, new_id
 from app.store.specs import TrainSpec
 from app.studio import access, audit, validation
 from app.studio.errors import StudioError, invalid
@@ -99,43 +99,36 @@ def pickable_datasets(engine: Engine, actor: User) -> list[Dataset]:
     return sorted(list_datasets(engine, actor), key=lambda d: d.owner != actor.id)
 
 
-def in_use_message(engine: Engine, actor: User, ds: Dataset, exc: repo.InUse) -> str:
-    """Why ``ds`` cannot be deleted, in the names a user knows: its file name and the runs that
-    train on it, by name, with their count ("identity_alpaca.json is used by alice-first and 7
-    other runs: delete those runs first"); a run ``actor`` may not see (another user's) is
-    counted, never named (its id would answer 404 anyway). When no run trains on it: the
-    active run whose ``validation_file`` it is (``exc.run_id``)."""
-    runs = repo.runs_training_on(engine, ds.id)
-    if not runs:
-        return _validation_in_use(engine, actor, ds, exc.run_id)
-    seen = [r for r in runs if access.can_see(actor, r.owner)]
-    hidden = len(runs) - len(seen)
-    if not seen:
-        who = "another user's run" if hidden == 1 else f"{hidden} runs of other users"
-        return (f"{ds.filename} is used by {who}: an admin can delete "
-                f"{'it' if hidden == 1 else 'them'} first")
-    name, others = seen[0].name or seen[0].id, len(runs) - 1
-    if not others:
-        return f"{ds.filename} is used by run {name}: delete that run first"
-    theirs = f" ({hidden} of them another user's)" if hidden else ""
-    return (f"{ds.filename} is used by {name} and {others} other run{'s' if others > 1 else ''}"
-            f"{theirs}: delete those runs first")
-
-
-def _validation_in_use(engine: Engine, actor: User, ds: Dataset, run_id: str | None) -> str:
-    """Why ``ds``, the ``validation_file`` of run ``run_id`` whose job is active, cannot be
-    deleted now (the run named only when ``actor`` may see it)."""
-    try:
-        run, job = repo.run_with_job(engine, run_id) if run_id else (None, None)
-    except repo.NotFound:
-        run, job = None, None
-    if run is None:
-        return f"{ds.filename} is in use by a run; delete it once that run has ended"
-    whose = f"run {run.name or run.id}" if access.can_see(actor, run.owner) \
-        else "another user's run"
-    state = f", whose job is {job.state}" if job is not None else ""
-    return (f"{ds.filename} is the validation_file of {whose}{state}: delete it once that run "
-            "has ended")
+def in_use_message(engine: Engine, actor: User, ds: Dataset) -> str:
+    """Why ``ds`` cannot be deleted now, in the names a user knows: its file name and the runs
+    whose queued or running jobs use it, by name, with their count and their jobs' states
+    ("identity_alpaca.json is used by alice-first and 2 other runs, whose jobs are queued or
+    running: delete it once those runs have ended"); a run ``actor`` may not see (another
+    user's) is counted, never named (its id would answer 404 anyway). Runs that ended do not
+    hold a dataset (:func:`delete_dataset`)."""
+    runs: dict[str, tuple[Run, str]] = {}
+    for run, _, _, state in repo.active_uses(engine, ds.id):
+        runs.setdefault(run.id, (run, state))
+    if not runs:  # they ended since the refusal
+        return f"{ds.filename} was in use by a run that has ended since: delete it again"
+    listed = list(runs.values())
+    seen = [r for r, _ in listed if access.can_see(actor, r.owner)]
+    hidden = len(listed) - len(seen)
+    role = "used by" if any(r.dataset_id == ds.id for r, _ in listed) else \
+        "the validation_file of"
+    if len(listed) == 1:
+        who = f"run {seen[0].name or seen[0].id}" if seen else "another user's run"
+        return (f"{ds.filename} is {role} {who}, whose job is {listed[0][1]}: delete it once "
+                "that run has ended")
+    states = " or ".join(sorted({state for _, state in listed}))
+    if seen:
+        others = len(listed) - 1
+        who = (f"{seen[0].name or seen[0].id} and {others} other run{'s' if others > 1 else ''}"
+               + (f" ({hidden} of them another user's)" if hidden else ""))
+    else:
+        who = f"{hidden} runs of other users"
+    return (f"{ds.filename} is {role} {who}, whose jobs are {states}: delete it once those runs "
+            "have ended")
 
 
 def usable_models(engine: Engine, actor: User) -> list[Model]:
@@ -333,23 +326,63 @@ def stored_report(ds: Dataset) -> dict[str, Any] | None:
 
 
 def delete_dataset(engine: Engine, settings: Settings, actor: User, dataset_id: str) -> Dataset:
-    """Delete a dataset no run uses, and its uploaded file.
+    """Delete a dataset and its uploaded file. Runs that ended keep their record of it: a
+    dataset they trained or evaluated on keeps its row, marked deleted (their pages name it
+    "identity.json (deleted)"; they can no longer resume or rebuild their held-out set, and
+    a clone asks for another dataset: :func:`deleted_input`).
 
     Raises:
-        StudioError: not_found (unknown or another user's); conflict when a run uses it.
+        StudioError: not_found (unknown, deleted, or another user's); conflict (code
+            ``file_in_use``) while a queued or running job of a run uses it.
     """
     ds = access.dataset(engine, actor, dataset_id)
     if ds.status == validation.VALIDATING and validation.job_id(ds) is not None:
         queue.cancel(engine, validation.job_id(ds))  # its job stops at the next batch of rows
     try:
-        repo.delete_dataset(engine, ds.id)
-    except repo.InUse as exc:
-        raise StudioError("conflict", in_use_message(engine, actor, ds, exc), "file_id",
+        _, kept = repo.delete_dataset(engine, ds.id)
+    except repo.InUse:
+        raise StudioError("conflict", in_use_message(engine, actor, ds), "file_id",
                           "file_in_use") from None
+    except repo.NotFound:  # another request deleted it first
+        raise StudioError("not_found", f"no dataset with id {dataset_id}", "file_id") from None
     if is_under(ds.path, settings.data_dir / "uploads"):
         Path(ds.path).unlink(missing_ok=True)
-    audit.record(engine, actor.id, "dataset.deleted", "dataset", ds.id, filename=ds.filename)
+    audit.record(engine, actor.id, "dataset.deleted", "dataset", ds.id, filename=ds.filename,
+                 kept_for_runs=kept)
     return ds
+
+
+def shown_name(ds: Dataset) -> str:
+    """A dataset's file name as a run's pages name it: ``identity.json``, or
+    ``identity.json (deleted)`` once deleted (its row kept as the runs' record)."""
+    return ds.filename + (" (deleted)" if ds.status == repo.DELETED else "")
+
+
+def deleted_name(engine: Engine, dataset_id: str) -> str | None:
+    """The file name of dataset ``dataset_id`` when it was deleted (its id when even its row is
+    gone), None while it exists."""
+    try:
+        repo.get_dataset(engine, dataset_id)
+        return None
+    except repo.NotFound:
+        pass
+    try:
+        return repo.get_dataset(engine, dataset_id, deleted=True).filename
+    except repo.NotFound:
+        return dataset_id
+
+
+def deleted_input(engine: Engine, run: Run) -> str | None:
+    """What ``run`` did with an input of it that was deleted, by the file's name ("trains on
+    dataset identity.json", "evaluates on validation_file alpaca.json"), or None when neither
+    its training dataset nor its ``validation_file`` was deleted."""
+    wanted = [("trains on dataset", run.dataset_id),
+              ("evaluates on validation_file", (run.spec or {}).get("validation_file"))]
+    for what, ds_id in wanted:
+        gone = deleted_name(engine, ds_id) if ds_id else None
+        if gone is not None:
+            return f"{what} {gone}"
+    return None
 
 
 def downloaded(engine: Engine, actor: User, object_type: str, object_id: str | int,

@@ -49,7 +49,7 @@ def _steps_per_epoch_planned(engine: Engine, spec: dict[str, Any], dataset_id: s
     if spec.get("packing"):
         return None
     try:
-        rows = repo.get_dataset(engine, dataset_id).rows
+        rows = repo.get_dataset(engine, dataset_id, deleted=True).rows  # a finished run's too
     except repo.NotFound:
         return None
     if not rows:

@@ -124,7 +124,8 @@ def run_evaluation(engine: Engine, run: Run, job: Job | None, settings: Settings
         from app.store import repo
 
         try:
-            names[spec["validation_file"]] = repo.get_dataset(engine, spec["validation_file"]).filename
+            names[spec["validation_file"]] = repo.get_dataset(engine, spec["validation_file"],
+                                                              deleted=True).filename
         except repo.NotFound:
             pass
     result = (job.result or {}) if job is not None else {}

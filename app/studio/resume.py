@@ -16,6 +16,7 @@ from sqlalchemy.engine import Engine
 from app.store import repo
 from app.store.schema import Job, JobState, Run
 from app.studio import access, audit, calibration
+from app.studio.datasets import deleted_input
 from app.studio.errors import StudioError
 from app.studio.exports import checkpoint_steps
 from app.studio.job_states import no_checkpoint_words
@@ -38,6 +39,10 @@ def resumable(engine: Engine, run: Run, job: Job | None) -> tuple[int | None, st
     steps = checkpoint_steps(engine, run.id)
     if not steps:
         return None, f"run {run.id} {no_checkpoint_words(run, job)}; clone it to start again"
+    gone = deleted_input(engine, run)
+    if gone is not None:
+        return None, (f"run {run.id} {gone}, which was deleted; it cannot resume: clone it "
+                      "and pick another")
     return steps[0], None
 
 
@@ -88,7 +93,7 @@ def resume_run(engine: Engine, settings: Settings, actor: User, run_id: str
     Raises:
         StudioError: not_found (unknown or another user's run); conflict (code
             ``not_resumable``) when its job is queued or running, it succeeded, it saved no
-            checkpoint, or its validation_file was deleted since; invalid (code
+            checkpoint, or its dataset or validation_file was deleted since; invalid (code
             ``over_gpu_memory_quota``) when the owner's GPU memory quota could never admit
             the new job, or ``jobs_at_once_zero`` / ``owner_disabled`` when admission would
             hold it (:func:`app.studio.calibration.check_job_quota`).
@@ -97,14 +102,6 @@ def resume_run(engine: Engine, settings: Settings, actor: User, run_id: str
     step, why = resumable(engine, run, job)
     if why is not None:
         raise StudioError("conflict", why, None, "not_resumable")
-    val = (run.spec or {}).get("validation_file")
-    if val:
-        try:
-            repo.get_dataset(engine, val)
-        except repo.NotFound:
-            raise StudioError("conflict", f"run {run.id} evaluates on validation_file {val}, "
-                                          "which was deleted; it cannot resume", "validation_file",
-                              "not_resumable") from None
     problem = quota_refusal(engine, settings, actor, run, job)
     if problem is not None:
         raise problem

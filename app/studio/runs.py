@@ -20,7 +20,7 @@ from app.store import queue, repo
 from app.store import workers as workers_store
 from app.store.schema import Dataset, Job, JobState, Model, Run
 from app.store.specs import TrainSpec, field_bound
-from app.studio import access, audit, calibration, evaluation, untrained, validation
+from app.studio import access, audit, calibration, datasets, evaluation, untrained, validation
 from app.studio.errors import FieldErrors, StudioError, invalid
 from app.studio.seqlen import fit_max_seq_length
 
@@ -421,13 +421,14 @@ def cancel_run(engine: Engine, actor: User, run_id: str, *, if_running: bool = F
 
 
 def input_names(engine: Engine, run: Run) -> tuple[str, str]:
-    """(the run's model name, its dataset's file name), each the id when its row is gone."""
+    """(the run's model name, its dataset's file name), each the id when its row is gone; a
+    deleted dataset's name ends with " (deleted)"."""
     try:
         model_name = repo.get_model(engine, run.model_id).name
     except repo.NotFound:
         model_name = run.model_id
     try:
-        dataset_name = repo.get_dataset(engine, run.dataset_id).filename
+        dataset_name = datasets.shown_name(repo.get_dataset(engine, run.dataset_id, deleted=True))
     except repo.NotFound:
         dataset_name = run.dataset_id
     return model_name, dataset_name

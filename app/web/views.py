@@ -172,7 +172,7 @@ def kept_fields(values: dict[str, Any], spec_cls, template: str) -> dict[str, An
 def clone_values(clone, defaults: dict[str, Any]) -> dict[str, Any]:
     """A run form's values from :class:`app.studio.clone.Clone`: its spec over the form's
     ``defaults`` (every spec field; the form shows some, the rest go as hidden inputs)."""
-    return {**defaults, **clone.spec, "name": clone.name}
+    return {**defaults, **clone.spec, "name": clone.name, "clone_deleted": clone.deleted}
 
 
 def dataset_label(ds, owners: dict[str, str] | None = None, me: str | None = None) -> str:

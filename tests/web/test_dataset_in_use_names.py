@@ -1,7 +1,9 @@
-"""Deleting a dataset that runs train on is refused in the names a user knows (trial s21 F9:
-"dataset 'file-98f8…' is used by fine-tuning job 'ftjob-171c…'" named ids, and one run of
-eight): the file name and the runs by name, with their count; another user's run is counted,
-never named. Every surface (page, /api, /v1) says the same (app.studio.datasets.in_use_message)."""
+"""Deleting a dataset that queued or running runs use is refused in the names a user knows
+(trial s21 F9: "dataset 'file-98f8…' is used by fine-tuning job 'ftjob-171c…'" named ids, and
+one run of eight): the file name and the runs by name, with their count and their jobs' states;
+another user's run is counted, never named. Every surface (page, /api, /v1) says the same
+(app.studio.datasets.in_use_message). Runs that ended do not keep it:
+test_dataset_delete_after_runs.py."""
 from __future__ import annotations
 
 from app.store import repo
@@ -36,22 +38,25 @@ def test_a_dataset_in_use_names_its_file_and_runs(app, client, engine) -> None:
     with signed_in(app, "alice", "member-password-1") as c:
         ds = upload_sft(c)
         _run(engine, ds, alice, "alice-first")
-        assert _refusals(c, ds) == ("identity_alpaca.json is used by run alice-first: delete "
-                                    "that run first")
+        assert _refusals(c, ds) == ("identity_alpaca.json is used by run alice-first, whose "
+                                    "job is queued: delete it once that run has ended")
         for i in range(2):
             _run(engine, ds, alice, f"alice-{i}")
         assert _refusals(c, ds) == ("identity_alpaca.json is used by alice-first and 2 other "
-                                    "runs: delete those runs first")
+                                    "runs, whose jobs are queued: delete it once those runs "
+                                    "have ended")
         _run(engine, ds, admin, "admins-secret-run")  # an admin may train on her upload
         msg = _refusals(c, ds)
         assert msg == ("identity_alpaca.json is used by alice-first and 3 other runs (1 of them "
-                       "another user's): delete those runs first")
+                       "another user's), whose jobs are queued: delete it once those runs have "
+                       "ended")
         assert ds not in msg and "ftjob-" not in msg and "admins-secret" not in msg
         # the admin sees every run: none is another user's to them
         assert _refusals(client, ds) == ("identity_alpaca.json is used by alice-first and 3 "
-                                         "other runs: delete those runs first")
+                                         "other runs, whose jobs are queued: delete it once "
+                                         "those runs have ended")
         # a dataset only another user's run trains on
         other = upload_sft(c, "alpaca_en_demo.json")
         _run(engine, other, admin, "admins-run")
-        assert _refusals(c, other) == ("alpaca_en_demo.json is used by another user's run: an "
-                                       "admin can delete it first")
+        assert _refusals(c, other) == ("alpaca_en_demo.json is used by another user's run, "
+                                       "whose job is queued: delete it once that run has ended")

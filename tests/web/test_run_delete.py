@@ -34,7 +34,8 @@ def test_delete_run_and_export_refused_while_in_use(app, client, engine, setting
     assert f'hx-post="/datasets/{ds_id}/delete"' in ds_page
     r = client.post(f"/datasets/{ds_id}/delete", headers={"HX-Request": "true"})
     # an unnamed run goes by its id, as its page's heading
-    assert r.status_code == 409 and f"is used by run {run_id}: delete that run first" in r.text
+    assert r.status_code == 409 and (f"is used by run {run_id}, whose job is running: delete it "
+                                     "once that run has ended") in r.text
     r = client.delete(f"/api/runs/{run_id}")
     assert r.status_code == 409 and r.json()["error"]["code"] == "run_in_use"
     assert "its training job is running" in r.json()["error"]["message"]

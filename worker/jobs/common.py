@@ -141,12 +141,19 @@ def admitted_budget(ctx: JobContext, spec):
 
 
 def job_inputs(ctx: JobContext, spec) -> tuple[Model, Dataset]:
-    """The spec's model row (which must be ready) and dataset row. Raises JobError/NotFound."""
+    """The spec's model row (which must be ready) and dataset row. Raises JobError (the model
+    is not ready; the dataset was deleted, as a user may while no job of the run is queued or
+    running, so only a delete racing the job's queueing meets it) or NotFound."""
     model_row = repo.get_model(ctx.engine, spec.model)
     if model_row.status != "ready" or not model_row.path:
         raise JobError(f"model {model_row.name} is not ready (status {model_row.status}"
                        f"{': ' + model_row.error if model_row.error else ''})")
-    return model_row, repo.get_dataset(ctx.engine, spec.dataset)
+    try:
+        return model_row, repo.get_dataset(ctx.engine, spec.dataset)
+    except repo.NotFound:
+        gone = repo.get_dataset(ctx.engine, spec.dataset, deleted=True)
+        raise JobError(f"dataset {gone.filename} was deleted; clone the run and pick another "
+                       "dataset") from None
 
 
 def check_device(spec) -> bool:

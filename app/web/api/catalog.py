@@ -29,7 +29,8 @@ def get_dataset(dataset_id: str, engine: EngineDep, user: CurrentUser):
 
 @router.delete("/datasets/{dataset_id}", response_model=DatasetOut)
 def delete_dataset(dataset_id: str, engine: EngineDep, settings: SettingsDep, user: CurrentUser):
-    """Delete a dataset no run uses (409 otherwise) and its file."""
+    """Delete a dataset and its file (409 while a queued or running job of a run uses it);
+    runs that used it keep naming it, "(deleted)" (app.studio.datasets.delete_dataset)."""
     return dataset_out(datasets_uc.delete_dataset(engine, settings, user, dataset_id))
 
 

@@ -165,7 +165,7 @@ def _stored_ctx(request: Request, ds, **extra) -> dict:
 def delete_dataset(request: Request, dataset_id: str, engine: EngineDep, settings: SettingsDep,
                    user: CurrentUser):
     """Delete the dataset and its file (the page asks first); on to the Datasets page. While a
-    run uses it: the reason in place of the button (409)."""
+    queued or running job of a run uses it: the reason in place of the button (409)."""
     try:
         datasets_uc.delete_dataset(engine, settings, user, dataset_id)
     except StudioError as exc:

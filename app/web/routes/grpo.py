@@ -76,7 +76,7 @@ def _form_ctx(request, values, errors=None, general=None, fresh=False) -> dict[s
             "signature": CUSTOM_REWARD_SIGNATURE,
             "custom_allowed": custom_rewards_allowed(user),
             "kept": views.kept_fields(values, GrpoSpec, "run_grpo_new.html"),
-            "clone_of": values.get("clone_of")}
+            "clone_of": values.get("clone_of"), "clone_deleted": values.get("clone_deleted")}
 
 
 def spec_from_form(form) -> tuple[dict[str, Any], dict[str, Any]]:

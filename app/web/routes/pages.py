@@ -9,6 +9,7 @@ from fastapi.responses import RedirectResponse
 from app.store import queue, repo
 from app.store import workers as workers_store
 from app.studio import access
+from app.studio import datasets as datasets_uc
 from app.studio import jobs as jobs_uc
 from app.studio.evaluation import latest_training_metric
 from app.studio import runs as runs_uc
@@ -23,8 +24,9 @@ router = APIRouter()
 def run_rows(engine, user, limit: int = 100) -> list[dict]:
     """The runs ``user`` may see with their state, model/dataset names and latest metric."""
     models = {m.id: m.name for m in repo.list_models(engine)}
-    datasets = {d.id: d.filename
-                for d in repo.list_datasets(engine, limit=1000, owner=access.owner_filter(user))}
+    datasets = {d.id: datasets_uc.shown_name(d)  # a deleted one is still named, "(deleted)"
+                for d in repo.list_datasets(engine, limit=1000, owner=access.owner_filter(user),
+                                            deleted=True)}
     rows = []
     for run in runs_uc.list_runs(engine, user, limit=limit):
         _, job = repo.run_with_job(engine, run.id)

@@ -55,7 +55,7 @@ def _form_ctx(engine, user, values: dict, errors: dict | None = None,
             "schedulers": SCHEDULERS,
             "tmpl": tmpl or template_ctx(engine, user, values.get("model")),
             "kept": views.kept_fields(values, TrainSpec, "run_new.html"),
-            "clone_of": values.get("clone_of")}
+            "clone_of": values.get("clone_of"), "clone_deleted": values.get("clone_deleted")}
 
 
 def _model_or_none(engine, user, model_ref: str | None):
