@@ -68,6 +68,18 @@ def canonical_format(fmt: str) -> str:
     return name
 
 
+#: Formats whose rows train as plain text (the tokenizer's special tokens added), not as chat
+#: renderings of the run's template (:attr:`app.data.encode.Prepared.add_special_tokens`).
+PLAIN_FORMATS = ("prompt_completion", "text")
+
+
+def is_chat_format(fmt: str) -> bool:
+    """Whether rows of dataset format ``fmt`` (a detected or given name, aliases accepted; GRPO's
+    ``prompts`` too) train as chat renderings of the template."""
+    name = FORMAT_ALIASES.get(fmt.strip().lower().replace(" ", "_"), fmt.strip().lower())
+    return name not in PLAIN_FORMATS
+
+
 #: Columns that mark a row as KTO data: an answer plus a desirable/undesirable flag (TRL's
 #: ``label``, LLaMA-Factory's ``kto_tag``), which supervised training must not learn from.
 KTO_FLAGS = ("label", "kto_tag")

@@ -175,3 +175,32 @@ def test_bos_follows_training_not_the_tokenizer(stories_hf):
                                      tokenize=False, add_generation_prompt=True)
     assert encode(tok, prompt, chat=True)[0] != tok.bos_token_id
     assert encode(tok, "Once", chat=False)[0] == tok.bos_token_id
+
+
+def test_the_bos_is_the_runs_after_its_dataset_is_deleted(stories_hf):
+    """Trial s27: once a chat run's dataset was deleted its GGUF exports took the plain-text
+    branch (add_bos_token True, a BOS the run never saw: other answers in llama.cpp) and
+    verification, on built-in text prompts, passed. Without the file the stand-in prompts are
+    rendered as the run trained, from its data format."""
+    from transformers import AutoTokenizer
+
+    from app.data.chat_template import resolve_template
+    from app.data.formats import is_chat_format
+    from tests.conftest import SHARED_DATA
+    from worker.export.verify import probe_set, trained_bos
+
+    tok = AutoTokenizer.from_pretrained(stories_hf)
+    chatml = resolve_template("chatml")
+    data = SHARED_DATA / "sft" / "identity_alpaca.json"
+    with_file, chat = probe_set(data, tok, chatml)
+    assert chat is True and with_file[0].startswith("<|im_start|>user\n")
+    for fmt in ("alpaca", "sharegpt", "messages", "openai", "prompts"):
+        assert is_chat_format(fmt), fmt
+        gone, chat_gone = probe_set(None, tok, chatml, chat_data=is_chat_format(fmt))
+        assert chat_gone is True and gone[0] == ("<|im_start|>user\nOnce upon a time<|im_end|>\n"
+                                                 "<|im_start|>assistant\n")
+        assert trained_bos(tok, chatml, chat_gone) is trained_bos(tok, chatml, chat) is False
+    for fmt in ("text", "prompt_completion", "plain"):
+        assert not is_chat_format(fmt), fmt
+        assert probe_set(None, tok, chatml, chat_data=is_chat_format(fmt)) == (
+            ["Once upon a time", "The little dog"], False)

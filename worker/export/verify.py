@@ -116,11 +116,14 @@ def _diff(check: str, prompt: str, want: list[int], got: list[int]) -> dict:
 
 
 def probe_set(path: str | Path | None, tok, template: str | None, n: int = 3,
-              max_chars: int = 200) -> tuple[list[str], bool]:
+              max_chars: int = 200, chat_data: bool | None = None) -> tuple[list[str], bool]:
     """``(prompts, chat)``: up to ``n`` prompts from the run's data file (chat rows rendered with
     the template up to the last user turn + generation prompt; plain text cut at ``max_chars``)
     and whether they are chat renderings (training encodes those without adding special tokens,
-    text with them: :attr:`app.data.encode.Prepared.add_special_tokens`)."""
+    text with them: :attr:`app.data.encode.Prepared.add_special_tokens`). Without the file (its
+    dataset was deleted) two built-in prompts stand in, rendered as chat when ``chat_data``
+    says the run trained on chat rows (:func:`app.data.formats.is_chat_format`), so that the
+    export's BOS (:func:`trained_bos`) is the run's whether or not its data is still there."""
     rows: list = []
     p = Path(path) if path else None
     if p and p.exists():
@@ -157,7 +160,14 @@ def probe_set(path: str | Path | None, tok, template: str | None, n: int = 3,
             chat = True
         elif msgs:
             out.append(msgs[-1]["content"][:max_chars])
-    return (out, chat) if out else (["Once upon a time", "The little dog"][:n], False)
+    if out:
+        return out, chat
+    stand_in = ["Once upon a time", "The little dog"][:n]
+    if chat_data and template:
+        return [tok.apply_chat_template([{"role": "user", "content": p}], chat_template=template,
+                                        tokenize=False, add_generation_prompt=True)
+                for p in stand_in], True
+    return stand_in, False
 
 
 def probe_prompts(path: str | Path | None, tok, template: str | None, n: int = 3,

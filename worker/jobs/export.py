@@ -55,13 +55,16 @@ def export_run(run_dir: str | Path, spec, out_dir: str | Path,
                base_dir: str | Path | None = None, data_path: str | Path | None = None,
                ollama_url: str | None = None, model_name: str | None = None,
                name: str = "model", run_spec: dict | None = None,
-               base: dict | None = None, llama_timeout: float | None = None) -> dict:
+               base: dict | None = None, llama_timeout: float | None = None,
+               data_format: str | None = None) -> dict:
     """Export one run; see the module docstring. ``run_spec`` (the run row's spec), with
     ``base_dir`` and ``data_path`` from the model and dataset rows, is what the export job
     passes; without them the run folder's config.json is read. ``base`` (the model row's
     ``name``, ``source``, ``source_ref``) names the base in the result's ``provenance``.
     ``llama_timeout``: seconds one llama.cpp step may take (None: the setting
-    ``llama_cpp_timeout_seconds``; :func:`worker.export.llama_child.call`).
+    ``llama_cpp_timeout_seconds``; :func:`worker.export.llama_child.call`). ``data_format``: the
+    training data's format (the dataset row's, or the spec's ``dataset_format``), which says
+    whether the run trained on chat renderings when its data file is gone.
     Raises ExportError / VerificationFailed."""
     import torch
 
@@ -81,7 +84,10 @@ def export_run(run_dir: str | Path, spec, out_dir: str | Path,
     ds = info.config.get("dataset")
     data_path = data_path or (ds.get("path") if isinstance(ds, dict) else None) \
         or info.config.get("dataset_path")
-    prompts, chat = V.probe_set(data_path, tok, info.chat_template)
+    from app.data.formats import is_chat_format
+
+    prompts, chat = V.probe_set(data_path, tok, info.chat_template,
+                                chat_data=is_chat_format(data_format) if data_format else None)
     refs = V.reference(trained, tok, prompts, end_ids, chat,
                        lambda f: progress("reference", 0.02 + 0.08 * f))
     add_bos = V.trained_bos(tok, info.chat_template, chat)  # GGUF/Ollama BOS = training's
@@ -270,9 +276,13 @@ def run(ctx) -> dict:
 
     model_row = repo.get_model(ctx.engine, run_row.model_id)
     try:
-        data_path = repo.get_dataset(ctx.engine, run_row.dataset_id).path
+        ds_row = repo.get_dataset(ctx.engine, run_row.dataset_id, deleted=True)
     except repo.NotFound:
-        data_path = None  # the dataset was deleted: verification probes with built-in prompts
+        ds_row = None
+    # a deleted dataset's file is gone: verification probes with built-in prompts, rendered as
+    # the run trained (chat or text, from its format), so the GGUF's BOS is the same either way
+    data_path = ds_row.path if ds_row is not None and ds_row.status != repo.DELETED else None
+    data_format = (run_row.spec or {}).get("dataset_format") or (ds_row.format if ds_row else None)
 
     def portable(msg: str) -> str:
         # the job's error is what /api/exports and the run page show: no server path in it
@@ -296,7 +306,8 @@ def run(ctx) -> dict:
                          base_dir=model_row.path, data_path=data_path, run_spec=run_row.spec,
                          base={"name": model_row.name, "source": model_row.source,
                                "source_ref": model_row.source_ref},
-                         llama_timeout=getattr(ctx.settings, "llama_cpp_timeout_seconds", None))
+                         llama_timeout=getattr(ctx.settings, "llama_cpp_timeout_seconds", None),
+                         data_format=data_format)
     except VerificationFailed as e:
         from worker.export.verify import summarize
 
