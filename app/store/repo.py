@@ -69,19 +69,36 @@ def update_dataset(engine: Engine, dataset_id: str, **fields: Any) -> Dataset:
         return ds
 
 
+def _lock_live_datasets(s, dataset_ids: list[str | None]) -> None:
+    """In a write transaction: lock the rows of ``dataset_ids`` (None skipped) against a
+    concurrent :func:`delete_dataset` (Postgres ``FOR UPDATE``; SQLite's write lock already
+    serialises); raises NotFound for one that does not exist or was deleted."""
+    for ds_id in filter(None, dataset_ids):
+        ds = s.exec(select(Dataset).where(Dataset.id == ds_id).with_for_update()).first()
+        if ds is None or ds.status == DELETED:
+            raise NotFound(f"no dataset with id {ds_id!r}")
+
+
 def _uses(run: Run, dataset_id: str) -> bool:
     return run.dataset_id == dataset_id or (run.spec or {}).get("validation_file") == dataset_id
+
+
+#: Job kinds that read their run's dataset files: training and a checkpoint's evaluation (which
+#: rebuilds the held-out set). An export or a playground session of the run does not need them.
+READS_DATA = ("train", "grpo", "evaluate")
 
 
 def _active_uses(s, dataset_id: str) -> list[tuple[Run, int, str, str]]:
     return [(run, job_id, kind, state) for run, job_id, kind, state in s.exec(
         select(Run, Job.id, Job.kind, Job.state).join(Job, Job.run_id == Run.id)
-        .where(Job.state.in_(ACTIVE)).order_by(Job.id)).all() if _uses(run, dataset_id)]
+        .where(Job.state.in_(ACTIVE), Job.kind.in_(READS_DATA)).order_by(Job.id)).all()
+        if _uses(run, dataset_id)]
 
 
 def active_uses(engine: Engine, dataset_id: str) -> list[tuple[Run, int, str, str]]:
-    """The queued or running jobs of runs that use dataset ``dataset_id`` (as the training
-    dataset or the ``validation_file``), oldest first: ``(run, job id, job kind, state)``."""
+    """The queued or running jobs that read dataset ``dataset_id`` (:data:`READS_DATA` kinds of
+    runs whose training dataset or ``validation_file`` it is), oldest first: ``(run, job id,
+    job kind, state)``."""
     with session_scope(engine) as s:
         return _active_uses(s, dataset_id)
 
@@ -96,7 +113,7 @@ def delete_dataset(engine: Engine, dataset_id: str) -> tuple[Dataset, bool]:
     ``(job id, kind, state)``).
     """
     with session_scope(engine, immediate=True) as s:
-        ds = s.get(Dataset, dataset_id)
+        ds = s.exec(select(Dataset).where(Dataset.id == dataset_id).with_for_update()).first()
         if ds is None or ds.status == DELETED:
             raise NotFound(f"no dataset with id {dataset_id!r}")
         busy = _active_uses(s, dataset_id)
@@ -218,13 +235,15 @@ def create_run(engine: Engine, spec: TrainSpec, *, kind: str = "sft", name: str 
     the job's estimated GPU allocator peak in GiB (``app.studio.estimate``), if known.
 
     ``spec.model`` may be a model id or name; it is resolved to the id. Raises NotFound when the
-    model or dataset does not exist.
+    model, the dataset or the ``validation_file`` does not exist (or was deleted: checked in
+    the transaction, under the rows' lock, so a delete racing it either refuses, seeing the
+    new job, or wins and the run is refused).
     """
     model = get_model(engine, spec.model)
-    get_dataset(engine, spec.dataset)
     spec = spec.model_copy(update={"model": model.id})
     payload = spec.model_dump(mode="json")
     with session_scope(engine, immediate=True) as s:
+        _lock_live_datasets(s, [spec.dataset, payload.get("validation_file")])
         run = Run(name=name, kind=kind, model_id=model.id, dataset_id=spec.dataset, spec=payload,
                   owner=owner)
         s.add(run)
@@ -250,7 +269,9 @@ def resume_run(engine: Engine, run_id: str, from_step: int, reason: str) -> tupl
     from_step`` (the steps after it are trained again), then a ``queued`` state event saying
     ``reason``. The earlier job stays as the record of its attempt (its GPU time, its end).
 
-    Raises NotFound (no run, or it has no job) and InUse (its job is not cancelled or failed).
+    Raises NotFound (no run, or it has no job, or its dataset or validation_file was deleted:
+    checked under the rows' lock, as :func:`create_run`) and InUse (its job is not cancelled or
+    failed).
     """
     with session_scope(engine, immediate=True) as s:
         run = s.get(Run, run_id)
@@ -259,6 +280,7 @@ def resume_run(engine: Engine, run_id: str, from_step: int, reason: str) -> tupl
             raise NotFound(f"no fine-tuning job with id {run_id!r}")
         if old.state not in (JobState.CANCELLED, JobState.FAILED):
             raise InUse(f"fine-tuning job {run_id} is {old.state}")
+        _lock_live_datasets(s, [run.dataset_id, (run.spec or {}).get("validation_file")])
         job = Job(kind=old.kind, payload=old.payload, priority=old.priority, run_id=run.id,
                   owner=old.owner, max_attempts=old.max_attempts, estimate_gib=old.estimate_gib)
         s.add(job)

@@ -100,36 +100,38 @@ def pickable_datasets(engine: Engine, actor: User) -> list[Dataset]:
 
 
 def in_use_message(engine: Engine, actor: User, ds: Dataset) -> str:
-    """Why ``ds`` cannot be deleted now, in the names a user knows: its file name and the runs
-    whose queued or running jobs use it, by name, with their count and their jobs' states
-    ("identity_alpaca.json is used by alice-first and 2 other runs, whose jobs are queued or
-    running: delete it once those runs have ended"); a run ``actor`` may not see (another
-    user's) is counted, never named (its id would answer 404 anyway). Runs that ended do not
-    hold a dataset (:func:`delete_dataset`)."""
+    """Why ``ds`` cannot be deleted now, in the names a user knows: its file name and what is
+    reading it, each run by name with the job and its state ("identity_alpaca.json is used by
+    run alice-first, whose training job is queued", "... by alice-first (training job running)
+    and bob-run (checkpoint evaluation queued)") and when to try again; a run ``actor`` may not
+    see (another user's) is counted, never named (its id would answer 404 anyway). Runs that
+    ended, and their exports and playground sessions, do not hold a dataset
+    (:func:`delete_dataset`)."""
     runs: dict[str, tuple[Run, str]] = {}
-    for run, _, _, state in repo.active_uses(engine, ds.id):
-        runs.setdefault(run.id, (run, state))
+    for run, _, kind, state in repo.active_uses(engine, ds.id):
+        runs.setdefault(run.id, (run, f"{_JOB_WORDS.get(kind, kind + ' job')} {state}"))
     if not runs:  # they ended since the refusal
         return f"{ds.filename} was in use by a run that has ended since: delete it again"
     listed = list(runs.values())
-    seen = [r for r, _ in listed if access.can_see(actor, r.owner)]
+    seen = [(r, what) for r, what in listed if access.can_see(actor, r.owner)]
     hidden = len(listed) - len(seen)
     role = "used by" if any(r.dataset_id == ds.id for r, _ in listed) else \
         "the validation_file of"
     if len(listed) == 1:
-        who = f"run {seen[0].name or seen[0].id}" if seen else "another user's run"
-        return (f"{ds.filename} is {role} {who}, whose job is {listed[0][1]}: delete it once "
-                "that run has ended")
-    states = " or ".join(sorted({state for _, state in listed}))
-    if seen:
-        others = len(listed) - 1
-        who = (f"{seen[0].name or seen[0].id} and {others} other run{'s' if others > 1 else ''}"
-               + (f" ({hidden} of them another user's)" if hidden else ""))
-    else:
-        who = f"{hidden} runs of other users"
-    return (f"{ds.filename} is {role} {who}, whose jobs are {states}: delete it once those runs "
-            "have ended")
+        run_words = f"run {seen[0][0].name or seen[0][0].id}" if seen else "another user's run"
+        job, _, state = listed[0][1].rpartition(" ")
+        return (f"{ds.filename} is {role} {run_words}, whose {job} is {state}: delete it once "
+                "that has ended (or cancel it)")
+    named = [f"{r.name or r.id} ({what})" for r, what in seen]
+    if hidden:
+        named.append(f"{hidden} run{'s' if hidden > 1 else ''} of other users")
+    who = ", ".join(named[:-1]) + " and " + named[-1]
+    return f"{ds.filename} is {role} {who}: delete it once those have ended (or cancel them)"
 
+
+#: A job kind that reads a dataset, as the refusal names it.
+_JOB_WORDS = {"train": "training job", "grpo": "training job",
+              "evaluate": "checkpoint evaluation"}
 
 def usable_models(engine: Engine, actor: User) -> list[Model]:
     """The models ``actor`` may train on or preview with: :func:`app.studio.models.usable_models`

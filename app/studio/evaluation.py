@@ -124,8 +124,10 @@ def run_evaluation(engine: Engine, run: Run, job: Job | None, settings: Settings
         from app.store import repo
 
         try:
-            names[spec["validation_file"]] = repo.get_dataset(engine, spec["validation_file"],
-                                                              deleted=True).filename
+            from app.studio.datasets import shown_name
+
+            names[spec["validation_file"]] = shown_name(
+                repo.get_dataset(engine, spec["validation_file"], deleted=True))
         except repo.NotFound:
             pass
     result = (job.result or {}) if job is not None else {}

@@ -41,8 +41,8 @@ def resumable(engine: Engine, run: Run, job: Job | None) -> tuple[int | None, st
         return None, f"run {run.id} {no_checkpoint_words(run, job)}; clone it to start again"
     gone = deleted_input(engine, run)
     if gone is not None:
-        return None, (f"run {run.id} {gone}, which was deleted; it cannot resume: clone it "
-                      "and pick another")
+        return None, (f"run {run.name or run.id} {gone}, which was deleted: clone it and pick "
+                      "another")
     return steps[0], None
 
 
@@ -110,6 +110,10 @@ def resume_run(engine: Engine, settings: Settings, actor: User, run_id: str
                                    f"resumed from checkpoint-{step} (job {job.id} {job.state})")
     except repo.InUse as exc:  # another request resumed it first
         raise StudioError("conflict", str(exc), None, "not_resumable") from None
+    except repo.NotFound:  # its dataset was deleted since the check above
+        step, why = resumable(engine, run, job)
+        raise StudioError("conflict", why or f"run {run.id} cannot resume now", None,
+                          "not_resumable") from None
     audit.record(engine, actor.id, "run.resumed", "run", run.id, job=new.id, previous_job=job.id,
                  checkpoint_step=step)
     return run, new

@@ -46,9 +46,20 @@ def test_a_dataset_of_ended_runs_is_deleted_and_the_runs_keep_their_record(clien
                                   name="waiting")
     r = client.delete(f"/api/datasets/{ds}")
     assert r.status_code == 409 and r.json()["error"]["message"] == (
-        "identity_alpaca.json is used by run waiting, whose job is queued: delete it once that "
-        "run has ended")
+        "identity_alpaca.json is used by run waiting, whose training job is queued: delete it "
+        "once that has ended (or cancel it)")
     queue.cancel(engine, job.id)
+    # a checkpoint evaluation rebuilds the held-out set from it: it keeps it too, said so
+    ev = queue.enqueue(engine, "evaluate", {"run_id": run_id, "checkpoint_step": 2},
+                       run_id=run_id)
+    r = client.delete(f"/api/datasets/{ds}")
+    assert r.status_code == 409 and r.json()["error"]["message"] == (
+        "identity_alpaca.json is used by run first, whose checkpoint evaluation is queued: "
+        "delete it once that has ended (or cancel it)")
+    queue.cancel(engine, ev.id)
+    # an export or a playground session of a run does not read it (trial s27: they did hold it)
+    for kind in ("export", "playground"):
+        queue.enqueue(engine, kind, {"run_id": run_id}, run_id=run_id)
 
     r = client.delete(f"/api/datasets/{ds}")
     assert r.status_code == 200, r.text
@@ -67,10 +78,9 @@ def test_a_dataset_of_ended_runs_is_deleted_and_the_runs_keep_their_record(clien
         assert "identity_alpaca.json (deleted)" in client.get(f"/runs/{rid}").text
     assert "identity_alpaca.json (deleted)" in client.get("/").text
     # neither can resume, rebuild its held-out set or be cloned with it
-    for rid, words in ((run_id, "trains on dataset"),
-                       (val_run, "evaluates on validation_file")):
-        why = (f"run {rid} {words} identity_alpaca.json, which was deleted; it cannot resume: "
-               "clone it and pick another")
+    for rid, words in ((run_id, "first trains on dataset"),
+                       (val_run, "on-held evaluates on validation_file")):
+        why = f"run {words} identity_alpaca.json, which was deleted: clone it and pick another"
         info = client.get(f"/api/runs/{rid}").json()["resume"]
         assert (info["can_resume"], info["reason"]) == (False, why), info
         r = client.post(f"/api/runs/{rid}/resume")
@@ -83,6 +93,8 @@ def test_a_dataset_of_ended_runs_is_deleted_and_the_runs_keep_their_record(clien
     assert ("The dataset identity_alpaca.json that run first used was deleted: pick another."
             in page)
     assert f'value="{ds}"' not in page
+    # its held-out set is named as deleted on its page
+    assert "validation_file identity_alpaca.json (deleted)" in client.get(f"/runs/{val_run}").text
     page = client.get(f"/runs/new?clone={val_run}").text
     assert ("The validation_file identity_alpaca.json that run on-held used was deleted: pick "
             "another, or none.") in page

@@ -1,7 +1,7 @@
 """Deleting a dataset that queued or running runs use is refused in the names a user knows
 (trial s21 F9: "dataset 'file-98f8…' is used by fine-tuning job 'ftjob-171c…'" named ids, and
 one run of eight): the file name and the runs by name, with their count and their jobs' states;
-another user's run is counted, never named. Every surface (page, /api, /v1) says the same
+another user's run is counted, never named; an export or playground session does not hold it. Every surface (page, /api, /v1) says the same
 (app.studio.datasets.in_use_message). Runs that ended do not keep it:
 test_dataset_delete_after_runs.py."""
 from __future__ import annotations
@@ -39,24 +39,27 @@ def test_a_dataset_in_use_names_its_file_and_runs(app, client, engine) -> None:
         ds = upload_sft(c)
         _run(engine, ds, alice, "alice-first")
         assert _refusals(c, ds) == ("identity_alpaca.json is used by run alice-first, whose "
-                                    "job is queued: delete it once that run has ended")
+                                    "training job is queued: delete it once that has ended (or "
+                                    "cancel it)")
         for i in range(2):
             _run(engine, ds, alice, f"alice-{i}")
-        assert _refusals(c, ds) == ("identity_alpaca.json is used by alice-first and 2 other "
-                                    "runs, whose jobs are queued: delete it once those runs "
-                                    "have ended")
+        q = "training job queued"
+        assert _refusals(c, ds) == (f"identity_alpaca.json is used by alice-first ({q}), "
+                                    f"alice-0 ({q}) and alice-1 ({q}): delete it once those "
+                                    "have ended (or cancel them)")
         _run(engine, ds, admin, "admins-secret-run")  # an admin may train on her upload
         msg = _refusals(c, ds)
-        assert msg == ("identity_alpaca.json is used by alice-first and 3 other runs (1 of them "
-                       "another user's), whose jobs are queued: delete it once those runs have "
-                       "ended")
+        assert msg == (f"identity_alpaca.json is used by alice-first ({q}), alice-0 ({q}), "
+                       f"alice-1 ({q}) and 1 run of other users: delete it once those have "
+                       "ended (or cancel them)")
         assert ds not in msg and "ftjob-" not in msg and "admins-secret" not in msg
         # the admin sees every run: none is another user's to them
-        assert _refusals(client, ds) == ("identity_alpaca.json is used by alice-first and 3 "
-                                         "other runs, whose jobs are queued: delete it once "
-                                         "those runs have ended")
+        assert _refusals(client, ds) == (
+            f"identity_alpaca.json is used by alice-first ({q}), alice-0 ({q}), alice-1 ({q}) "
+            f"and admins-secret-run ({q}): delete it once those have ended (or cancel them)")
         # a dataset only another user's run trains on
         other = upload_sft(c, "alpaca_en_demo.json")
         _run(engine, other, admin, "admins-run")
         assert _refusals(c, other) == ("alpaca_en_demo.json is used by another user's run, "
-                                       "whose job is queued: delete it once that run has ended")
+                                       "whose training job is queued: delete it once that has "
+                                       "ended (or cancel it)")

@@ -34,8 +34,8 @@ def test_delete_run_and_export_refused_while_in_use(app, client, engine, setting
     assert f'hx-post="/datasets/{ds_id}/delete"' in ds_page
     r = client.post(f"/datasets/{ds_id}/delete", headers={"HX-Request": "true"})
     # an unnamed run goes by its id, as its page's heading
-    assert r.status_code == 409 and (f"is used by run {run_id}, whose job is running: delete it "
-                                     "once that run has ended") in r.text
+    assert r.status_code == 409 and (f"is used by run {run_id}, whose training job is running: "
+                                     "delete it once that has ended (or cancel it)") in r.text
     r = client.delete(f"/api/runs/{run_id}")
     assert r.status_code == 409 and r.json()["error"]["code"] == "run_in_use"
     assert "its training job is running" in r.json()["error"]["message"]
@@ -100,8 +100,8 @@ def test_a_validation_file_in_use_is_not_deleted(client, engine):
     r = client.delete(f"/api/datasets/{ids[1]}")
     assert r.status_code == 409, r.text
     assert r.json()["error"]["message"] == (
-        f"alpaca_en_demo.json is the validation_file of run {run.id}, whose job is queued: "
-        "delete it once that run has ended")
+        f"alpaca_en_demo.json is the validation_file of run {run.id}, whose training job is "
+        "queued: delete it once that has ended (or cancel it)")
     queue.cancel(engine, job.id)
     assert queue.get_job(engine, job.id).state == JobState.CANCELLED
     assert client.delete(f"/api/datasets/{ids[1]}").status_code == 200
