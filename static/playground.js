@@ -180,6 +180,7 @@
       const r = await api(`/api/playground/sessions/${session}/prompts`, body);
       if (pending !== mine) return;
       pending.id = r.request_id; pending.body = body; pending.retry = !!retry;
+      form.dataset.requestId = r.request_id;  // the prompt a page left now can stop (tests wait on it)
       if (pending.stop) stop();
       for (const [type, d] of pending.early.splice(0)) handle(type, d);
     } catch (e) {

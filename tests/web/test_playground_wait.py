@@ -155,6 +155,10 @@ def test_a_page_left_while_its_session_waits_takes_it_out_of_the_queue(server, c
             while not events.since(engine, sid, 0, 100, types=["prompt"]):
                 assert time.monotonic() < deadline, "the prompt was not sent"
                 time.sleep(0.1)
+            # the page knows its prompt once the POST has answered: only then can leaving it
+            # name the prompt (the full suite beside a loaded box closed the tab before that)
+            prompt_id = events.since(engine, sid, 0, 100, types=["prompt"])[0].data["request_id"]
+            expect(page.locator("#pg-form")).to_have_attribute("data-request-id", prompt_id)
             if leave == "another page":
                 page.goto(f"{page.base}/runs")
             else:
