@@ -29,6 +29,9 @@ class Settings(BaseSettings):
             job (ended, reaped after its heartbeat stopped, e.g. a process stuck in C code that
             holds the interpreter) before it is sent SIGTERM, and as long again before SIGKILL;
             meanwhile its GPU slots admit nothing (seconds).
+        stop_grace_seconds: when the worker supervisor stops (Ctrl-C, SIGTERM), how long a job
+            process may take to checkpoint and give its job back before it is killed; a killed
+            one's job goes back to the queue saying so (seconds).
         sqlite_busy_timeout_seconds: (faults) how long an SQLite writer waits for another's
             write lock before giving up with "database is locked" (seconds; the worker then
             backs off and retries, the web answers 503 "busy, retry").
@@ -106,6 +109,7 @@ class Settings(BaseSettings):
     lease_seconds: float = Field(default=60.0, gt=0)
     heartbeat_seconds: float = Field(default=2.0, gt=0)
     orphan_grace_seconds: float = Field(default=10.0, gt=0)
+    stop_grace_seconds: float = Field(default=120.0, gt=0)
     reap_interval_seconds: float = Field(default=15.0, gt=0)
     # faults
     sqlite_busy_timeout_seconds: float = Field(default=30.0, gt=0)

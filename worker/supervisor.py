@@ -337,23 +337,33 @@ class Supervisor:
                 log.error("cannot admit (%s); retrying in %.0f s",
                           faults.describe(exc, self.settings.data_dir) or one_line(exc), delay)
                 self.shutdown.wait(delay)
-        self.stop_children()
+        self.stop_children(self.settings.stop_grace_seconds)
         return 0
 
     def stop_children(self, grace: float = STOP_GRACE_SECONDS) -> None:
         """SIGTERM every child (its job checkpoints and goes back to the queue), wait up to
-        ``grace`` seconds, kill what is left, reap what they left running."""
+        ``grace`` seconds, kill what is left and give its job back to the queue saying why
+        (trial s27: the reaper of the next start called it "killed (likely out of memory)"),
+        reap what the others left running."""
         with self._lock:
             children = list(self.children)
         for c in children:
             if c.proc.poll() is None:
                 c.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
         for c in children:
             try:
-                c.proc.wait(grace)
+                c.proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 c.proc.kill()
                 c.proc.wait(10)
+                reason = (f"the worker was stopping and the job did not stop within {grace:g} s, "
+                          "so it was ended; it resumes from its last checkpoint")
+                try:
+                    if queue.release(self.engine, c.job_id, c.owner, reason):
+                        log.warning("job %s: %s", c.job_id, reason)
+                except Exception:  # noqa: BLE001 - the reaper of the next start will
+                    log.exception("could not give job %s back to the queue", c.job_id)
         try:
             self.collect()
         except Exception:  # noqa: BLE001 - the reaper of the next start will

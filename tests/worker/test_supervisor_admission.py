@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from app.settings import Settings
-from app.store import queue
+from app.store import events, queue
 from app.store.db import session_scope
 from app.store.schema import Job, JobState, User, now
 from app.studio.queue_view import queue_view
@@ -174,5 +174,33 @@ def test_a_job_process_that_outlives_its_claim_is_killed_before_its_slot_is_reus
         log = (tmp_path / "sup.log").read_text()
         assert f"job {stuck.id}: its process {pid} outlived its claim" in log
         assert f"job {stuck.id}: its process {pid} still runs" in log and "killing it" in log
+    finally:
+        studio.close()
+
+
+def test_a_job_that_does_not_stop_with_the_supervisor_goes_back_saying_why(tmp_path):
+    """Trial s27: stopping the studio while a job could not stop (an evaluation busy in C
+    code) killed it after the grace and the next start's reaper said "killed (likely out of
+    memory ...)". The supervisor that kills it gives the job back to the queue with the cause,
+    and does not count the attempt."""
+    import signal
+
+    studio = Studio(tmp_path, **{**SIM, "lease_seconds": 60, "stop_grace_seconds": 2})
+    try:
+        eng = studio.engine
+        u = add_user(eng, "bob")
+        stuck = queue.enqueue(eng, "wedge", {}, owner=u.id, estimate_gib=6.0, max_attempts=1)
+        sup = studio.worker("sup", "--supervise")
+        pid_file = Path(studio.data_dir) / "wedge" / str(stuck.id)
+        wait_for(lambda: pid_file.exists() and pid_file.read_text(), 60, "the wedge started")
+        t0 = time.monotonic()
+        sup.send_signal(signal.SIGTERM)
+        assert sup.wait(30) == 0
+        assert time.monotonic() - t0 < 2 + 10
+        job = queue.get_job(eng, stuck.id)
+        assert (job.state, job.attempts, job.lease_owner) == (JobState.QUEUED, 0, None)
+        reason = events.latest(eng, stuck.id, "state").data["reason"]
+        assert reason == ("the worker was stopping and the job did not stop within 2 s, so it "
+                          "was ended; it resumes from its last checkpoint")
     finally:
         studio.close()
