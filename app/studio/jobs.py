@@ -17,11 +17,12 @@ from sqlalchemy import case, func, or_
 from sqlalchemy.engine import Engine
 from sqlmodel import select
 
-from app.store import queue
+from app.store import queue, repo
 from app.store.db import session_scope
 from app.store.queue import CPU_KINDS, KIND_RANK, OTHER_RANK
-from app.store.schema import Job, JobState, Run
+from app.store.schema import Dataset, Job, JobState, Run
 from app.studio import access, audit
+from app.studio.datasets import shown_name
 from app.studio.errors import StudioError
 from app.studio.queue_cpu import in_claim_order
 
@@ -68,6 +69,10 @@ class JobRow:
     #: the name of the run it works on (None: no run, or the run has no name); only jobs the
     #: reader may see are listed, so it is never another member's run name
     run_name: str | None = None
+    #: a dataset validation's dataset: its file name ("x.json (deleted)" once deleted: no page
+    #: to link to; None when even its row is gone) and whether its page exists
+    dataset_name: str | None = None
+    dataset_page: bool = False
 
 
 def lane_of(kind: str) -> str:
@@ -158,6 +163,10 @@ def list_jobs(engine: Engine, actor: User, limit: int = DASHBOARD_JOBS,
         run_ids = {j.run_id for j in jobs if j.run_id}
         runs = s.exec(select(Run).where(Run.id.in_(run_ids))).all() if run_ids else []
         positions = _positions(s) if any(j.state == JobState.QUEUED for j in jobs) else {}
+        ds_ids = {(j.payload or {}).get("dataset_id") for j in jobs
+                  if j.kind == "validate_dataset"} - {None}
+        validated = {d.id: d for d in s.exec(select(Dataset).where(Dataset.id.in_(ds_ids)))} \
+            if ds_ids else {}
     run_owner = {r.id: r.owner for r in runs}
     run_name = {r.id: r.name for r in runs}
     rows: list[JobRow] = []
@@ -168,11 +177,14 @@ def list_jobs(engine: Engine, actor: User, limit: int = DASHBOARD_JOBS,
             continue
         payload = job.payload or {}
         badge, look, words = outcome(job)
+        ds = validated.get(payload.get("dataset_id"))
         rows.append(JobRow(job.id, job.kind, KIND_LABELS.get(job.kind, job.kind), lane,
                            lane_name(lane, gpu), job.state, positions.get(job.id),
                            job.run_id or payload.get("dataset_id") or payload.get("model_id"),
                            job.run_id, owner, job.created_at, job.error, badge, look, words,
-                           run_name.get(job.run_id)))
+                           run_name.get(job.run_id),
+                           shown_name(ds) if ds is not None else None,
+                           ds is not None and ds.status != repo.DELETED))
     return rows
 
 

@@ -76,7 +76,11 @@ def test_a_dataset_of_ended_runs_is_deleted_and_the_runs_keep_their_record(clien
     for rid in (run_id, queued.id):
         assert client.get(f"/api/runs/{rid}").status_code == 200
         assert "identity_alpaca.json (deleted)" in client.get(f"/runs/{rid}").text
-    assert "identity_alpaca.json (deleted)" in client.get("/").text
+    dash = client.get("/").text
+    assert "identity_alpaca.json (deleted)" in dash
+    # its validation job's row names it, with no link to a page that is gone (trial s27)
+    assert f'href="/datasets/{ds}"' not in dash
+    assert f'<a href="/datasets/{held}">alpaca_en_demo.json</a>' in dash
     # neither can resume, rebuild its held-out set or be cloned with it
     for rid, words in ((run_id, "first trains on dataset"),
                        (val_run, "on-held evaluates on validation_file")):
