@@ -342,3 +342,22 @@ def test_signed_out_pages_hide_the_app_navigation_and_sign_out_is_one_link(clien
     assert page.count(">Sign out<") == 1 and page.count("Sign out") == 2
     assert re.search(r'<button type="submit" class="linklike">Sign out</button>', page)
     assert 'href="/runs/new"' in page
+
+
+def test_a_disabled_members_browser_is_told_why_at_the_sign_in_page(client):
+    """Trial s27: a disabled member's open browser was sent to the sign-in page with no reason;
+    only typing the password again said the account was disabled."""
+    engine = client.app.state.engine
+    admin = accounts.authenticate(engine, "admin", ADMIN_PW)
+    alice = TestClient(client.app, base_url=BASE)
+    sign_in(alice, "alice", "alice-password")
+    alice_id = accounts.authenticate(engine, "alice", "alice-password").id
+    r = alice.get("/runs/new", follow_redirects=False)
+    assert r.status_code == 200
+    accounts.set_disabled(engine, admin, alice_id, True)
+    r = alice.get("/runs/new")  # the redirect to the sign-in page, followed
+    assert r.status_code == 200 and r.url.path == "/login"
+    assert "this account is disabled; ask an admin" in r.text
+    accounts.set_disabled(engine, admin, alice_id, False)
+    page = alice.get("/login").text  # the old session ended at re-enabling: no reason to give
+    assert "this account is disabled" not in page and 'name="password"' in page

@@ -82,6 +82,10 @@ def login_page(request: Request, next: str = "/"):
         return RedirectResponse(_safe_next(next), status_code=303)
     if not accounts.has_users(_engine(request)):
         return render(request, "login.html", {"next": next, "no_users": True})
+    # a browser whose account was disabled is sent here; say why (trial s27)
+    token = auth.session_token(request)
+    if token and accounts.disabled_owner(_engine(request), token):
+        return render(request, "login.html", {"next": next, "error": accounts.DISABLED})
     return render(request, "login.html", {"next": next})
 
 
