@@ -127,7 +127,7 @@ def _for_cells(html: str) -> dict[str, str]:
     """The Jobs table's "For" cell of each train job on the dashboard, by job id."""
     table = html[html.index('id="jobs-table"'):]
     return dict(re.findall(r'<tr data-job="(\d+)" data-kind="train">.*?<td data-label="For" '
-                           r'class="wide">(.*?)</td>', table, re.S))
+                           r'class="wide name-cell">(.*?)</td>', table, re.S))
 
 
 def test_jobs_table_names_the_run_as_the_queue_does(app, client, engine) -> None:
