@@ -380,13 +380,6 @@ def list_runs(engine: Engine, limit: int = 100, after: str | None = None,
         return list(s.exec(q.limit(limit)).all())
 
 
-def runs_training_on(engine: Engine, dataset_id: str) -> list[Run]:
-    """The runs whose training dataset is ``dataset_id``, oldest first."""
-    with session_scope(engine) as s:
-        return list(s.exec(select(Run).where(Run.dataset_id == dataset_id)
-                           .order_by(Run.created_at, Run.id)).all())
-
-
 def run_with_job(engine: Engine, run_id: str) -> tuple[Run, Job | None]:
     """A run and its (training) job. Raises NotFound."""
     with session_scope(engine) as s:

@@ -107,22 +107,22 @@ def in_use_message(engine: Engine, actor: User, ds: Dataset) -> str:
     see (another user's) is counted, never named (its id would answer 404 anyway). Runs that
     ended, and their exports and playground sessions, do not hold a dataset
     (:func:`delete_dataset`)."""
-    runs: dict[str, tuple[Run, str]] = {}
+    runs: dict[str, tuple[Run, str, str]] = {}  # run id -> (run, its job in words, state)
     for run, _, kind, state in repo.active_uses(engine, ds.id):
-        runs.setdefault(run.id, (run, f"{_JOB_WORDS.get(kind, kind + ' job')} {state}"))
+        runs.setdefault(run.id, (run, _JOB_WORDS.get(kind, kind + " job"), state))
     if not runs:  # they ended since the refusal
         return f"{ds.filename} was in use by a run that has ended since: delete it again"
     listed = list(runs.values())
-    seen = [(r, what) for r, what in listed if access.can_see(actor, r.owner)]
+    seen = [(r, job, state) for r, job, state in listed if access.can_see(actor, r.owner)]
     hidden = len(listed) - len(seen)
-    role = "used by" if any(r.dataset_id == ds.id for r, _ in listed) else \
+    role = "used by" if any(r.dataset_id == ds.id for r, _, _ in listed) else \
         "the validation_file of"
     if len(listed) == 1:
         run_words = f"run {seen[0][0].name or seen[0][0].id}" if seen else "another user's run"
-        job, _, state = listed[0][1].rpartition(" ")
+        _, job, state = listed[0]
         return (f"{ds.filename} is {role} {run_words}, whose {job} is {state}: delete it once "
                 "that has ended (or cancel it)")
-    named = [f"{r.name or r.id} ({what})" for r, what in seen]
+    named = [f"{r.name or r.id} ({job} {state})" for r, job, state in seen]
     if hidden:
         named.append(f"{hidden} run{'s' if hidden > 1 else ''} of other users")
     who = ", ".join(named[:-1]) + " and " + named[-1]
