@@ -54,11 +54,11 @@ def clone_run(engine: Engine, actor: User, run_id: str) -> Clone:
         name = name[:MAX_NAME_CHARS - 8].rstrip() + "… (copy)"
     kind = "grpo" if run.kind == "grpo" else "sft"
     deleted = []
-    for field, words in (("dataset", "dataset"), ("validation_file", "validation_file")):
+    for field in ("dataset", "validation_file"):
         ds_id = spec.get(field)
         if ds_id and (gone := deleted_name(engine, ds_id)) is not None:
             spec.pop(field)
-            deleted.append(f"The {words} {gone} that run {run.name or run.id} used was deleted: "
+            deleted.append(f"The {field} {gone} that run {run.name or run.id} used was deleted: "
                            f"pick {'another' if field == 'dataset' else 'another, or none'}.")
     return Clone(run_id=run.id, kind=kind,
                  form_url=f"/runs/new/grpo?clone={run.id}" if kind == "grpo"
